@@ -1,0 +1,306 @@
+//! The heads over the decoder stack, each loadable from and savable to a Hugging Face directory:
+//! [`CausalLm`] (`*ForCausalLM`), [`ValueModel`] (`*ForTokenClassification` with one label, the
+//! critic) and [`RewardModel`] (`*ForSequenceClassification`, score at the last real token).
+
+use std::path::Path;
+
+use tch::nn::VarStore;
+use tch::{Device, Kind, Tensor};
+
+use crate::error::{Error, Result, expect_dims};
+use crate::hf::{self, Checkpoint};
+use crate::model::{Config, KvCache, Linear, Model};
+
+/// The file holding the model's hyper-parameters.
+pub const CONFIG_JSON: &str = "config.json";
+
+fn dtype_name(kind: Kind) -> &'static str {
+    match kind {
+        Kind::BFloat16 => "bfloat16",
+        Kind::Half => "float16",
+        Kind::Double => "float64",
+        _ => "float32",
+    }
+}
+
+fn check_kind(kind: Kind) -> Result<()> {
+    match kind {
+        Kind::Float | Kind::BFloat16 | Kind::Half | Kind::Double => Ok(()),
+        other => Err(Error::invalid("kind", format!("model dtype must be floating point, got {other:?}"))),
+    }
+}
+
+fn cast(vs: &mut VarStore, kind: Kind) {
+    match kind {
+        Kind::BFloat16 => vs.bfloat16(),
+        Kind::Half => vs.half(),
+        Kind::Double => vs.double(),
+        _ => {}
+    }
+}
+
+fn write_config(cfg: &Config, class_suffix: &str, kind: Kind, dir: &Path) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    let mut cfg = cfg.clone();
+    let family = cfg.family()?;
+    cfg.architectures = vec![format!("{}{class_suffix}", family.class_prefix())];
+    cfg.model_type = family.model_type().to_owned();
+    let key = if cfg.extra.contains_key("dtype") { "dtype" } else { "torch_dtype" };
+    cfg.extra.insert(key.to_owned(), dtype_name(kind).into());
+    let path = dir.join(CONFIG_JSON);
+    let text = serde_json::to_string_pretty(&cfg).map_err(|e| Error::format(&path, e.to_string()))?;
+    std::fs::write(&path, text + "\n").map_err(|e| Error::io(&path, e))
+}
+
+fn read_config(dir: &Path) -> Result<Config> {
+    Config::from_file(dir.join(CONFIG_JSON))
+}
+
+/// Builds the stack plus whatever `head` adds under the root, then casts to `kind`.
+fn build<H>(
+    cfg: &Config,
+    device: Device,
+    kind: Kind,
+    head: impl FnOnce(&tch::nn::Path, &Config) -> H,
+) -> Result<(VarStore, Model, H)> {
+    check_kind(kind)?;
+    let mut vs = VarStore::new(device);
+    let model = Model::new(vs.root() / "model", cfg)?;
+    let head = head(&vs.root(), cfg);
+    cast(&mut vs, kind);
+    Ok((vs, model, head))
+}
+
+/// A causal language model (`LlamaForCausalLM` / `Qwen2ForCausalLM`): the stack plus `lm_head`,
+/// tied to `embed_tokens` when `tie_word_embeddings`.
+#[derive(Debug)]
+pub struct CausalLm {
+    vs: VarStore,
+    model: Model,
+    lm_head: Option<Linear>,
+}
+
+impl CausalLm {
+    /// A freshly initialised model (normal(0, `initializer_range`) like transformers; seed with
+    /// `tch::manual_seed` first for a reproducible init).
+    pub fn new(cfg: &Config, device: Device, kind: Kind) -> Result<CausalLm> {
+        let (vs, model, lm_head) = build(cfg, device, kind, |root, cfg| {
+            (!cfg.tie_word_embeddings)
+                .then(|| Linear::new(root / "lm_head", cfg.hidden_size, cfg.vocab_size, false, cfg.initializer_range))
+        })?;
+        Ok(CausalLm { vs, model, lm_head })
+    }
+
+    /// Loads `dir/config.json` and `dir/model.safetensors` (or its sharded index), converting
+    /// the weights to `kind` on `device`. A missing or mis-shaped tensor is an error naming it.
+    pub fn from_pretrained(dir: impl AsRef<Path>, device: Device, kind: Kind) -> Result<CausalLm> {
+        let dir = dir.as_ref();
+        let cfg = read_config(dir)?;
+        let ckpt = Checkpoint::open(dir)?;
+        let lm = CausalLm::new(&cfg, device, kind)?;
+        hf::load_into(&lm.vs, &ckpt, &|_| false)?;
+        Ok(lm)
+    }
+
+    /// Writes `config.json` (architectures `*ForCausalLM`) and `model.safetensors`, loadable by
+    /// transformers' `from_pretrained`.
+    pub fn save_pretrained(&self, dir: impl AsRef<Path>) -> Result<()> {
+        let dir = dir.as_ref();
+        write_config(self.config(), "ForCausalLM", self.kind(), dir)?;
+        hf::save_var_store(&self.vs, dir)
+    }
+
+    /// Logits for every position.
+    ///
+    /// # Shapes
+    /// - `input_ids`: `[batch, seq_len]` i64
+    /// - `attention_mask`: `[batch, past_len + seq_len]` i64, 1 = real token
+    /// - `position_ids`: `[batch, seq_len]` i64
+    /// - returns logits `[batch, seq_len, vocab]` in the model dtype
+    pub fn forward(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+        position_ids: &Tensor,
+        cache: Option<&mut KvCache>,
+    ) -> Result<Tensor> {
+        let hidden = self.model.forward(input_ids, attention_mask, position_ids, cache)?;
+        Ok(self.logits(&hidden))
+    }
+
+    /// Applies `lm_head` to hidden states.
+    ///
+    /// # Shapes
+    /// - `hidden`: `[..., hidden]`; returns `[..., vocab]`
+    pub fn logits(&self, hidden: &Tensor) -> Tensor {
+        match &self.lm_head {
+            Some(head) => head.forward(hidden),
+            None => hidden.linear::<Tensor>(self.model.embed_tokens(), None),
+        }
+    }
+
+    /// The decoder stack.
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+
+    /// The hyper-parameters.
+    pub fn config(&self) -> &Config {
+        self.model.config()
+    }
+
+    /// The weights (for optimisers and checkpoints).
+    pub fn var_store(&self) -> &VarStore {
+        &self.vs
+    }
+
+    /// The weights, mutably (to freeze, cast or move them).
+    pub fn var_store_mut(&mut self) -> &mut VarStore {
+        &mut self.vs
+    }
+
+    /// The device the weights live on.
+    pub fn device(&self) -> Device {
+        self.vs.device()
+    }
+
+    /// The dtype of the weights.
+    pub fn kind(&self) -> Kind {
+        self.model.embed_tokens().kind()
+    }
+}
+
+/// The critic: the stack plus a one-label token-classification `score` (`weight` `[1, hidden]`,
+/// `bias` `[1]`), as verl builds it with `AutoModelForTokenClassification`.
+#[derive(Debug)]
+pub struct ValueModel {
+    vs: VarStore,
+    model: Model,
+    score: Linear,
+    fresh_head: bool,
+}
+
+impl ValueModel {
+    /// A freshly initialised critic.
+    pub fn new(cfg: &Config, device: Device, kind: Kind) -> Result<ValueModel> {
+        let (vs, model, score) = build(cfg, device, kind, |root, cfg| {
+            Linear::new(root / "score", cfg.hidden_size, 1, true, cfg.initializer_range)
+        })?;
+        Ok(ValueModel { vs, model, score, fresh_head: true })
+    }
+
+    /// Loads the stack from `dir`; the value head comes from `score.*` when the checkpoint has it
+    /// (a saved critic) and is initialised fresh otherwise (e.g. from the actor's checkpoint).
+    pub fn from_pretrained(dir: impl AsRef<Path>, device: Device, kind: Kind) -> Result<ValueModel> {
+        let dir = dir.as_ref();
+        let cfg = read_config(dir)?;
+        let ckpt = Checkpoint::open(dir)?;
+        let mut critic = ValueModel::new(&cfg, device, kind)?;
+        let has_head = ckpt.contains("score.weight");
+        let fresh = hf::load_into(&critic.vs, &ckpt, &|name| !has_head && name.starts_with("score."))?;
+        critic.fresh_head = !fresh.is_empty();
+        Ok(critic)
+    }
+
+    /// Whether the value head was initialised fresh rather than loaded.
+    pub fn fresh_head(&self) -> bool {
+        self.fresh_head
+    }
+
+    /// Writes `config.json` (architectures `*ForTokenClassification`, one label) and weights.
+    pub fn save_pretrained(&self, dir: impl AsRef<Path>) -> Result<()> {
+        let dir = dir.as_ref();
+        let mut cfg = self.config().clone();
+        cfg.set_num_labels(1);
+        write_config(&cfg, "ForTokenClassification", self.model.embed_tokens().kind(), dir)?;
+        hf::save_var_store(&self.vs, dir)
+    }
+
+    /// Values for every position.
+    ///
+    /// # Shapes
+    /// - `input_ids`, `attention_mask`, `position_ids`: `[batch, seq_len]` i64
+    /// - returns values `[batch, seq_len]` f32
+    pub fn forward(&self, input_ids: &Tensor, attention_mask: &Tensor, position_ids: &Tensor) -> Result<Tensor> {
+        let hidden = self.model.forward(input_ids, attention_mask, position_ids, None)?;
+        Ok(self.score.forward(&hidden).squeeze_dim(-1).to_kind(Kind::Float))
+    }
+
+    /// The hyper-parameters.
+    pub fn config(&self) -> &Config {
+        self.model.config()
+    }
+
+    /// The weights.
+    pub fn var_store(&self) -> &VarStore {
+        &self.vs
+    }
+
+    /// The weights, mutably.
+    pub fn var_store_mut(&mut self) -> &mut VarStore {
+        &mut self.vs
+    }
+}
+
+/// A reward model (`*ForSequenceClassification`): `score.weight` `[num_labels, hidden]`, no
+/// bias, read at the last real token of each row.
+#[derive(Debug)]
+pub struct RewardModel {
+    vs: VarStore,
+    model: Model,
+    score: Linear,
+}
+
+impl RewardModel {
+    /// A freshly initialised reward model with `cfg.num_labels()` outputs.
+    pub fn new(cfg: &Config, device: Device, kind: Kind) -> Result<RewardModel> {
+        let (vs, model, score) = build(cfg, device, kind, |root, cfg| {
+            Linear::new(root / "score", cfg.hidden_size, cfg.num_labels(), false, cfg.initializer_range)
+        })?;
+        Ok(RewardModel { vs, model, score })
+    }
+
+    /// Loads a Hugging Face `*ForSequenceClassification` checkpoint; `score.weight` is required.
+    pub fn from_pretrained(dir: impl AsRef<Path>, device: Device, kind: Kind) -> Result<RewardModel> {
+        let dir = dir.as_ref();
+        let cfg = read_config(dir)?;
+        let ckpt = Checkpoint::open(dir)?;
+        let rm = RewardModel::new(&cfg, device, kind)?;
+        hf::load_into(&rm.vs, &ckpt, &|_| false)?;
+        Ok(rm)
+    }
+
+    /// Writes `config.json` (architectures `*ForSequenceClassification`) and weights.
+    pub fn save_pretrained(&self, dir: impl AsRef<Path>) -> Result<()> {
+        let dir = dir.as_ref();
+        write_config(self.config(), "ForSequenceClassification", self.model.embed_tokens().kind(), dir)?;
+        hf::save_var_store(&self.vs, dir)
+    }
+
+    /// Scores at the last real token of each row (the last position whose mask is 1).
+    ///
+    /// # Shapes
+    /// - `input_ids`, `attention_mask`, `position_ids`: `[batch, seq_len]` i64
+    /// - returns scores `[batch, num_labels]` f32
+    pub fn forward(&self, input_ids: &Tensor, attention_mask: &Tensor, position_ids: &Tensor) -> Result<Tensor> {
+        let size = expect_dims("attention_mask", attention_mask, &[None, None], "[batch, seq_len]")?;
+        let hidden = self.model.forward(input_ids, attention_mask, position_ids, None)?;
+        let positions = Tensor::arange(size[1], (Kind::Int64, attention_mask.device()));
+        let last = (positions * attention_mask.ne(0).to_kind(Kind::Int64)).argmax(-1, false);
+        let hidden_size = hidden.size()[2];
+        // [batch] -> [batch, 1, hidden] gather index
+        let index = last.view([-1, 1, 1]).expand([size[0], 1, hidden_size], false);
+        let at_last = hidden.gather(1, &index, false).squeeze_dim(1);
+        Ok(self.score.forward(&at_last).to_kind(Kind::Float))
+    }
+
+    /// The hyper-parameters.
+    pub fn config(&self) -> &Config {
+        self.model.config()
+    }
+
+    /// The weights.
+    pub fn var_store(&self) -> &VarStore {
+        &self.vs
+    }
+}

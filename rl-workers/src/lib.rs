@@ -1,0 +1,18 @@
+//! The roles on a device: the Llama/Qwen2 model family in tch, Hugging Face loading and saving,
+//! GGUF import, and the batched rollout engine.
+//!
+//! - [`Config`], [`Model`], [`KvCache`]: the decoder stack (`LlamaModel` / `Qwen2Model`).
+//! - [`CausalLm`], [`ValueModel`], [`RewardModel`]: the heads, each with `from_pretrained` /
+//!   `save_pretrained` over a Hugging Face directory.
+//! - [`generate`] with [`RolloutConfig`]: the batched, KV-cached rollout engine.
+
+mod error;
+mod heads;
+mod hf;
+mod model;
+mod rollout;
+
+pub use error::{Error, Result};
+pub use heads::{CONFIG_JSON, CausalLm, RewardModel, ValueModel};
+pub use model::{Config, Family, KvCache, Model, TokenIds};
+pub use rollout::{GenerateOptions, Progress, RolloutConfig, RolloutOutput, generate};

@@ -1,0 +1,636 @@
+//! The Llama/Qwen2 decoder stack in tch, matching Hugging Face's `LlamaModel` / `Qwen2Model`
+//! (RMSNorm, RoPE with `rope_theta`, grouped-query attention, SwiGLU MLP, Qwen2's q/k/v biases),
+//! with the [`KvCache`] passed in so actor and rollout share one set of weights.
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+use tch::nn::{Init, Path as VarPath};
+use tch::{Device, Kind, Tensor};
+
+use crate::error::{Error, Result, expect_dims, expect_kind};
+
+/// The model families this crate implements, picked from `architectures` / `model_type`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    /// Llama (and SmolLM): optional `attention_bias` on q/k/v/o, optional `mlp_bias`.
+    Llama,
+    /// Qwen2: biases on q/k/v, none on o_proj.
+    Qwen2,
+}
+
+impl Family {
+    /// The Hugging Face class prefix (`"Llama"`, `"Qwen2"`).
+    pub fn class_prefix(self) -> &'static str {
+        match self {
+            Family::Llama => "Llama",
+            Family::Qwen2 => "Qwen2",
+        }
+    }
+
+    /// The Hugging Face `model_type` (`"llama"`, `"qwen2"`).
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Family::Llama => "llama",
+            Family::Qwen2 => "qwen2",
+        }
+    }
+}
+
+const HEADS: [&str; 4] = ["ForCausalLM", "ForSequenceClassification", "ForTokenClassification", "Model"];
+
+/// A token id or a list of them (`eos_token_id` is either in Hugging Face configs).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum TokenIds {
+    /// One id.
+    One(i64),
+    /// Several ids.
+    Many(Vec<i64>),
+}
+
+impl TokenIds {
+    /// The ids as a vector.
+    pub fn to_vec(&self) -> Vec<i64> {
+        match self {
+            TokenIds::One(id) => vec![*id],
+            TokenIds::Many(ids) => ids.clone(),
+        }
+    }
+}
+
+fn default_eps() -> f64 {
+    1e-6
+}
+fn default_theta() -> f64 {
+    10000.0
+}
+fn default_max_pos() -> i64 {
+    2048
+}
+fn default_act() -> String {
+    "silu".to_owned()
+}
+fn default_init_range() -> f64 {
+    0.02
+}
+
+/// The model's hyper-parameters, deserialised from Hugging Face `config.json` with its field
+/// names; keys this crate does not use are kept in `extra` and written back on save.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Config {
+    /// Hugging Face class names, e.g. `["LlamaForCausalLM"]`.
+    #[serde(default)]
+    pub architectures: Vec<String>,
+    /// `"llama"` or `"qwen2"`.
+    #[serde(default)]
+    pub model_type: String,
+    /// Vocabulary size (rows of `embed_tokens`).
+    pub vocab_size: i64,
+    /// Width of the residual stream.
+    pub hidden_size: i64,
+    /// Width of the SwiGLU MLP.
+    pub intermediate_size: i64,
+    /// Number of decoder layers.
+    pub num_hidden_layers: i64,
+    /// Query heads.
+    pub num_attention_heads: i64,
+    /// Key/value heads (grouped-query attention); defaults to `num_attention_heads`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub num_key_value_heads: Option<i64>,
+    /// Per-head width; defaults to `hidden_size / num_attention_heads`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub head_dim: Option<i64>,
+    /// RMSNorm epsilon.
+    #[serde(default = "default_eps")]
+    pub rms_norm_eps: f64,
+    /// RoPE base frequency.
+    #[serde(default = "default_theta")]
+    pub rope_theta: f64,
+    /// RoPE scaling; only `null` / `{"rope_type": "default"}` is supported.
+    #[serde(default)]
+    pub rope_scaling: Option<Value>,
+    /// Longest sequence the model was trained for.
+    #[serde(default = "default_max_pos")]
+    pub max_position_embeddings: i64,
+    /// Whether `lm_head` reuses `embed_tokens.weight`.
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+    /// Llama only: biases on q/k/v/o projections.
+    #[serde(default)]
+    pub attention_bias: bool,
+    /// Llama only: biases on the MLP projections.
+    #[serde(default)]
+    pub mlp_bias: bool,
+    /// Activation of the MLP; only `"silu"` is supported.
+    #[serde(default = "default_act")]
+    pub hidden_act: String,
+    /// Std-dev of the normal init of fresh weights.
+    #[serde(default = "default_init_range")]
+    pub initializer_range: f64,
+    /// Qwen2 only: sliding-window attention (unsupported when true).
+    #[serde(default)]
+    pub use_sliding_window: bool,
+    /// Beginning-of-sequence token.
+    #[serde(default)]
+    pub bos_token_id: Option<i64>,
+    /// End-of-sequence token(s).
+    #[serde(default)]
+    pub eos_token_id: Option<TokenIds>,
+    /// Padding token.
+    #[serde(default)]
+    pub pad_token_id: Option<i64>,
+    /// Every other key of config.json, kept verbatim so a save round-trips.
+    #[serde(flatten)]
+    pub extra: Map<String, Value>,
+}
+
+impl Config {
+    /// Reads and checks `config.json`.
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Config> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let cfg: Config = serde_json::from_str(&text).map_err(|e| Error::format(path, e.to_string()))?;
+        cfg.family_at(path)?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// A tiny random-init Llama config for tests: vocab 128, hidden 32, 2 layers, 4 heads, 2 KV heads.
+    pub fn tiny() -> Config {
+        Config {
+            architectures: vec!["LlamaForCausalLM".to_owned()],
+            model_type: "llama".to_owned(),
+            vocab_size: 128,
+            hidden_size: 32,
+            intermediate_size: 64,
+            num_hidden_layers: 2,
+            num_attention_heads: 4,
+            num_key_value_heads: Some(2),
+            head_dim: None,
+            rms_norm_eps: 1e-6,
+            rope_theta: 10000.0,
+            rope_scaling: None,
+            max_position_embeddings: 256,
+            tie_word_embeddings: false,
+            attention_bias: false,
+            mlp_bias: false,
+            hidden_act: "silu".to_owned(),
+            initializer_range: 0.02,
+            use_sliding_window: false,
+            bos_token_id: Some(1),
+            eos_token_id: Some(TokenIds::One(2)),
+            pad_token_id: Some(0),
+            extra: Map::new(),
+        }
+    }
+
+    /// The family, from `architectures` (or `model_type` when that is absent).
+    pub fn family(&self) -> Result<Family> {
+        self.family_at(Path::new("config.json"))
+    }
+
+    fn family_at(&self, path: &Path) -> Result<Family> {
+        let families = [Family::Llama, Family::Qwen2];
+        let unsupported = || {
+            let supported: Vec<String> = families
+                .iter()
+                .flat_map(|f| HEADS.iter().map(move |h| format!("{}{h}", f.class_prefix())))
+                .collect();
+            let got =
+                if self.architectures.is_empty() { vec![self.model_type.clone()] } else { self.architectures.clone() };
+            Error::UnsupportedArchitecture { path: path.display().to_string(), got, supported: supported.join(", ") }
+        };
+        match self.architectures.first() {
+            Some(arch) => families
+                .into_iter()
+                .find(|f| arch.strip_prefix(f.class_prefix()).is_some_and(|h| HEADS.contains(&h)))
+                .ok_or_else(unsupported),
+            None => families.into_iter().find(|f| f.model_type() == self.model_type).ok_or_else(unsupported),
+        }
+    }
+
+    fn validate(&self) -> Result<()> {
+        let bad = |key: &str, reason: String| Err(Error::Config { key: key.to_owned(), reason });
+        for (key, v) in [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_key_value_heads", self.n_kv_heads()),
+            ("head_dim", self.head_dim()),
+        ] {
+            if v <= 0 {
+                return bad(key, format!("must be positive, got {v}"));
+            }
+        }
+        if self.head_dim.is_none() && self.hidden_size % self.num_attention_heads != 0 {
+            return bad(
+                "num_attention_heads",
+                format!("{} does not divide hidden_size {}", self.num_attention_heads, self.hidden_size),
+            );
+        }
+        if self.num_attention_heads % self.n_kv_heads() != 0 {
+            return bad(
+                "num_key_value_heads",
+                format!("{} does not divide num_attention_heads {}", self.n_kv_heads(), self.num_attention_heads),
+            );
+        }
+        if self.head_dim() % 2 != 0 {
+            return bad("head_dim", format!("RoPE needs an even head_dim, got {}", self.head_dim()));
+        }
+        if self.hidden_act != "silu" {
+            return bad("hidden_act", format!("only \"silu\" is supported, got {:?}", self.hidden_act));
+        }
+        if let Some(scaling) = &self.rope_scaling {
+            let kind = scaling.get("rope_type").or_else(|| scaling.get("type")).and_then(Value::as_str);
+            if !scaling.is_null() && kind != Some("default") {
+                return bad("rope_scaling", format!("only null or rope_type \"default\" is supported, got {scaling}"));
+            }
+        }
+        if self.use_sliding_window {
+            return bad("use_sliding_window", "sliding-window attention is not supported".to_owned());
+        }
+        Ok(())
+    }
+
+    /// Key/value heads.
+    pub fn n_kv_heads(&self) -> i64 {
+        self.num_key_value_heads.unwrap_or(self.num_attention_heads)
+    }
+
+    /// Per-head width.
+    pub fn head_dim(&self) -> i64 {
+        self.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
+    }
+
+    /// `num_labels` as Hugging Face derives it from `id2label` (2 when absent).
+    pub fn num_labels(&self) -> i64 {
+        match self.extra.get("id2label").and_then(Value::as_object) {
+            Some(map) => map.len() as i64,
+            None => self.extra.get("num_labels").and_then(Value::as_i64).unwrap_or(2),
+        }
+    }
+
+    /// Sets `id2label`/`label2id` for `n` labels, as Hugging Face writes them.
+    pub fn set_num_labels(&mut self, n: i64) {
+        let id2label: Map<String, Value> = (0..n).map(|i| (i.to_string(), Value::from(format!("LABEL_{i}")))).collect();
+        let label2id: Map<String, Value> = (0..n).map(|i| (format!("LABEL_{i}"), Value::from(i))).collect();
+        self.extra.insert("id2label".to_owned(), Value::Object(id2label));
+        self.extra.insert("label2id".to_owned(), Value::Object(label2id));
+    }
+
+    fn qkv_bias(&self) -> bool {
+        self.family().map(|f| f == Family::Qwen2).unwrap_or(false) || self.attention_bias
+    }
+
+    fn o_bias(&self) -> bool {
+        self.family().map(|f| f == Family::Llama).unwrap_or(true) && self.attention_bias
+    }
+}
+
+/// A dense projection with Hugging Face's `weight` `[out, in]` and optional `bias` `[out]`.
+#[derive(Debug)]
+pub(crate) struct Linear {
+    pub(crate) weight: Tensor,
+    pub(crate) bias: Option<Tensor>,
+}
+
+impl Linear {
+    pub(crate) fn new(p: VarPath, in_dim: i64, out_dim: i64, bias: bool, std: f64) -> Linear {
+        let weight = p.var("weight", &[out_dim, in_dim], Init::Randn { mean: 0.0, stdev: std });
+        let bias = bias.then(|| p.var("bias", &[out_dim], Init::Const(0.0)));
+        Linear { weight, bias }
+    }
+
+    pub(crate) fn forward(&self, xs: &Tensor) -> Tensor {
+        xs.linear(&self.weight, self.bias.as_ref())
+    }
+}
+
+/// RMSNorm as Hugging Face computes it: in f32, cast back, then scaled by `weight`.
+#[derive(Debug)]
+struct RmsNorm {
+    weight: Tensor,
+    eps: f64,
+}
+
+impl RmsNorm {
+    fn new(p: VarPath, size: i64, eps: f64) -> RmsNorm {
+        RmsNorm { weight: p.var("weight", &[size], Init::Const(1.0)), eps }
+    }
+
+    fn forward(&self, xs: &Tensor) -> Tensor {
+        let kind = xs.kind();
+        let xs = xs.to_kind(Kind::Float);
+        let variance = xs.square().mean_dim(-1, true, Kind::Float);
+        let xs = (xs * (variance + self.eps).rsqrt()).to_kind(kind);
+        &self.weight * xs
+    }
+}
+
+/// SwiGLU MLP: `down_proj(silu(gate_proj(x)) * up_proj(x))`.
+#[derive(Debug)]
+struct Mlp {
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
+}
+
+impl Mlp {
+    fn new(p: VarPath, cfg: &Config) -> Mlp {
+        let (h, i, b, std) = (cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.initializer_range);
+        Mlp {
+            gate_proj: Linear::new(&p / "gate_proj", h, i, b, std),
+            up_proj: Linear::new(&p / "up_proj", h, i, b, std),
+            down_proj: Linear::new(&p / "down_proj", i, h, b, std),
+        }
+    }
+
+    fn forward(&self, xs: &Tensor) -> Tensor {
+        self.down_proj.forward(&(self.gate_proj.forward(xs).silu() * self.up_proj.forward(xs)))
+    }
+}
+
+/// Rotary position embedding tables for one forward.
+struct Rope {
+    /// `[batch, 1, seq_len, head_dim]`
+    cos: Tensor,
+    /// `[batch, 1, seq_len, head_dim]`
+    sin: Tensor,
+}
+
+fn rotate_half(xs: &Tensor) -> Tensor {
+    let half = xs.size()[3] / 2;
+    Tensor::cat(&[-xs.narrow(3, half, half), xs.narrow(3, 0, half)], 3)
+}
+
+impl Rope {
+    fn apply(&self, xs: &Tensor) -> Tensor {
+        xs * &self.cos + rotate_half(xs) * &self.sin
+    }
+}
+
+/// Grouped-query self-attention through `scaled_dot_product_attention`.
+#[derive(Debug)]
+struct Attention {
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    n_heads: i64,
+    n_kv_heads: i64,
+    head_dim: i64,
+}
+
+impl Attention {
+    fn new(p: VarPath, cfg: &Config) -> Attention {
+        let (h, hd, std) = (cfg.hidden_size, cfg.head_dim(), cfg.initializer_range);
+        let (n_heads, n_kv_heads) = (cfg.num_attention_heads, cfg.n_kv_heads());
+        Attention {
+            q_proj: Linear::new(&p / "q_proj", h, n_heads * hd, cfg.qkv_bias(), std),
+            k_proj: Linear::new(&p / "k_proj", h, n_kv_heads * hd, cfg.qkv_bias(), std),
+            v_proj: Linear::new(&p / "v_proj", h, n_kv_heads * hd, cfg.qkv_bias(), std),
+            o_proj: Linear::new(&p / "o_proj", n_heads * hd, h, cfg.o_bias(), std),
+            n_heads,
+            n_kv_heads,
+            head_dim: hd,
+        }
+    }
+
+    /// `mask`: `[batch, 1, seq_len, kv_len]` bool, true = may attend.
+    fn forward(&self, xs: &Tensor, rope: &Rope, mask: &Tensor, cache: Option<(&Tensor, &Tensor, i64)>) -> Tensor {
+        let (b, s, _) = xs.size3().unwrap();
+        let hd = self.head_dim;
+        // [batch, seq_len, n_heads * head_dim] -> [batch, n_heads, seq_len, head_dim]
+        let q = self.q_proj.forward(xs).view([b, s, self.n_heads, hd]).transpose(1, 2);
+        let k = self.k_proj.forward(xs).view([b, s, self.n_kv_heads, hd]).transpose(1, 2);
+        let v = self.v_proj.forward(xs).view([b, s, self.n_kv_heads, hd]).transpose(1, 2);
+        let (q, k) = (rope.apply(&q), rope.apply(&k));
+        let (k, v) = match cache {
+            Some((k_cache, v_cache, past)) => {
+                // write this step's keys/values in place; attend over [0, past + seq_len)
+                k_cache.narrow(2, past, s).copy_(&k);
+                v_cache.narrow(2, past, s).copy_(&v);
+                (k_cache.narrow(2, 0, past + s), v_cache.narrow(2, 0, past + s))
+            }
+            None => (k, v),
+        };
+        let gqa = self.n_kv_heads != self.n_heads;
+        let ys = Tensor::scaled_dot_product_attention(&q, &k, &v, Some(mask), 0.0, false, None, gqa);
+        // [batch, n_heads, seq_len, head_dim] -> [batch, seq_len, n_heads * head_dim]
+        let ys = ys.transpose(1, 2).reshape([b, s, self.n_heads * hd]);
+        self.o_proj.forward(&ys)
+    }
+}
+
+#[derive(Debug)]
+struct DecoderLayer {
+    self_attn: Attention,
+    mlp: Mlp,
+    input_layernorm: RmsNorm,
+    post_attention_layernorm: RmsNorm,
+}
+
+impl DecoderLayer {
+    fn new(p: VarPath, cfg: &Config) -> DecoderLayer {
+        DecoderLayer {
+            self_attn: Attention::new(&p / "self_attn", cfg),
+            mlp: Mlp::new(&p / "mlp", cfg),
+            input_layernorm: RmsNorm::new(&p / "input_layernorm", cfg.hidden_size, cfg.rms_norm_eps),
+            post_attention_layernorm: RmsNorm::new(&p / "post_attention_layernorm", cfg.hidden_size, cfg.rms_norm_eps),
+        }
+    }
+
+    fn forward(&self, xs: &Tensor, rope: &Rope, mask: &Tensor, cache: Option<(&Tensor, &Tensor, i64)>) -> Tensor {
+        let xs = xs + self.self_attn.forward(&self.input_layernorm.forward(xs), rope, mask, cache);
+        &xs + self.mlp.forward(&self.post_attention_layernorm.forward(&xs))
+    }
+}
+
+/// Per-layer keys and values of past tokens, preallocated to a capacity and filled in place, so
+/// a decode step never re-concatenates the whole cache.
+#[derive(Debug)]
+pub struct KvCache {
+    /// Per layer `[batch, n_kv_heads, capacity, head_dim]`.
+    keys: Vec<Tensor>,
+    /// Per layer `[batch, n_kv_heads, capacity, head_dim]`.
+    values: Vec<Tensor>,
+    len: i64,
+}
+
+impl KvCache {
+    /// An empty cache for `batch` rows of up to `capacity` tokens, in the model's dtype and device.
+    pub fn new(cfg: &Config, batch: i64, capacity: i64, kind: Kind, device: Device) -> KvCache {
+        let shape = [batch, cfg.n_kv_heads(), capacity, cfg.head_dim()];
+        let make = || (0..cfg.num_hidden_layers).map(|_| Tensor::zeros(shape, (kind, device))).collect();
+        KvCache { keys: make(), values: make(), len: 0 }
+    }
+
+    /// Tokens held per row (including left padding).
+    pub fn len(&self) -> i64 {
+        self.len
+    }
+
+    /// Whether nothing has been written yet.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Rows of the cache.
+    pub fn batch(&self) -> i64 {
+        self.keys.first().map_or(0, |k| k.size()[0])
+    }
+
+    /// Tokens the cache can hold per row.
+    pub fn capacity(&self) -> i64 {
+        self.keys.first().map_or(0, |k| k.size()[2])
+    }
+
+    /// Keeps only the rows `rows` (in that order; repeats allowed), e.g. to drop finished rows
+    /// or to repeat a prefilled prompt `n` times. Only the filled part is copied.
+    ///
+    /// # Shapes
+    /// - `rows`: `[new_batch]` i64 indices into `0..batch`
+    pub fn select_rows(&mut self, rows: &Tensor) -> Result<()> {
+        expect_dims("rows", rows, &[None], "[new_batch]")?;
+        expect_kind("rows", rows, &[Kind::Int64])?;
+        let batch = self.batch();
+        if rows.numel() > 0 {
+            let (lo, hi) = (rows.min().int64_value(&[]), rows.max().int64_value(&[]));
+            if lo < 0 || hi >= batch {
+                return Err(Error::invalid("rows", format!("indices {lo}..={hi} outside 0..{batch}")));
+            }
+        }
+        let rows = rows.to_device(self.keys.first().map_or(Device::Cpu, Tensor::device));
+        let (n, len) = (rows.size()[0], self.len);
+        for t in self.keys.iter_mut().chain(self.values.iter_mut()) {
+            let mut size = t.size();
+            size[0] = n;
+            // positions past `len` are never read, so they may stay uninitialised
+            let fresh = Tensor::empty(size, (t.kind(), t.device()));
+            fresh.narrow(2, 0, len).copy_(&t.narrow(2, 0, len).index_select(0, &rows));
+            *t = fresh;
+        }
+        Ok(())
+    }
+}
+
+/// The decoder stack (`model.*` weights): embeddings, layers and the final norm.
+#[derive(Debug)]
+pub struct Model {
+    embed_tokens: Tensor,
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    /// `[head_dim / 2]` f32
+    inv_freq: Tensor,
+    cfg: Config,
+}
+
+/// The `[batch, 1, seq_len, kv_len]` boolean mask: causal, keys must be real tokens, and every
+/// query sees at least itself (so padding rows stay finite).
+fn attention_mask_4d(attention_mask: &Tensor, seq_len: i64, past: i64) -> Tensor {
+    let device = attention_mask.device();
+    let kv_len = past + seq_len;
+    let q_pos = Tensor::arange_start(past, kv_len, (Kind::Int64, device)).unsqueeze(1);
+    let k_pos = Tensor::arange(kv_len, (Kind::Int64, device)).unsqueeze(0);
+    let causal = k_pos.le_tensor(&q_pos);
+    let own = k_pos.eq_tensor(&q_pos);
+    let keys = attention_mask.ne(0).unsqueeze(1).unsqueeze(1);
+    causal.unsqueeze(0).unsqueeze(0).logical_and(&keys).logical_or(&own.unsqueeze(0).unsqueeze(0))
+}
+
+impl Model {
+    /// Builds the stack under `p` (normally `root / "model"`), with Hugging Face's normal init.
+    pub fn new(p: VarPath, cfg: &Config) -> Result<Model> {
+        cfg.validate()?;
+        let std = cfg.initializer_range;
+        let embed_tokens =
+            (&p / "embed_tokens").var("weight", &[cfg.vocab_size, cfg.hidden_size], Init::Randn { mean: 0.0, stdev: std });
+        let layers = (0..cfg.num_hidden_layers).map(|i| DecoderLayer::new(&p / "layers" / i, cfg)).collect();
+        let norm = RmsNorm::new(&p / "norm", cfg.hidden_size, cfg.rms_norm_eps);
+        let hd = cfg.head_dim();
+        let exponent = Tensor::arange_start_step(0, hd, 2, (Kind::Int64, p.device())).to_kind(Kind::Float) / hd as f64;
+        let inv_freq = Tensor::pow_scalar(cfg.rope_theta, &exponent).reciprocal();
+        Ok(Model { embed_tokens, layers, norm, inv_freq, cfg: cfg.clone() })
+    }
+
+    /// The config the stack was built from.
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    /// The input embedding matrix `[vocab, hidden]` (also the tied `lm_head`).
+    pub fn embed_tokens(&self) -> &Tensor {
+        &self.embed_tokens
+    }
+
+    fn rope(&self, position_ids: &Tensor, kind: Kind) -> Rope {
+        // [batch, seq_len, 1] * [head_dim / 2] -> [batch, seq_len, head_dim / 2]
+        let freqs = position_ids.to_kind(Kind::Float).unsqueeze(-1) * &self.inv_freq;
+        let emb = Tensor::cat(&[&freqs, &freqs], -1).unsqueeze(1);
+        Rope { cos: emb.cos().to_kind(kind), sin: emb.sin().to_kind(kind) }
+    }
+
+    /// Runs the stack; with a cache, writes this call's keys/values after its `len()` tokens.
+    ///
+    /// # Shapes
+    /// - `input_ids`: `[batch, seq_len]` i64
+    /// - `attention_mask`: `[batch, past_len + seq_len]` i64 or bool, 1 = real token, where
+    ///   `past_len` = `cache.len()` (0 without a cache)
+    /// - `position_ids`: `[batch, seq_len]` i64
+    /// - returns hidden states `[batch, seq_len, hidden]` after the final norm, in the model dtype
+    pub fn forward(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+        position_ids: &Tensor,
+        cache: Option<&mut KvCache>,
+    ) -> Result<Tensor> {
+        let size = expect_dims("input_ids", input_ids, &[None, None], "[batch, seq_len]")?;
+        let (b, s) = (size[0], size[1]);
+        expect_kind("input_ids", input_ids, &[Kind::Int64])?;
+        let past = cache.as_ref().map_or(0, |c| c.len);
+        let mask_doc = "[batch, past_len + seq_len]";
+        expect_dims("attention_mask", attention_mask, &[Some(b), Some(past + s)], mask_doc)?;
+        expect_kind("attention_mask", attention_mask, &[Kind::Int64, Kind::Int, Kind::Bool])?;
+        expect_dims("position_ids", position_ids, &[Some(b), Some(s)], "[batch, seq_len]")?;
+        expect_kind("position_ids", position_ids, &[Kind::Int64])?;
+        if let Some(c) = cache.as_ref() {
+            if c.batch() != b || past + s > c.capacity() || c.keys.len() != self.layers.len() {
+                return Err(Error::invalid(
+                    "cache",
+                    format!(
+                        "cache of {} rows x {} tokens ({} held) cannot take {b} rows x {s} more",
+                        c.batch(),
+                        c.capacity(),
+                        past
+                    ),
+                ));
+            }
+        }
+        if s == 0 {
+            return Err(Error::invalid("input_ids", "seq_len must be at least 1"));
+        }
+        let kind = self.embed_tokens.kind();
+        let mut xs = Tensor::embedding(&self.embed_tokens, input_ids, -1, false, false);
+        let rope = self.rope(position_ids, kind);
+        let mask = attention_mask_4d(attention_mask, s, past);
+        match cache {
+            Some(c) => {
+                for (i, layer) in self.layers.iter().enumerate() {
+                    xs = layer.forward(&xs, &rope, &mask, Some((&c.keys[i], &c.values[i], past)));
+                }
+                c.len += s;
+            }
+            None => {
+                for layer in &self.layers {
+                    xs = layer.forward(&xs, &rope, &mask, None);
+                }
+            }
+        }
+        Ok(self.norm.forward(&xs))
+    }
+}

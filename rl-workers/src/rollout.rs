@@ -1,0 +1,420 @@
+//! The batched rollout engine: KV-cached generation over left-padded prompts with greedy,
+//! temperature, top-k and top-p sampling, `n` samples per prompt, per-row stops, and verl's
+//! output keys (`prompts`, `responses`, `input_ids`, `attention_mask`, `position_ids`,
+//! `response_mask`, `rollout_log_probs`).
+//!
+//! # Reproducibility
+//! Sampling never touches libtorch's global generator. Each output row `r` draws its uniforms
+//! from its own ChaCha8 stream seeded by [`GenerateOptions::seed`] with stream id `r`, and picks
+//! its token by inverse CDF over the processed distribution. So the same model, prompts,
+//! config and seed give the same tokens on the same device and thread count, whatever else
+//! seeds `tch::manual_seed`, and a row's samples do not depend on when other rows finish.
+
+use rand::{RngExt, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde::{Deserialize, Serialize};
+use tch::{Kind, Tensor};
+
+use crate::error::{Error, Result, expect_dims, expect_kind};
+use crate::heads::CausalLm;
+use crate::model::KvCache;
+
+/// Sampling settings of the rollout, with verl's names and defaults
+/// (`actor_rollout_ref.rollout`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RolloutConfig {
+    /// Responses sampled per prompt (rows are repeated interleaved: prompt 0 n times, then 1...); >= 1.
+    pub n: usize,
+    /// Softmax temperature, > 0 when sampling; 0 means greedy.
+    pub temperature: f64,
+    /// Keep only the `top_k` most likely tokens; -1 (or 0) = off.
+    pub top_k: i64,
+    /// Nucleus sampling: keep the smallest set of tokens whose probability reaches `top_p`, in (0, 1].
+    pub top_p: f64,
+    /// Maximum new tokens per response (= `max_new_tokens`); responses are padded to it.
+    pub response_length: i64,
+    /// Sample (true) or decode greedily (false).
+    pub do_sample: bool,
+    /// Base seed of the sampler; see [`RolloutConfig::seed_for`].
+    pub seed: u64,
+}
+
+impl Default for RolloutConfig {
+    fn default() -> Self {
+        RolloutConfig { n: 1, temperature: 1.0, top_k: -1, top_p: 1.0, response_length: 512, do_sample: true, seed: 0 }
+    }
+}
+
+impl RolloutConfig {
+    /// Checks the ranges documented on each field.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |name: &str, reason: String| Err(Error::invalid(name, reason));
+        if self.n == 0 {
+            return bad("n", "must be at least 1".to_owned());
+        }
+        if self.response_length < 1 {
+            return bad("response_length", format!("must be at least 1, got {}", self.response_length));
+        }
+        if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
+            return bad("temperature", format!("must be >= 0, got {}", self.temperature));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return bad("top_p", format!("must be in (0, 1], got {}", self.top_p));
+        }
+        if self.top_k < -1 {
+            return bad("top_k", format!("must be -1 (off) or >= 0, got {}", self.top_k));
+        }
+        Ok(())
+    }
+
+    /// Whether tokens are sampled (false: greedy argmax).
+    pub fn sampling(&self) -> bool {
+        self.do_sample && self.temperature > 0.0
+    }
+
+    /// The seed for the `call`-th generation (e.g. the global step): a splitmix64 mix of `seed`
+    /// and `call`, so successive steps draw different samples and a resumed run the same ones.
+    pub fn seed_for(&self, call: u64) -> u64 {
+        let mut z = self.seed ^ call.wrapping_add(1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+}
+
+/// Where a generation stands, passed to the progress hook after every decode step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Progress {
+    /// Response tokens produced so far per unfinished row (1..=`max_steps`).
+    pub step: i64,
+    /// `response_length`.
+    pub max_steps: i64,
+    /// Rows (prompts x n) in the generation.
+    pub total_rows: i64,
+    /// Rows that have stopped.
+    pub finished_rows: i64,
+    /// Response tokens generated so far, over all rows.
+    pub generated_tokens: i64,
+}
+
+/// Per-call settings that are not user config: stop tokens, padding, the seed and a hook.
+pub struct GenerateOptions<'a> {
+    /// A row stops after producing any of these (kept in the response, masked 1).
+    pub eos_token_ids: Vec<i64>,
+    /// Fills responses after their stop.
+    pub pad_token_id: i64,
+    /// Seed of this call (e.g. `cfg.seed_for(global_step)`).
+    pub seed: u64,
+    /// Called after every decode step (drive a progress bar from it).
+    pub progress: Option<&'a mut dyn FnMut(&Progress)>,
+}
+
+impl std::fmt::Debug for GenerateOptions<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GenerateOptions")
+            .field("eos_token_ids", &self.eos_token_ids)
+            .field("pad_token_id", &self.pad_token_id)
+            .field("seed", &self.seed)
+            .field("progress", &self.progress.is_some())
+            .finish()
+    }
+}
+
+impl GenerateOptions<'_> {
+    /// Stop and pad tokens from the model's config (`eos_token_id`, `pad_token_id`, falling
+    /// back to the first eos id), with seed 0 and no hook.
+    pub fn from_config(cfg: &crate::model::Config) -> GenerateOptions<'static> {
+        let eos_token_ids = cfg.eos_token_id.as_ref().map(|e| e.to_vec()).unwrap_or_default();
+        let pad_token_id = cfg.pad_token_id.or(eos_token_ids.first().copied()).unwrap_or(0);
+        GenerateOptions { eos_token_ids, pad_token_id, seed: 0, progress: None }
+    }
+}
+
+/// The generation, in verl's layout: `batch` = prompts x n rows (interleaved).
+#[derive(Debug)]
+pub struct RolloutOutput {
+    /// `[batch, prompt_len]` i64, the left-padded prompts (repeated n times).
+    pub prompts: Tensor,
+    /// `[batch, response_len]` i64, right-padded with the pad id; `response_len` = `response_length`.
+    pub responses: Tensor,
+    /// `[batch, prompt_len + response_len]` i64: prompts then responses.
+    pub input_ids: Tensor,
+    /// `[batch, prompt_len + response_len]` i64, 1 = real token.
+    pub attention_mask: Tensor,
+    /// `[batch, prompt_len + response_len]` i64; responses continue from the last prompt position.
+    pub position_ids: Tensor,
+    /// `[batch, response_len]` f32, 1.0 = real response token (including the stopping EOS).
+    pub response_mask: Tensor,
+    /// `[batch, response_len]` f32, log-prob of each sampled token under the distribution it
+    /// was drawn from (after temperature, top-k, top-p; the raw softmax when greedy); 0 where masked.
+    pub rollout_log_probs: Tensor,
+}
+
+/// Turns last-position logits into tokens and their log-probs.
+///
+/// # Shapes
+/// - `logits`: `[rows, vocab]` f32
+/// - `uniforms`: `[rows, 1]` f64 in [0, 1) (ignored when greedy)
+/// - returns `(tokens, log_probs)`: `[rows]` i64 and `[rows]` f32
+fn pick(logits: &Tensor, cfg: &RolloutConfig, uniforms: Option<&Tensor>) -> (Tensor, Tensor) {
+    let Some(uniforms) = uniforms.filter(|_| cfg.sampling()) else {
+        let tokens = logits.argmax(-1, true);
+        let log_probs = logits.log_softmax(-1, Kind::Float).gather(1, &tokens, false);
+        return (tokens.squeeze_dim(1), log_probs.squeeze_dim(1));
+    };
+    let vocab = logits.size()[1];
+    let mut logits = logits / cfg.temperature;
+    if cfg.top_k > 0 && cfg.top_k < vocab {
+        let (top, _) = logits.topk(cfg.top_k, -1, true, true);
+        let kth = top.narrow(1, cfg.top_k - 1, 1);
+        logits = logits.masked_fill(&logits.lt_tensor(&kth), f64::NEG_INFINITY);
+    }
+    if cfg.top_p < 1.0 {
+        // as transformers' TopPLogitsWarper: drop the ascending-sorted tokens whose cumulative
+        // probability stays <= 1 - top_p, always keeping the most likely one
+        let (sorted, indices) = logits.sort(-1, false);
+        let cumulative = sorted.softmax(-1, Kind::Float).cumsum(-1, Kind::Float);
+        let remove = cumulative.le(1.0 - cfg.top_p);
+        let _ = remove.narrow(1, vocab - 1, 1).fill_(0);
+        let remove = remove.zeros_like().scatter(1, &indices, &remove);
+        logits = logits.masked_fill(&remove, f64::NEG_INFINITY);
+    }
+    let log_probs = logits.log_softmax(-1, Kind::Float);
+    let cdf = log_probs.exp().to_kind(Kind::Double).cumsum(-1, Kind::Double);
+    let target = uniforms * cdf.narrow(1, vocab - 1, 1);
+    let tokens = target.searchsorted(&cdf, false, true, "right", None::<Tensor>).clamp_max(vocab - 1);
+    let picked = log_probs.gather(1, &tokens, false);
+    (tokens.squeeze_dim(1), picked.squeeze_dim(1))
+}
+
+/// Generates up to `cfg.response_length` tokens for each of `cfg.n` copies of every prompt.
+///
+/// The prompts are prefilled once (copies share it), then decoded step by step against a
+/// preallocated [`KvCache`]; a row stops at any of `opts.eos_token_ids`, and finished rows are
+/// dropped from the compute batch as they accumulate. Runs without gradients.
+///
+/// # Shapes
+/// - `input_ids`: `[prompts, prompt_len]` i64, left-padded
+/// - `attention_mask`: `[prompts, prompt_len]` i64, 1 = real token; the last column must be 1
+/// - `position_ids`: `[prompts, prompt_len]` i64
+/// - returns a [`RolloutOutput`] of `prompts * n` rows
+pub fn generate(
+    lm: &CausalLm,
+    input_ids: &Tensor,
+    attention_mask: &Tensor,
+    position_ids: &Tensor,
+    cfg: &RolloutConfig,
+    opts: &mut GenerateOptions<'_>,
+) -> Result<RolloutOutput> {
+    let size = expect_dims("input_ids", input_ids, &[None, None], "[prompts, prompt_len]")?;
+    let (prompts, prompt_len) = (size[0], size[1]);
+    expect_kind("input_ids", input_ids, &[Kind::Int64])?;
+    expect_dims("attention_mask", attention_mask, &[Some(prompts), Some(prompt_len)], "[prompts, prompt_len]")?;
+    expect_kind("attention_mask", attention_mask, &[Kind::Int64])?;
+    expect_dims("position_ids", position_ids, &[Some(prompts), Some(prompt_len)], "[prompts, prompt_len]")?;
+    expect_kind("position_ids", position_ids, &[Kind::Int64])?;
+    cfg.validate()?;
+    if prompts == 0 || prompt_len == 0 {
+        return Err(Error::invalid("input_ids", format!("needs at least one prompt token, got {size:?}")));
+    }
+    if attention_mask.narrow(1, prompt_len - 1, 1).ne(1).any().int64_value(&[]) != 0 {
+        return Err(Error::invalid("attention_mask", "prompts must be left-padded (last column all 1)"));
+    }
+    tch::no_grad(|| generate_inner(lm, input_ids, attention_mask, position_ids, cfg, opts))
+}
+
+fn generate_inner(
+    lm: &CausalLm,
+    input_ids: &Tensor,
+    attention_mask: &Tensor,
+    position_ids: &Tensor,
+    cfg: &RolloutConfig,
+    opts: &mut GenerateOptions<'_>,
+) -> Result<RolloutOutput> {
+    let device = lm.device();
+    let (prompts, prompt_len) = (input_ids.size()[0], input_ids.size()[1]);
+    let n = cfg.n as i64;
+    let rows = prompts * n;
+    let max_new = cfg.response_length;
+    let (input_ids, attention_mask, position_ids) =
+        (input_ids.to_device(device), attention_mask.to_device(device), position_ids.to_device(device));
+
+    // prefill once per prompt, then repeat the cache rows for the n samples
+    let mut cache = KvCache::new(lm.config(), prompts, prompt_len + max_new, lm.kind(), device);
+    let hidden = lm.model().forward(&input_ids, &attention_mask, &position_ids, Some(&mut cache))?;
+    let mut logits = lm.logits(&hidden.narrow(1, prompt_len - 1, 1).squeeze_dim(1)).to_kind(Kind::Float);
+    let repeat = Tensor::arange(prompts, (Kind::Int64, device)).repeat_interleave_self_int(n, 0, None);
+    let (prompt_ids, prompt_mask, prompt_pos) = if n > 1 {
+        cache.select_rows(&repeat)?;
+        logits = logits.index_select(0, &repeat);
+        (input_ids.index_select(0, &repeat), attention_mask.index_select(0, &repeat), position_ids.index_select(0, &repeat))
+    } else {
+        (input_ids, attention_mask, position_ids)
+    };
+    let last_pos = prompt_pos.narrow(1, prompt_len - 1, 1);
+
+    let mut rngs: Vec<ChaCha8Rng> = (0..rows as u64)
+        .map(|r| {
+            let mut rng = ChaCha8Rng::seed_from_u64(opts.seed);
+            rng.set_stream(r);
+            rng
+        })
+        .collect();
+    let mut tokens_out: Vec<Vec<i64>> = vec![Vec::new(); rows as usize];
+    let mut logps_out: Vec<Vec<f32>> = vec![Vec::new(); rows as usize];
+    // `active[i]` = output row held at compute-batch position i; `done[i]` = it has stopped
+    let mut active: Vec<usize> = (0..rows as usize).collect();
+    let mut done = vec![false; rows as usize];
+    let mut mask = prompt_mask.shallow_clone();
+    let mut next_pos = &last_pos + 1;
+    let mut finished = 0i64;
+    let mut generated = 0i64;
+
+    for step in 0..max_new {
+        let uniforms = cfg.sampling().then(|| {
+            let u: Vec<f64> = active.iter().map(|&r| rngs[r].random::<f64>()).collect();
+            Tensor::from_slice(&u).view([-1, 1]).to_device(device)
+        });
+        let (tokens, log_probs) = pick(&logits, cfg, uniforms.as_ref());
+        let tokens_cpu = Vec::<i64>::try_from(&tokens.to_device(tch::Device::Cpu))?;
+        let logps_cpu = Vec::<f32>::try_from(&log_probs.to_device(tch::Device::Cpu))?;
+        for (i, &r) in active.iter().enumerate() {
+            if done[r] {
+                continue;
+            }
+            tokens_out[r].push(tokens_cpu[i]);
+            logps_out[r].push(logps_cpu[i]);
+            generated += 1;
+            if opts.eos_token_ids.contains(&tokens_cpu[i]) {
+                done[r] = true;
+                finished += 1;
+            }
+        }
+        if let Some(hook) = opts.progress.as_mut() {
+            hook(&Progress {
+                step: step + 1,
+                max_steps: max_new,
+                total_rows: rows,
+                finished_rows: finished,
+                generated_tokens: generated,
+            });
+        }
+        if finished == rows || step + 1 == max_new {
+            break;
+        }
+        // drop finished rows once they are an eighth of the compute batch
+        let stopped = active.iter().filter(|&&r| done[r]).count();
+        let mut tokens = tokens;
+        if stopped > 0 && stopped * 8 >= active.len() {
+            let keep: Vec<i64> = (0..active.len() as i64).filter(|&i| !done[active[i as usize]]).collect();
+            let keep_t = Tensor::from_slice(&keep).to_device(device);
+            cache.select_rows(&keep_t)?;
+            mask = mask.index_select(0, &keep_t);
+            next_pos = next_pos.index_select(0, &keep_t);
+            tokens = tokens.index_select(0, &keep_t);
+            active.retain(|&r| !done[r]);
+        }
+        let a = active.len() as i64;
+        mask = Tensor::cat(&[&mask, &Tensor::ones([a, 1], (Kind::Int64, device))], 1);
+        let hidden = lm.model().forward(&tokens.view([a, 1]), &mask, &next_pos, Some(&mut cache))?;
+        logits = lm.logits(&hidden.squeeze_dim(1)).to_kind(Kind::Float);
+        next_pos += 1;
+    }
+
+    // assemble verl's layout, padded to response_length
+    let width = max_new as usize;
+    let mut responses = vec![opts.pad_token_id; rows as usize * width];
+    let mut response_mask = vec![0f32; rows as usize * width];
+    let mut rollout_log_probs = vec![0f32; rows as usize * width];
+    for r in 0..rows as usize {
+        for (t, (&tok, &lp)) in tokens_out[r].iter().zip(&logps_out[r]).enumerate() {
+            responses[r * width + t] = tok;
+            response_mask[r * width + t] = 1.0;
+            rollout_log_probs[r * width + t] = lp;
+        }
+    }
+    let shape = [rows, max_new];
+    let responses = Tensor::from_slice(&responses).view(shape).to_device(device);
+    let response_mask = Tensor::from_slice(&response_mask).view(shape).to_device(device);
+    let rollout_log_probs = Tensor::from_slice(&rollout_log_probs).view(shape).to_device(device);
+    let delta = Tensor::arange_start(1, max_new + 1, (Kind::Int64, device)).unsqueeze(0);
+    Ok(RolloutOutput {
+        input_ids: Tensor::cat(&[&prompt_ids, &responses], 1),
+        attention_mask: Tensor::cat(&[&prompt_mask, &response_mask.to_kind(Kind::Int64)], 1),
+        position_ids: Tensor::cat(&[&prompt_pos, &(&last_pos + delta)], 1),
+        prompts: prompt_ids,
+        responses,
+        response_mask,
+        rollout_log_probs,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn uniform(rows: i64, u: f64) -> Tensor {
+        Tensor::full([rows, 1], u, (Kind::Double, tch::Device::Cpu))
+    }
+
+    #[test]
+    fn config_defaults_are_verl_and_unknown_keys_fail() {
+        let cfg: RolloutConfig = serde_json::from_str("{}").unwrap();
+        assert_eq!(cfg, RolloutConfig::default());
+        assert_eq!((cfg.n, cfg.top_k, cfg.top_p, cfg.temperature, cfg.do_sample), (1, -1, 1.0, 1.0, true));
+        let err = serde_json::from_str::<RolloutConfig>(r#"{"topk": 3}"#).unwrap_err().to_string();
+        assert!(err.contains("topk"), "{err}");
+        let bad = RolloutConfig { top_p: 0.0, ..RolloutConfig::default() };
+        assert!(bad.validate().unwrap_err().to_string().contains("top_p"));
+        assert_ne!(cfg.seed_for(0), cfg.seed_for(1));
+    }
+
+    #[test]
+    fn greedy_picks_argmax_with_raw_log_prob() {
+        let logits = Tensor::from_slice(&[0.0f32, 2.0, 1.0, 5.0, 0.0, 0.0]).view([2, 3]);
+        let cfg = RolloutConfig { do_sample: false, ..RolloutConfig::default() };
+        let (tokens, lp) = pick(&logits, &cfg, None);
+        assert_eq!(Vec::<i64>::try_from(&tokens).unwrap(), vec![1, 0]);
+        let want = logits.log_softmax(-1, Kind::Float);
+        assert!((lp.double_value(&[0]) - want.double_value(&[0, 1])).abs() < 1e-6);
+    }
+
+    #[test]
+    fn top_k_one_is_greedy_with_log_prob_zero() {
+        let logits = Tensor::from_slice(&[0.3f32, 2.0, 1.0, -1.0]).view([1, 4]);
+        let cfg = RolloutConfig { top_k: 1, ..RolloutConfig::default() };
+        for u in [0.0, 0.5, 0.999] {
+            let (tokens, lp) = pick(&logits, &cfg, Some(&uniform(1, u)));
+            assert_eq!(tokens.int64_value(&[0]), 1);
+            assert!(lp.double_value(&[0]).abs() < 1e-6);
+        }
+    }
+
+    #[test]
+    fn top_p_keeps_the_nucleus_and_renormalises() {
+        // probs 0.5, 0.3, 0.2: top_p 0.6 keeps {0, 1}
+        let probs = Tensor::from_slice(&[0.5f32, 0.3, 0.2]).view([1, 3]);
+        let cfg = RolloutConfig { top_p: 0.6, ..RolloutConfig::default() };
+        let mut seen = [false; 3];
+        for i in 0..50 {
+            let (t, lp) = pick(&probs.log(), &cfg, Some(&uniform(1, i as f64 / 50.0)));
+            let t = t.int64_value(&[0]) as usize;
+            seen[t] = true;
+            let want = [0.625f64, 0.375][t].ln();
+            assert!((lp.double_value(&[0]) - want).abs() < 1e-5, "token {t}");
+        }
+        assert_eq!(seen, [true, true, false]);
+    }
+
+    #[test]
+    fn inverse_cdf_follows_the_temperature_scaled_distribution() {
+        let logits = Tensor::from_slice(&[0.0f32, 1.0]).view([1, 2]);
+        let cfg = RolloutConfig { temperature: 0.5, ..RolloutConfig::default() };
+        // p(1) = e^2 / (1 + e^2) = 0.8808: u below 1 - 0.8808 picks token 0
+        let (t0, _) = pick(&logits, &cfg, Some(&uniform(1, 0.11)));
+        let (t1, lp1) = pick(&logits, &cfg, Some(&uniform(1, 0.12)));
+        assert_eq!((t0.int64_value(&[0]), t1.int64_value(&[0])), (0, 1));
+        assert!((lp1.double_value(&[0]) - 0.880_797f64.ln()).abs() < 1e-5);
+    }
+}
