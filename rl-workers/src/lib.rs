@@ -4,9 +4,11 @@
 //! - [`Config`], [`Model`], [`KvCache`]: the decoder stack (`LlamaModel` / `Qwen2Model`).
 //! - [`CausalLm`], [`ValueModel`], [`RewardModel`]: the heads, each with `from_pretrained` /
 //!   `save_pretrained` over a Hugging Face directory.
+//! - [`gguf::import`]: a llama.cpp GGUF file to a Hugging Face directory.
 //! - [`generate`] with [`RolloutConfig`]: the batched, KV-cached rollout engine.
 
 mod error;
+pub mod gguf;
 mod heads;
 mod hf;
 mod model;
