@@ -1,0 +1,68 @@
+//! Question answering exact match: verl's `search_r1_like_qa_em.py` (SQuAD normalisation).
+
+use std::sync::LazyLock;
+
+use regex::Regex;
+
+use super::RewardOutput;
+
+static ARTICLES: LazyLock<Regex> =
+    LazyLock::new(|| Regex::new(r"\b(a|an|the)\b").expect("static regex"));
+static ANSWER: LazyLock<Regex> =
+    LazyLock::new(|| Regex::new(r"(?s)<answer>(.*?)</answer>").expect("static regex"));
+
+/// SQuAD's `normalize_answer`: lower case, drop ASCII punctuation, drop articles, squeeze spaces.
+pub fn normalize_answer(s: &str) -> String {
+    let lower = s.to_lowercase();
+    let no_punc: String = lower
+        .chars()
+        .filter(|c| !c.is_ascii_punctuation())
+        .collect();
+    let no_articles = ARTICLES.replace_all(&no_punc, " ");
+    no_articles.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+/// Does `prediction` equal one of `golden` after normalisation?
+pub fn em_check(prediction: &str, golden: &[String]) -> bool {
+    let p = normalize_answer(prediction);
+    golden.iter().any(|g| normalize_answer(g) == p)
+}
+
+/// The last `<answer>...</answer>`, stripped.
+pub fn extract_solution(solution: &str) -> Option<String> {
+    ANSWER
+        .captures_iter(solution)
+        .last()
+        .map(|c| c[1].trim().to_string())
+}
+
+/// verl's `search_r1_like_qa_em.compute_score`: `score` on an exact match (a quarter of it
+/// when the response has more than 10 answer tags), `format_score` on a miss, 0 without an
+/// answer.
+pub fn compute_score(
+    solution: &str,
+    golden: &[String],
+    format_score: f64,
+    score: f64,
+) -> RewardOutput {
+    let answer = extract_solution(solution);
+    let open = solution.matches("<answer>").count();
+    let close = solution.matches("</answer>").count();
+    let value = match &answer {
+        None => 0.0,
+        Some(a) if em_check(a, golden) => {
+            if open > 10 || close > 10 {
+                score / 4.0
+            } else {
+                score
+            }
+        }
+        Some(_) => format_score,
+    };
+    RewardOutput::new(value)
+        .with(
+            "acc",
+            answer.as_deref().is_some_and(|a| em_check(a, golden)),
+        )
+        .with("pred", answer)
+}

@@ -1,0 +1,236 @@
+//! Tests for the rule rewards: the verl parity table and the tasks' own rewards.
+
+use serde::Deserialize;
+
+use super::*;
+use crate::test_support::fixture;
+
+#[derive(Deserialize)]
+struct Table {
+    rows: Vec<Row>,
+}
+
+#[derive(Deserialize)]
+struct Row {
+    #[serde(rename = "fn")]
+    func: String,
+    response: String,
+    ground_truth: Value,
+    score: f64,
+    pred: Option<String>,
+}
+
+#[test]
+fn verl_parity_table() {
+    let table: Table = serde_json::from_str(
+        &std::fs::read_to_string(fixture("reward_parity/table.json")).unwrap(),
+    )
+    .unwrap();
+    assert!(
+        table
+            .rows
+            .iter()
+            .filter(|r| r.func.starts_with("gsm8k") || r.func.starts_with("math"))
+            .count()
+            >= 50
+    );
+    let mut failures = Vec::new();
+    for row in &table.rows {
+        let gt = row.ground_truth.as_str().unwrap_or_default();
+        let out = match row.func.as_str() {
+            "gsm8k_strict" => {
+                gsm8k::compute_score(&row.response, gt, Gsm8kMethod::Strict, 0.0, 1.0)
+            }
+            "gsm8k_flexible" => {
+                gsm8k::compute_score(&row.response, gt, Gsm8kMethod::Flexible, 0.0, 1.0)
+            }
+            "gsm8k_strict_format0.1" => {
+                gsm8k::compute_score(&row.response, gt, Gsm8kMethod::Strict, 0.1, 1.0)
+            }
+            "math" => math::compute_score(&row.response, gt),
+            "math_dapo" => math::compute_score_dapo(&row.response, gt, false),
+            "qa_em" => qa_em::compute_score(
+                &row.response,
+                &qa_targets(&row.ground_truth).unwrap(),
+                0.0,
+                1.0,
+            ),
+            other => panic!("unknown fn {other}"),
+        };
+        let pred_ok =
+            row.pred.is_none() || out.extra.get("pred") == Some(&serde_json::json!(row.pred));
+        if out.score != row.score || !pred_ok {
+            failures.push(format!(
+                "{} {:?} gt={}: verl {} {:?}, ours {} {:?}",
+                row.func,
+                row.response,
+                row.ground_truth,
+                row.score,
+                row.pred,
+                out.score,
+                out.extra.get("pred")
+            ));
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} mismatches:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
+#[test]
+fn countdown_scores_like_tinyzero() {
+    let numbers = [3, 5, 7];
+    let score = |r: &str| countdown::compute_score(r, 22.0, &numbers, 0.1, 1.0).score;
+    assert_eq!(score("<answer>3 * 5 + 7</answer>"), 1.0);
+    assert_eq!(
+        score("<think>hmm</think>\n<answer> (7 + 5) * 3 - 14 </answer>"),
+        0.1
+    ); // wrong numbers
+    assert_eq!(score("<answer>3 + 5 + 7</answer>"), 0.1); // wrong value
+    assert_eq!(score("<answer>3 * 5 + 7 = 22</answer>"), 0.1); // `=` is not allowed
+    assert_eq!(score("3 * 5 + 7"), 0.0); // no tags
+    assert_eq!(score("<answer>1</answer> then <answer>3*5+7</answer>"), 1.0); // last one counts
+    assert_eq!(score("Assistant: <answer>3*5+7</answer>"), 1.0);
+    assert_eq!(
+        countdown::compute_score(
+            "<answer>7 / (5 - 3) * 2</answer>",
+            7.0,
+            &[7, 5, 3, 2],
+            0.1,
+            1.0
+        )
+        .score,
+        1.0
+    );
+    assert_eq!(countdown::evaluate_equation("7 / (5 - 5)"), None);
+    assert_eq!(countdown::evaluate_equation("-2**2"), Some(-4.0));
+    assert_eq!(countdown::evaluate_equation("2**3**2"), Some(512.0));
+    assert_eq!(countdown::evaluate_equation("7 // 2"), Some(3.0));
+    assert_eq!(countdown::evaluate_equation("(1 + 2"), None);
+    assert_eq!(countdown::evaluate_equation("01 + 2"), None);
+    assert_eq!(countdown::evaluate_equation("1.5 * 2"), Some(3.0));
+    assert_eq!(countdown::evaluate_equation("abs(3)"), None);
+}
+
+#[test]
+fn arithmetic_uses_the_last_number() {
+    assert_eq!(arithmetic::compute_score("12 + 30 = 42", "42").score, 1.0);
+    assert_eq!(
+        arithmetic::compute_score("The result is -1,234.", "-1234").score,
+        1.0
+    );
+    assert_eq!(arithmetic::compute_score("42.0", "42").score, 1.0);
+    assert_eq!(arithmetic::compute_score("42 or 43", "42").score, 0.0);
+    assert_eq!(arithmetic::compute_score("no number", "42").score, 0.0);
+}
+
+#[test]
+fn registry_dispatches_like_default_compute_score() {
+    let r = RewardRegistry::verl_default();
+    let gt = Value::from("72");
+    assert_eq!(
+        r.score("openai/gsm8k", "#### 72", &gt, &Value::Null)
+            .unwrap()
+            .score,
+        1.0
+    );
+    assert_eq!(
+        r.score("lighteval/MATH", "\\boxed{72}", &gt, &Value::Null)
+            .unwrap()
+            .score,
+        1.0
+    );
+    // `math` and `aime*` go to math_dapo, which scores -1 when wrong.
+    assert_eq!(
+        r.score("math", "Answer: 71", &gt, &Value::Null)
+            .unwrap()
+            .score,
+        -1.0
+    );
+    assert_eq!(
+        r.score("aime2024", "Answer: 72", &gt, &Value::Null)
+            .unwrap()
+            .score,
+        1.0
+    );
+    let qa = serde_json::json!({"target": ["Paris"]});
+    assert_eq!(
+        r.score("searchR1_nq", "<answer>paris</answer>", &qa, &Value::Null)
+            .unwrap()
+            .score,
+        1.0
+    );
+    let cd = serde_json::json!({"target": 22, "numbers": [3, 5, 7]});
+    assert_eq!(
+        r.score("countdown", "<answer>3*5+7</answer>", &cd, &Value::Null)
+            .unwrap()
+            .score,
+        1.0
+    );
+    let e = r
+        .score("nope", "", &gt, &Value::Null)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("`nope`") && e.contains("openai/gsm8k"), "{e}");
+    let e = r
+        .score("countdown", "", &gt, &Value::Null)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("countdown") && e.contains("72"), "{e}");
+}
+
+#[test]
+fn config_maps_sources_to_builtin_and_custom_functions() {
+    let mut r = RewardRegistry::verl_default();
+    r.register_function(
+        "length_penalty",
+        Arc::new(|resp: &str, _: &Value, _: &Value| {
+            Ok(RewardOutput::new(-(resp.len() as f64)).with("len", resp.len()))
+        }),
+    );
+    let cfg: RewardConfig = toml::from_str(
+        r#"
+        [sources."my/gsm8k"]
+        name = "gsm8k"
+        method = "flexible"
+        format_score = 0.1
+        [sources.short]
+        name = "custom"
+        function = "length_penalty"
+        "#,
+    )
+    .unwrap();
+    r.apply_config(&cfg).unwrap();
+    let gt = Value::from("72");
+    assert_eq!(
+        r.score("my/gsm8k", "it is 72", &gt, &Value::Null)
+            .unwrap()
+            .score,
+        1.0
+    );
+    assert_eq!(
+        r.score("my/gsm8k", "it is 71", &gt, &Value::Null)
+            .unwrap()
+            .score,
+        0.1
+    );
+    let out = r.score("short", "abc", &gt, &Value::Null).unwrap();
+    assert_eq!(out.score, -3.0);
+    assert_eq!(out.extra["len"], Value::from(3));
+    let bad: RewardConfig =
+        toml::from_str("[sources.x]\nname = \"custom\"\nfunction = \"missing\"").unwrap();
+    let e = r.apply_config(&bad).unwrap_err().to_string();
+    assert!(e.contains("missing") && e.contains("length_penalty"), "{e}");
+    assert!(toml::from_str::<RewardConfig>("[sources.x]\nname = \"gsm9k\"").is_err());
+}
+
+#[test]
+fn python_tail_counts_characters() {
+    assert_eq!(python_tail("héllo", 3), "llo");
+    assert_eq!(python_tail("東京🚀", 2), "京🚀");
+    assert_eq!(python_tail("ab", 5), "ab");
+    assert_eq!(python_tail("ab", 0), "");
+}

@@ -1,0 +1,530 @@
+//! SFT (prompt + response, or multi-turn messages) and preference (prompt, chosen, rejected)
+//! datasets, tokenised with the chat template and right-padded like verl's SFT datasets.
+//!
+//! `loss_mask` marks the tokens the model is trained to predict: every token of an assistant
+//! turn's content and its end-of-turn marker, never the template's `<|im_start|>assistant\n`
+//! header, system or user turns, or padding. A trainer applies it to labels `input_ids[:, 1:]`
+//! as `loss_mask[:, 1:]`, which is what verl's SFT trainer does. (verl's single-turn
+//! `SFTDataset` shifts its mask by one token and drops the final eos; we use the multi-turn
+//! dataset's convention for both.)
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use arrow::array::RecordBatch;
+use tch::Tensor;
+
+use crate::config::{PreferenceDataConfig, SftDataConfig, Truncation};
+use crate::error::{Error, Result};
+use crate::parquet_io::{messages_at, read_columns, string_at};
+use crate::tokenizer::{Message, Tokenizer};
+
+/// The columns of one parquet file held in memory (projected) with their file.
+#[derive(Debug)]
+struct Table {
+    path: Arc<Path>,
+    batches: Vec<RecordBatch>,
+    /// (batch, row in batch) for every row of every file, in order.
+    rows: Vec<(u32, u32)>,
+}
+
+/// Reads `columns` of each file (at most `cap` rows in total).
+fn read_tables(files: &[PathBuf], columns: &[&str], cap: Option<usize>) -> Result<Vec<Table>> {
+    let cap = cap.unwrap_or(usize::MAX);
+    let mut total = 0;
+    let mut out = Vec::new();
+    for path in files {
+        let (_, reader) = read_columns(path, columns)?;
+        let mut t = Table {
+            path: Arc::from(path.as_path()),
+            batches: Vec::new(),
+            rows: Vec::new(),
+        };
+        let mut rows_in_file = 0;
+        for b in reader {
+            let b = b?;
+            rows_in_file += b.num_rows();
+            let take = b.num_rows().min(cap - total);
+            let bi = t.batches.len() as u32;
+            t.rows.extend((0..take as u32).map(|r| (bi, r)));
+            total += take;
+            t.batches.push(b);
+            if total >= cap {
+                break;
+            }
+        }
+        if rows_in_file == 0 {
+            return Err(Error::EmptyFile { path: path.clone() });
+        }
+        out.push(t);
+        if total >= cap {
+            break;
+        }
+    }
+    Ok(out)
+}
+
+/// Finds global row `i` across tables: (table, batch, row in batch, row in file).
+fn locate(tables: &[Table], mut i: usize) -> Option<(&Table, &RecordBatch, usize, usize)> {
+    for t in tables {
+        if i < t.rows.len() {
+            let (b, r) = t.rows[i];
+            return Some((t, &t.batches[b as usize], r as usize, i));
+        }
+        i -= t.rows.len();
+    }
+    None
+}
+
+fn bad_value(t: &Table, row: usize, column: &str, expected: &str, got: String) -> Error {
+    Error::ColumnType {
+        path: t.path.to_path_buf(),
+        row,
+        column: column.into(),
+        expected: expected.into(),
+        got,
+    }
+}
+
+/// One tokenised SFT example.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SftExample {
+    /// Token ids (truncated to `max_length`).
+    pub input_ids: Vec<u32>,
+    /// 1 where the token is a trained assistant token.
+    pub loss_mask: Vec<u8>,
+}
+
+/// Renders a conversation and marks assistant content: each message's text is the difference
+/// between renders of growing prefixes, so any prefix-preserving template works.
+pub fn tokenize_conversation(tok: &Tokenizer, messages: &[Message]) -> Result<SftExample> {
+    let tmpl = tok.chat_template().ok_or(Error::NoChatTemplate)?;
+    let mut ids = Vec::new();
+    let mut mask = Vec::new();
+    let mut prev = String::new();
+    let push = |text: &str, trained: bool, ids: &mut Vec<u32>, mask: &mut Vec<u8>| -> Result<()> {
+        if text.is_empty() {
+            return Ok(());
+        }
+        let t = tok.encode(text, false)?;
+        mask.extend(std::iter::repeat_n(u8::from(trained), t.len()));
+        ids.extend(t);
+        Ok(())
+    };
+    let not_prefix = || {
+        Error::ChatTemplate(
+            "the chat template is not prefix-preserving (rendering more messages changed earlier \
+             text), so assistant tokens cannot be located"
+                .into(),
+        )
+    };
+    for i in 0..messages.len() {
+        let upto = &messages[..=i];
+        let full = tmpl.render(upto, false)?;
+        if messages[i].role == "assistant" {
+            let header_end = tmpl.render(&messages[..i], true)?;
+            let header = header_end
+                .strip_prefix(prev.as_str())
+                .ok_or_else(not_prefix)?;
+            let body = full
+                .strip_prefix(header_end.as_str())
+                .ok_or_else(not_prefix)?;
+            push(header, false, &mut ids, &mut mask)?;
+            push(body, true, &mut ids, &mut mask)?;
+        } else {
+            let delta = full.strip_prefix(prev.as_str()).ok_or_else(not_prefix)?;
+            push(delta, false, &mut ids, &mut mask)?;
+        }
+        prev = full;
+    }
+    Ok(SftExample {
+        input_ids: ids,
+        loss_mask: mask,
+    })
+}
+
+/// Single-turn SFT as verl's `SFTDataset`: the prompt rendered with the generation prompt,
+/// then `response + eos_token`, tokenised separately and concatenated.
+pub fn tokenize_prompt_response(
+    tok: &Tokenizer,
+    prompt: &[Message],
+    response: &str,
+) -> Result<SftExample> {
+    let p = tok.apply_chat_template(prompt, true)?;
+    let eos = tok.special_tokens().eos.clone().unwrap_or_default();
+    let p_ids = tok.encode(&p, false)?;
+    let r_ids = tok.encode(&format!("{response}{eos}"), false)?;
+    let mut loss_mask = vec![0u8; p_ids.len()];
+    loss_mask.extend(std::iter::repeat_n(1u8, r_ids.len()));
+    let mut input_ids = p_ids;
+    input_ids.extend(r_ids);
+    Ok(SftExample {
+        input_ids,
+        loss_mask,
+    })
+}
+
+/// Applies SFT truncation to `max_length` (`middle` counts as `right`).
+fn truncate(
+    ex: SftExample,
+    max_length: usize,
+    truncation: Truncation,
+    err: impl FnOnce(usize) -> Error,
+) -> Result<SftExample> {
+    let n = ex.input_ids.len();
+    if n <= max_length {
+        return Ok(ex);
+    }
+    match truncation {
+        Truncation::Error => Err(err(n)),
+        Truncation::Left => Ok(SftExample {
+            input_ids: ex.input_ids[n - max_length..].to_vec(),
+            loss_mask: ex.loss_mask[n - max_length..].to_vec(),
+        }),
+        Truncation::Right | Truncation::Middle => Ok(SftExample {
+            input_ids: ex.input_ids[..max_length].to_vec(),
+            loss_mask: ex.loss_mask[..max_length].to_vec(),
+        }),
+    }
+}
+
+/// A right-padded batch of sequences with a loss mask.
+#[derive(Debug)]
+pub struct SftBatch {
+    /// `[batch, seq_len]` i64, right-padded with the pad id.
+    pub input_ids: Tensor,
+    /// `[batch, seq_len]` i64, 1 = real token.
+    pub attention_mask: Tensor,
+    /// `[batch, seq_len]` i64, `clip(cumsum(mask) - 1, 0)`.
+    pub position_ids: Tensor,
+    /// `[batch, seq_len]` i64, 1 = trained token.
+    pub loss_mask: Tensor,
+}
+
+/// Right-pads examples to `pad_to` (or the longest).
+///
+/// # Shapes
+/// - `examples`: `batch` sequences of at most `seq_len` tokens
+/// - returns [`SftBatch`] tensors: `[batch, seq_len]` i64 each
+pub fn collate_right_padded(
+    examples: &[SftExample],
+    pad_id: u32,
+    pad_to: Option<usize>,
+) -> Result<SftBatch> {
+    let longest = examples
+        .iter()
+        .map(|e| e.input_ids.len())
+        .max()
+        .unwrap_or(0);
+    let seq_len = pad_to.unwrap_or(longest);
+    if longest > seq_len {
+        return Err(Error::Config {
+            key: "max_length".into(),
+            message: format!("a sequence of {longest} tokens does not fit in {seq_len}"),
+        });
+    }
+    let b = examples.len();
+    let mut ids = vec![i64::from(pad_id); b * seq_len];
+    let mut att = vec![0i64; b * seq_len];
+    let mut pos = vec![0i64; b * seq_len];
+    let mut loss = vec![0i64; b * seq_len];
+    for (i, e) in examples.iter().enumerate() {
+        if e.loss_mask.len() != e.input_ids.len() {
+            return Err(Error::Config {
+                key: "loss_mask".into(),
+                message: format!(
+                    "example {i}: {} ids but {} mask entries",
+                    e.input_ids.len(),
+                    e.loss_mask.len()
+                ),
+            });
+        }
+        for (j, (&t, &m)) in e.input_ids.iter().zip(&e.loss_mask).enumerate() {
+            let k = i * seq_len + j;
+            ids[k] = i64::from(t);
+            att[k] = 1;
+            pos[k] = j as i64;
+            loss[k] = i64::from(m);
+        }
+        // Padding positions repeat the last real position, as clip(cumsum - 1) gives.
+        let last = e.input_ids.len().saturating_sub(1) as i64;
+        for j in e.input_ids.len()..seq_len {
+            pos[i * seq_len + j] = last;
+        }
+    }
+    let shape = [b as i64, seq_len as i64];
+    Ok(SftBatch {
+        input_ids: Tensor::from_slice(&ids).view(shape),
+        attention_mask: Tensor::from_slice(&att).view(shape),
+        position_ids: Tensor::from_slice(&pos).view(shape),
+        loss_mask: Tensor::from_slice(&loss).view(shape),
+    })
+}
+
+/// verl's SFT datasets: single-turn (`prompt_key` + `response_key`) or multi-turn
+/// (`multiturn.messages_key`).
+#[derive(Debug)]
+pub struct SftDataset {
+    tables: Vec<Table>,
+    cfg: SftDataConfig,
+    len: usize,
+}
+
+impl SftDataset {
+    /// Reads `files` with `cfg`'s columns; a missing column or empty file names the file.
+    pub fn open(files: &[PathBuf], cfg: &SftDataConfig) -> Result<Self> {
+        let cols: Vec<&str> = if cfg.multiturn.enable {
+            vec![cfg.multiturn.messages_key.as_str()]
+        } else {
+            vec![cfg.prompt_key.as_str(), cfg.response_key.as_str()]
+        };
+        let tables = read_tables(files, &cols, usize::try_from(cfg.train_max_samples).ok())?;
+        let len = tables.iter().map(|t| t.rows.len()).sum();
+        Ok(Self {
+            tables,
+            cfg: cfg.clone(),
+            len,
+        })
+    }
+
+    /// Number of examples.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The messages of example `i` (single-turn: the prompt then an assistant response).
+    pub fn messages(&self, i: usize) -> Result<Vec<Message>> {
+        let (t, b, r, row) = locate(&self.tables, i).ok_or_else(|| Error::Config {
+            key: "index".into(),
+            message: format!("row {i} out of range"),
+        })?;
+        if self.cfg.multiturn.enable {
+            let key = &self.cfg.multiturn.messages_key;
+            let col = b
+                .column_by_name(key)
+                .ok_or_else(|| bad_value(t, row, key, "a column", "nothing".into()))?;
+            return messages_at(col.as_ref(), r)
+                .map_err(|got| bad_value(t, row, key, "list<struct<role, content>>", got));
+        }
+        let (pk, rk) = (&self.cfg.prompt_key, &self.cfg.response_key);
+        let pcol = b
+            .column_by_name(pk)
+            .ok_or_else(|| bad_value(t, row, pk, "a column", "nothing".into()))?;
+        let rcol = b
+            .column_by_name(rk)
+            .ok_or_else(|| bad_value(t, row, rk, "a column", "nothing".into()))?;
+        let mut msgs = messages_at(pcol.as_ref(), r)
+            .map_err(|got| bad_value(t, row, pk, "string or messages", got))?;
+        let response = string_at(rcol.as_ref(), r)
+            .map_err(|got| bad_value(t, row, rk, "string", got))?
+            .ok_or_else(|| bad_value(t, row, rk, "string", "null".into()))?;
+        msgs.push(Message::assistant(response));
+        Ok(msgs)
+    }
+
+    /// Tokenises example `i` under `max_length` and `truncation`.
+    pub fn example(&self, i: usize, tok: &Tokenizer) -> Result<SftExample> {
+        let msgs = self.messages(i)?;
+        let ex = if self.cfg.multiturn.enable {
+            tokenize_conversation(tok, &msgs)?
+        } else {
+            let (prompt, resp) = msgs.split_at(msgs.len() - 1);
+            tokenize_prompt_response(tok, prompt, &resp[0].content)?
+        };
+        let (t, _, _, row) = locate(&self.tables, i).ok_or_else(|| Error::Config {
+            key: "index".into(),
+            message: format!("row {i} out of range"),
+        })?;
+        let column = if self.cfg.multiturn.enable {
+            &self.cfg.multiturn.messages_key
+        } else {
+            &self.cfg.prompt_key
+        };
+        truncate(ex, self.cfg.max_length, self.cfg.truncation, |len| {
+            Error::PromptTooLong {
+                path: t.path.to_path_buf(),
+                row,
+                column: column.clone(),
+                len,
+                max: self.cfg.max_length,
+            }
+        })
+    }
+
+    /// Tokenises and right-pads rows `idx` to `max_length` (verl pads SFT to `max_length`).
+    pub fn batch(&self, idx: &[usize], tok: &Tokenizer) -> Result<SftBatch> {
+        let ex = idx
+            .iter()
+            .map(|&i| self.example(i, tok))
+            .collect::<Result<Vec<_>>>()?;
+        collate_right_padded(&ex, tok.pad_id_or_eos()?, Some(self.cfg.max_length))
+    }
+}
+
+/// One tokenised preference pair.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PreferenceExample {
+    /// Prompt + chosen response, with the loss mask on the response.
+    pub chosen: SftExample,
+    /// Prompt + rejected response.
+    pub rejected: SftExample,
+}
+
+/// A batch of preference pairs: both sides padded to one `seq_len`.
+#[derive(Debug)]
+pub struct PreferenceBatch {
+    /// The chosen sequences.
+    pub chosen: SftBatch,
+    /// The rejected sequences.
+    pub rejected: SftBatch,
+}
+
+/// Preference pairs for DPO-family trainers: `prompt` (string or messages), `chosen` and
+/// `rejected` (strings, or message lists whose assistant turns are the response).
+#[derive(Debug)]
+pub struct PreferenceDataset {
+    tables: Vec<Table>,
+    cfg: PreferenceDataConfig,
+    len: usize,
+}
+
+impl PreferenceDataset {
+    /// Reads `files` with `cfg`'s columns.
+    pub fn open(files: &[PathBuf], cfg: &PreferenceDataConfig) -> Result<Self> {
+        let cols = [
+            cfg.prompt_key.as_str(),
+            cfg.chosen_key.as_str(),
+            cfg.rejected_key.as_str(),
+        ];
+        let tables = read_tables(files, &cols, usize::try_from(cfg.train_max_samples).ok())?;
+        let len = tables.iter().map(|t| t.rows.len()).sum();
+        Ok(Self {
+            tables,
+            cfg: cfg.clone(),
+            len,
+        })
+    }
+
+    /// Number of pairs.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// (prompt, chosen response, rejected response) of pair `i`.
+    pub fn texts(&self, i: usize) -> Result<(Vec<Message>, String, String)> {
+        let (t, b, r, row) = locate(&self.tables, i).ok_or_else(|| Error::Config {
+            key: "index".into(),
+            message: format!("row {i} out of range"),
+        })?;
+        let col = |k: &String| {
+            b.column_by_name(k)
+                .ok_or_else(|| bad_value(t, row, k, "a column", "nothing".into()))
+        };
+        let prompt = messages_at(col(&self.cfg.prompt_key)?.as_ref(), r)
+            .map_err(|got| bad_value(t, row, &self.cfg.prompt_key, "string or messages", got))?;
+        let response = |k: &String| -> Result<String> {
+            let c = col(k)?;
+            match string_at(c.as_ref(), r) {
+                Ok(Some(s)) => Ok(s.to_string()),
+                Ok(None) => Err(bad_value(t, row, k, "string", "null".into())),
+                Err(_) => {
+                    let msgs = messages_at(c.as_ref(), r)
+                        .map_err(|got| bad_value(t, row, k, "string or messages", got))?;
+                    Ok(msgs
+                        .into_iter()
+                        .filter(|m| m.role == "assistant")
+                        .map(|m| m.content)
+                        .collect::<Vec<_>>()
+                        .join(""))
+                }
+            }
+        };
+        Ok((
+            prompt,
+            response(&self.cfg.chosen_key)?,
+            response(&self.cfg.rejected_key)?,
+        ))
+    }
+
+    /// Tokenises pair `i`: prompt rendered with the generation prompt (left-truncated to
+    /// `max_prompt_length` unless `truncation = error`), each response + eos, the whole
+    /// sequence cut to `max_length` on the right.
+    pub fn example(&self, i: usize, tok: &Tokenizer) -> Result<PreferenceExample> {
+        let (prompt, chosen, rejected) = self.texts(i)?;
+        let (t, _, _, row) = locate(&self.tables, i).ok_or_else(|| Error::Config {
+            key: "index".into(),
+            message: format!("row {i} out of range"),
+        })?;
+        let too_long = |len: usize, max: usize| Error::PromptTooLong {
+            path: t.path.to_path_buf(),
+            row,
+            column: self.cfg.prompt_key.clone(),
+            len,
+            max,
+        };
+        let mut p_ids = tok.encode(&tok.apply_chat_template(&prompt, true)?, false)?;
+        if p_ids.len() > self.cfg.max_prompt_length {
+            if self.cfg.truncation == Truncation::Error {
+                return Err(too_long(p_ids.len(), self.cfg.max_prompt_length));
+            }
+            p_ids = p_ids[p_ids.len() - self.cfg.max_prompt_length..].to_vec();
+        }
+        let eos = tok.special_tokens().eos.clone().unwrap_or_default();
+        let side = |resp: &str| -> Result<SftExample> {
+            let r_ids = tok.encode(&format!("{resp}{eos}"), false)?;
+            let mut input_ids = p_ids.clone();
+            let mut loss_mask = vec![0u8; p_ids.len()];
+            input_ids.extend(&r_ids);
+            loss_mask.extend(std::iter::repeat_n(1u8, r_ids.len()));
+            let ex = SftExample {
+                input_ids,
+                loss_mask,
+            };
+            let rule = if self.cfg.truncation == Truncation::Error {
+                Truncation::Error
+            } else {
+                Truncation::Right
+            };
+            truncate(ex, self.cfg.max_length, rule, |len| {
+                too_long(len, self.cfg.max_length)
+            })
+        };
+        Ok(PreferenceExample {
+            chosen: side(&chosen)?,
+            rejected: side(&rejected)?,
+        })
+    }
+
+    /// Tokenises pairs `idx` and pads chosen and rejected to one common length.
+    pub fn batch(&self, idx: &[usize], tok: &Tokenizer) -> Result<PreferenceBatch> {
+        let ex = idx
+            .iter()
+            .map(|&i| self.example(i, tok))
+            .collect::<Result<Vec<_>>>()?;
+        let longest = ex
+            .iter()
+            .map(|e| e.chosen.input_ids.len().max(e.rejected.input_ids.len()))
+            .max()
+            .unwrap_or(0);
+        let pad = tok.pad_id_or_eos()?;
+        let chosen: Vec<SftExample> = ex.iter().map(|e| e.chosen.clone()).collect();
+        let rejected: Vec<SftExample> = ex.into_iter().map(|e| e.rejected).collect();
+        Ok(PreferenceBatch {
+            chosen: collate_right_padded(&chosen, pad, Some(longest))?,
+            rejected: collate_right_padded(&rejected, pad, Some(longest))?,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests;

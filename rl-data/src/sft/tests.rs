@@ -1,0 +1,1 @@
+//! Tests for the SFT and preference datasets.

@@ -1,0 +1,256 @@
+//! Tests for the tokenizer and chat templates: parity with transformers on the committed fixtures.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+use super::*;
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer")
+}
+
+#[derive(Deserialize)]
+struct Expected {
+    tokenizer: String,
+    bos_token_id: Option<u32>,
+    eos_token_id: Option<u32>,
+    pad_token_id: Option<u32>,
+    vocab_size: usize,
+    encodes: Vec<EncodeCase>,
+    chats: Vec<ChatCase>,
+}
+
+#[derive(Deserialize)]
+struct EncodeCase {
+    text: String,
+    add_special_tokens: bool,
+    ids: Vec<u32>,
+    decoded: String,
+    decoded_skip_special: String,
+}
+
+#[derive(Deserialize)]
+struct ChatCase {
+    messages: Vec<Message>,
+    add_generation_prompt: bool,
+    kwargs: BTreeMap<String, TemplateValue>,
+    rendered: String,
+    ids: Vec<u32>,
+}
+
+/// Lays out a model directory (tokenizer.json + tokenizer_config.json) for one fixture case.
+fn case_dir(name: &str) -> (tempfile::TempDir, Expected) {
+    let case = fixtures().join("cases").join(name);
+    let expected: Expected =
+        serde_json::from_str(&std::fs::read_to_string(case.join("expected.json")).unwrap())
+            .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(
+        fixtures().join("tokenizers").join(&expected.tokenizer),
+        dir.path().join("tokenizer.json"),
+    )
+    .unwrap();
+    std::fs::copy(
+        case.join("tokenizer_config.json"),
+        dir.path().join("tokenizer_config.json"),
+    )
+    .unwrap();
+    (dir, expected)
+}
+
+fn check_case(name: &str) {
+    let (dir, exp) = case_dir(name);
+    let tok = Tokenizer::from_dir(dir.path()).unwrap();
+    assert_eq!(tok.bos_token_id(), exp.bos_token_id, "{name}: bos");
+    assert_eq!(tok.eos_token_id(), exp.eos_token_id, "{name}: eos");
+    assert_eq!(tok.pad_token_id(), exp.pad_token_id, "{name}: pad");
+    assert_eq!(tok.vocab_size(), exp.vocab_size, "{name}: vocab");
+    for c in &exp.encodes {
+        let ids = tok.encode(&c.text, c.add_special_tokens).unwrap();
+        assert_eq!(
+            ids, c.ids,
+            "{name}: encode {:?} add_special={}",
+            c.text, c.add_special_tokens
+        );
+        assert_eq!(
+            tok.decode(&ids, false).unwrap(),
+            c.decoded,
+            "{name}: decode {:?}",
+            c.text
+        );
+        assert_eq!(
+            tok.decode(&ids, true).unwrap(),
+            c.decoded_skip_special,
+            "{name}: decode skip_special {:?}",
+            c.text
+        );
+    }
+    let plain: Vec<&EncodeCase> = exp
+        .encodes
+        .iter()
+        .filter(|c| !c.add_special_tokens)
+        .collect();
+    let batch: Vec<String> = plain.iter().map(|c| c.text.clone()).collect();
+    let ids = tok.encode_batch(&batch, false).unwrap();
+    assert_eq!(ids.len(), plain.len());
+    for (got, c) in ids.iter().zip(plain) {
+        assert_eq!(got, &c.ids, "{name}: encode_batch {:?}", c.text);
+    }
+    let template = tok.chat_template().unwrap();
+    for (i, c) in exp.chats.iter().enumerate() {
+        let rendered = if c.kwargs.is_empty() {
+            tok.apply_chat_template(&c.messages, c.add_generation_prompt)
+                .unwrap()
+        } else {
+            template
+                .render_with(&c.messages, c.add_generation_prompt, &c.kwargs)
+                .unwrap()
+        };
+        assert_eq!(rendered, c.rendered, "{name}: chat #{i}");
+        assert_eq!(
+            tok.encode(&rendered, false).unwrap(),
+            c.ids,
+            "{name}: chat ids #{i}"
+        );
+    }
+}
+
+#[test]
+fn parity_chatml_list_form_template() {
+    check_case("chatml");
+}
+
+#[test]
+fn parity_qwen2_5_with_tools() {
+    check_case("qwen2_5");
+}
+
+#[test]
+fn parity_qwen3_python_string_methods() {
+    check_case("qwen3");
+}
+
+#[test]
+fn parity_llama3() {
+    check_case("llama3");
+}
+
+#[test]
+fn parity_llama3_1() {
+    check_case("llama3_1");
+}
+
+#[test]
+fn parity_smollm2() {
+    check_case("smollm2");
+}
+
+#[test]
+fn named_template_can_be_selected() {
+    let (dir, _) = case_dir("chatml");
+    let mut tok = Tokenizer::from_dir(dir.path()).unwrap();
+    tok.use_named_template("tool_use").unwrap();
+    let s = tok
+        .apply_chat_template(&[Message::user("hi")], true)
+        .unwrap();
+    assert!(s.starts_with("<|im_start|>system\nYou are Qwen"), "{s}");
+    let err = tok.use_named_template("nope").unwrap_err().to_string();
+    assert!(err.contains("nope") && err.contains("tool_use"), "{err}");
+}
+
+#[test]
+fn raise_exception_becomes_an_error_with_the_message() {
+    let t = ChatTemplate::new(
+        "{% if messages[0].role != 'user' %}{{ raise_exception('first must be user') }}{% endif %}ok",
+        SpecialTokens::default(),
+    )
+    .unwrap();
+    assert_eq!(t.render(&[Message::user("x")], false).unwrap(), "ok");
+    let err = t
+        .render(&[Message::assistant("x")], false)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("first must be user"), "{err}");
+}
+
+#[test]
+fn bad_template_is_a_parse_error() {
+    let err = ChatTemplate::new("{% for m in messages %}", SpecialTokens::default()).unwrap_err();
+    assert!(err.to_string().contains("parse"), "{err}");
+}
+
+#[test]
+fn missing_tokenizer_json_names_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let err = Tokenizer::from_dir(dir.path()).unwrap_err().to_string();
+    assert!(err.contains("tokenizer.json"), "{err}");
+}
+
+#[test]
+fn bad_chat_template_type_names_the_file_and_key() {
+    let (dir, _) = case_dir("smollm2");
+    std::fs::write(
+        dir.path().join("tokenizer_config.json"),
+        r#"{"chat_template": 3}"#,
+    )
+    .unwrap();
+    let err = Tokenizer::from_dir(dir.path()).unwrap_err().to_string();
+    assert!(
+        err.contains("tokenizer_config.json") && err.contains("chat_template"),
+        "{err}"
+    );
+}
+
+#[test]
+fn chat_template_jinja_file_and_special_tokens_map_are_read() {
+    let (dir, _) = case_dir("smollm2");
+    std::fs::write(dir.path().join("tokenizer_config.json"), "{}").unwrap();
+    std::fs::write(
+        dir.path().join("chat_template.jinja"),
+        "{{ bos_token }}{{ eos_token }}",
+    )
+    .unwrap();
+    std::fs::write(
+        dir.path().join("special_tokens_map.json"),
+        r#"{"bos_token": {"content": "<|im_start|>"}, "eos_token": "<|im_end|>"}"#,
+    )
+    .unwrap();
+    let tok = Tokenizer::from_dir(dir.path()).unwrap();
+    assert_eq!(
+        tok.apply_chat_template(&[], false).unwrap(),
+        "<|im_start|><|im_end|>"
+    );
+    assert_eq!(tok.eos_token_id(), tok.token_to_id("<|im_end|>"));
+    assert_eq!(tok.pad_token_id(), None);
+    assert_eq!(tok.pad_id_or_eos().unwrap(), tok.eos_token_id().unwrap());
+}
+
+#[test]
+fn tojson_matches_python_json_dumps() {
+    let t = ChatTemplate::new(
+        "{{ x | tojson }}|{{ x | tojson(indent=2) }}|{{ 1.0 | tojson }}|{{ 'é\"\n' | tojson }}",
+        SpecialTokens::default(),
+    )
+    .unwrap();
+    let x: TemplateValue = serde_json::from_str(r#"{"b": [1, 2.5], "a": null, "c": {}}"#).unwrap();
+    let kwargs = BTreeMap::from([("x".to_string(), x)]);
+    let got = t.render_with(&[], false, &kwargs).unwrap();
+    assert_eq!(
+        got,
+        "{\"b\": [1, 2.5], \"a\": null, \"c\": {}}|{\n  \"b\": [\n    1,\n    2.5\n  ],\n  \
+         \"a\": null,\n  \"c\": {}\n}|1.0|\"é\\\"\\n\""
+    );
+}
+
+#[test]
+fn strftime_formats_known_dates() {
+    // 2024-07-26 00:00:00 UTC, a Friday.
+    assert_eq!(strftime(1_721_952_000, "%d %b %Y"), "26 Jul 2024");
+    assert_eq!(
+        strftime(1_721_952_000 + 3661, "%A %H:%M:%S %j %%"),
+        "Friday 01:01:01 208 %"
+    );
+    assert_eq!(strftime(0, "%Y-%m-%d %a"), "1970-01-01 Thu");
+}
