@@ -1,0 +1,25 @@
+//! The shared foundation of the workspace: [`Batch`] (verl's `DataProto`), the batch [`keys`],
+//! [`shape`] checks, the [`roles`] the trainers program against, and the [`Error`] type.
+//!
+//! ```
+//! use rl_core::{Batch, keys};
+//! use tch::{Kind, Tensor};
+//!
+//! let mut batch = Batch::new();
+//! batch.insert(keys::RESPONSES, Tensor::zeros([4, 8], (Kind::Int64, tch::Device::Cpu)))?;
+//! batch.insert_column(keys::UID, vec!["a".into(), "a".into(), "b".into(), "b".into()])?;
+//! let halves = batch.chunk(2)?;
+//! assert_eq!(halves[1].column(keys::UID)?, &["b", "b"]);
+//! # Ok::<(), rl_core::Error>(())
+//! ```
+
+mod batch;
+mod error;
+pub mod keys;
+pub mod roles;
+mod save;
+pub mod shape;
+
+pub use batch::{Batch, MiniBatches};
+pub use error::{Error, Result};
+pub use roles::Metrics;

@@ -1,0 +1,159 @@
+//! The role traits the trainers in rl-algos program against, implemented by rl-workers.
+//!
+//! A trainer never sees a model: it hands a [`Batch`] to a role and gets a `Batch` of new keys
+//! back, to `union` into its own. The loss goes into the actor and critic as a value
+//! (verl's `train_batch(data, loss_fn)`), so rl-workers does not know which algorithm trains it,
+//! and rl-algos can be tested with small mock roles. These traits are deliberately small; they
+//! grow with the trainers.
+
+use std::collections::BTreeMap;
+
+use tch::Tensor;
+
+use crate::batch::Batch;
+use crate::error::Result;
+
+/// Scalar metrics under verl's names (`actor/pg_loss`), with every value reported in a step
+/// kept so they can be averaged (or summed) when the step ends.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Metrics {
+    values: BTreeMap<String, Vec<f64>>,
+}
+
+impl Metrics {
+    /// No metrics.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Records one value of `key`.
+    pub fn push(&mut self, key: impl Into<String>, value: f64) {
+        self.values.entry(key.into()).or_default().push(value);
+    }
+
+    /// Appends every value of `other`.
+    pub fn extend(&mut self, other: Metrics) {
+        for (key, vs) in other.values {
+            self.values.entry(key).or_default().extend(vs);
+        }
+    }
+
+    /// The values recorded for `key`.
+    pub fn values(&self, key: &str) -> &[f64] {
+        self.values.get(key).map(Vec::as_slice).unwrap_or(&[])
+    }
+
+    /// Each key's mean over the values recorded (verl's `reduce_metrics`).
+    pub fn mean(&self) -> BTreeMap<String, f64> {
+        self.values
+            .iter()
+            .filter(|(_, vs)| !vs.is_empty())
+            .map(|(k, vs)| (k.clone(), vs.iter().sum::<f64>() / vs.len() as f64))
+            .collect()
+    }
+
+    /// Whether nothing was recorded.
+    pub fn is_empty(&self) -> bool {
+        self.values.is_empty()
+    }
+}
+
+/// Turns left-padded prompts into prompts plus responses.
+pub trait Rollout {
+    /// Reads `input_ids`, `attention_mask`, `position_ids` (left-padded prompts) and returns a
+    /// batch with `prompts`, `responses`, `input_ids`, `attention_mask`, `position_ids`,
+    /// `response_mask` and `rollout_log_probs`, carrying the columns through.
+    fn generate(&mut self, prompts: &Batch) -> Result<Batch>;
+}
+
+/// What the actor computes with gradients for one micro-batch, handed to the objective.
+#[derive(Debug)]
+pub struct PolicyOutput {
+    /// Log-probs of `responses`, `[batch, response_len]`, with gradient.
+    pub log_prob: Tensor,
+    /// Per-token entropy, `[batch, response_len]`, when the objective asked for it.
+    pub entropy: Option<Tensor>,
+}
+
+/// Sizes of the whole mini-batch a micro-batch belongs to, so that losses summed over
+/// micro-batches equal the mini-batch loss (global token / sequence normalisation).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MiniBatchInfo {
+    /// Unmasked response tokens in the mini-batch.
+    pub tokens: f64,
+    /// Sequences in the mini-batch.
+    pub sequences: f64,
+}
+
+/// A policy objective: the loss of one micro-batch, already scaled for accumulation.
+pub trait PolicyObjective {
+    /// Whether the actor must compute per-token entropy for [`loss`](Self::loss).
+    fn needs_entropy(&self) -> bool;
+    /// The scalar loss to back-propagate for `micro` and the metrics to report.
+    fn loss(
+        &self,
+        micro: &Batch,
+        out: &PolicyOutput,
+        info: MiniBatchInfo,
+    ) -> Result<(Tensor, Metrics)>;
+}
+
+/// A value objective for the critic: the loss of one micro-batch given predicted values.
+pub trait ValueObjective {
+    /// The scalar loss to back-propagate for `micro` (values `[batch, response_len]`).
+    fn loss(
+        &self,
+        micro: &Batch,
+        values: &Tensor,
+        info: MiniBatchInfo,
+    ) -> Result<(Tensor, Metrics)>;
+}
+
+/// The trained policy.
+pub trait Actor {
+    /// `old_log_probs` (and `entropys` when `with_entropy`) for `responses`, without gradient.
+    fn compute_log_prob(&mut self, batch: &Batch, with_entropy: bool) -> Result<Batch>;
+    /// One update over `batch` (mini-batches × PPO epochs, micro-batch accumulation).
+    fn update(&mut self, batch: &Batch, objective: &dyn PolicyObjective) -> Result<Metrics>;
+}
+
+/// The frozen reference policy.
+pub trait Reference {
+    /// `ref_log_prob` for `responses`.
+    fn compute_ref_log_prob(&mut self, batch: &Batch) -> Result<Batch>;
+}
+
+/// The value model (PPO with GAE).
+pub trait Critic {
+    /// `values` for the response tokens.
+    fn compute_values(&mut self, batch: &Batch) -> Result<Batch>;
+    /// One update over `batch`.
+    fn update(&mut self, batch: &Batch, objective: &dyn ValueObjective) -> Result<Metrics>;
+}
+
+/// Rewards: rule functions by `data_source` and/or a reward model.
+pub trait Reward {
+    /// `token_level_scores` (the score on each row's last response token) plus any
+    /// per-row extra information as columns.
+    fn score(&mut self, batch: &Batch) -> Result<Batch>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metrics_average_per_key() {
+        let mut m = Metrics::new();
+        m.push("actor/pg_loss", 1.0);
+        m.push("actor/pg_loss", 3.0);
+        let mut other = Metrics::new();
+        other.push("actor/lr", 1e-6);
+        m.extend(other);
+        let mean = m.mean();
+        assert_eq!(mean["actor/pg_loss"], 2.0);
+        assert_eq!(mean["actor/lr"], 1e-6);
+        assert_eq!(m.values("actor/pg_loss"), &[1.0, 3.0]);
+        assert!(m.values("nope").is_empty());
+    }
+}
