@@ -1,0 +1,566 @@
+//! Advantage estimators: GAE, GRPO, RLOO, REINFORCE++, ReMax, OPO, GPG and GRPO pass@k.
+//!
+//! Each matches a `compute_*_advantage*` function of `verl/trainer/ppo/core_algos.py`.
+//!
+//! Outcome estimators group the rows of a batch by prompt: `index` holds one integer group id
+//! per row (the trainer maps verl's `uid` strings to ids, e.g. with [`group_index`]); the ids
+//! need not be dense or sorted. Group statistics are computed with scatter/index operations,
+//! never with a loop over rows. Everything here runs without gradient tracking.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::str::FromStr;
+
+use rl_core::shape::Dim;
+use serde::{Deserialize, Serialize};
+use tch::{Kind, Tensor};
+
+use crate::check::{self, Groups};
+use crate::config::AlgoConfig;
+use crate::error::{Error, Result};
+use crate::masked;
+
+/// The `epsilon` verl adds to group standard deviations (`1e-6`, its default everywhere).
+pub const EPSILON: f64 = 1e-6;
+
+/// Which advantage estimator a run uses (verl's `algorithm.adv_estimator`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AdvEstimator {
+    /// Generalised advantage estimation with a critic: [`gae`].
+    #[default]
+    Gae,
+    /// Group-relative outcome advantages: [`grpo`].
+    Grpo,
+    /// Discounted returns, whitened over the batch: [`reinforce_plus_plus`].
+    ReinforcePlusPlus,
+    /// Group-mean baseline, whitened over the batch: [`reinforce_plus_plus_baseline`].
+    ReinforcePlusPlusBaseline,
+    /// Greedy-rollout baseline: [`remax`].
+    Remax,
+    /// Leave-one-out baseline: [`rloo`].
+    Rloo,
+    /// Length-weighted group baseline: [`opo`].
+    Opo,
+    /// Pass@k advantage for the best response of each group: [`grpo_passk`].
+    GrpoPassk,
+    /// Group Policy Gradient: [`gpg`].
+    Gpg,
+}
+
+impl AdvEstimator {
+    /// Every estimator, in verl's order.
+    pub const ALL: [AdvEstimator; 9] = [
+        AdvEstimator::Gae,
+        AdvEstimator::Grpo,
+        AdvEstimator::ReinforcePlusPlus,
+        AdvEstimator::ReinforcePlusPlusBaseline,
+        AdvEstimator::Remax,
+        AdvEstimator::Rloo,
+        AdvEstimator::Opo,
+        AdvEstimator::GrpoPassk,
+        AdvEstimator::Gpg,
+    ];
+
+    /// verl's config string for this estimator.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AdvEstimator::Gae => "gae",
+            AdvEstimator::Grpo => "grpo",
+            AdvEstimator::ReinforcePlusPlus => "reinforce_plus_plus",
+            AdvEstimator::ReinforcePlusPlusBaseline => "reinforce_plus_plus_baseline",
+            AdvEstimator::Remax => "remax",
+            AdvEstimator::Rloo => "rloo",
+            AdvEstimator::Opo => "opo",
+            AdvEstimator::GrpoPassk => "grpo_passk",
+            AdvEstimator::Gpg => "gpg",
+        }
+    }
+
+    /// Whether the estimator needs a critic's `values` (only GAE).
+    pub fn needs_critic(self) -> bool {
+        self == AdvEstimator::Gae
+    }
+
+    /// Whether the estimator groups rows by prompt (`index`).
+    pub fn needs_groups(self) -> bool {
+        matches!(
+            self,
+            AdvEstimator::Grpo
+                | AdvEstimator::ReinforcePlusPlusBaseline
+                | AdvEstimator::Rloo
+                | AdvEstimator::Opo
+                | AdvEstimator::GrpoPassk
+                | AdvEstimator::Gpg
+        )
+    }
+}
+
+impl fmt::Display for AdvEstimator {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for AdvEstimator {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        Self::ALL
+            .into_iter()
+            .find(|e| e.as_str() == s)
+            .ok_or_else(|| Error::UnknownName {
+                what: "adv_estimator",
+                got: s.to_owned(),
+                valid: Self::ALL.map(Self::as_str).join(", "),
+            })
+    }
+}
+
+/// Dense group ids for string uids, in order of first appearance (`["b", "a", "b"]` ->
+/// `[0, 1, 0]`), for the `index` argument of the outcome estimators.
+///
+/// # Shapes
+/// - returns: `[batch]` int64 on the CPU
+pub fn group_index<S: AsRef<str>>(uids: &[S]) -> Tensor {
+    let mut ids: HashMap<&str, i64> = HashMap::new();
+    let dense: Vec<i64> = uids
+        .iter()
+        .map(|u| {
+            let next = ids.len() as i64;
+            *ids.entry(u.as_ref()).or_insert(next)
+        })
+        .collect();
+    Tensor::from_slice(&dense)
+}
+
+/// The tensors an estimator may read, named as in verl's batch.
+#[derive(Debug, Clone, Copy)]
+pub struct AdvantageInputs<'a> {
+    /// `[batch, response_len]` float: the rewards, usually non-zero only at the last token.
+    pub token_level_rewards: &'a Tensor,
+    /// `[batch, response_len]` binary: 1 for response tokens.
+    pub response_mask: &'a Tensor,
+    /// `[batch, response_len]` float: the critic's values (GAE only).
+    pub values: Option<&'a Tensor>,
+    /// `[batch]` int64: the group (prompt) of each row (outcome estimators).
+    pub index: Option<&'a Tensor>,
+    /// `[batch]` float: the reward of the greedy response (ReMax only).
+    pub reward_baselines: Option<&'a Tensor>,
+}
+
+/// Runs the estimator chosen in `cfg`, as verl's `compute_advantage` does, returning
+/// `(advantages, returns)`.
+///
+/// # Shapes
+/// - see [`AdvantageInputs`]
+/// - returns: `(advantages, returns)`, `[batch, response_len]` each
+pub fn compute<'a>(inputs: &AdvantageInputs<'a>, cfg: &AlgoConfig) -> Result<(Tensor, Tensor)> {
+    let r = inputs.token_level_rewards;
+    let m = inputs.response_mask;
+    let est = cfg.adv_estimator;
+    let need = |t: Option<&'a Tensor>, name: &'static str| -> Result<&'a Tensor> {
+        t.ok_or_else(|| Error::invalid(name, format!("adv_estimator `{est}` needs `{name}`")))
+    };
+    match cfg.adv_estimator {
+        AdvEstimator::Gae => gae(r, need(inputs.values, "values")?, m, cfg.gamma, cfg.lam),
+        AdvEstimator::Grpo => grpo(
+            r,
+            m,
+            need(inputs.index, "index")?,
+            cfg.norm_adv_by_std_in_grpo,
+        ),
+        AdvEstimator::ReinforcePlusPlus => reinforce_plus_plus(r, m, cfg.gamma),
+        AdvEstimator::ReinforcePlusPlusBaseline => {
+            reinforce_plus_plus_baseline(r, m, need(inputs.index, "index")?)
+        }
+        AdvEstimator::Remax => remax(r, need(inputs.reward_baselines, "reward_baselines")?, m),
+        AdvEstimator::Rloo => rloo(r, m, need(inputs.index, "index")?),
+        AdvEstimator::Opo => opo(r, m, need(inputs.index, "index")?),
+        AdvEstimator::GrpoPassk => grpo_passk(
+            r,
+            m,
+            need(inputs.index, "index")?,
+            cfg.norm_adv_by_std_in_grpo,
+        ),
+        AdvEstimator::Gpg => gpg(r, m, need(inputs.index, "index")?),
+    }
+}
+
+/// Checks rewards and mask; returns the mask in the rewards' dtype and the batch size.
+fn rewards_and_mask(rewards: &Tensor, mask: &Tensor) -> Result<(Tensor, i64)> {
+    let size = check::float(
+        "token_level_rewards",
+        rewards,
+        &[Dim::Any("batch"), Dim::Any("response_len")],
+    )?;
+    let mask = check::mask("response_mask", mask, "token_level_rewards", rewards)?;
+    Ok((mask, size[0]))
+}
+
+fn outcome_groups(rewards: &Tensor, mask: &Tensor, index: &Tensor) -> Result<(Tensor, Groups)> {
+    let (mask, batch) = rewards_and_mask(rewards, mask)?;
+    let groups = check::groups("index", index, batch, rewards.kind())?;
+    Ok((mask, groups))
+}
+
+/// Per-row sequence scores: the rewards summed over every position (verl does not mask here).
+fn scores(rewards: &Tensor) -> Tensor {
+    rewards.sum_dim_intlist([-1].as_slice(), false, None::<Kind>)
+}
+
+/// Group means with verl's singleton rule: a group of one has mean 0.
+fn group_mean_or_zero(groups: &Groups, scores: &Tensor) -> Tensor {
+    let mean = groups.sum(scores) / &groups.counts;
+    mean.where_scalarother(&groups.counts.gt(1.0), 0.0)
+}
+
+/// Generalised advantage estimation, matching `compute_gae_advantage_return`.
+///
+/// Runs the TD(λ) recursion backwards over response positions, skipping masked positions
+/// (their value and TD error are not used, and the running terms carry across them); then
+/// `returns = advantages + values` and the advantages are whitened over the mask with
+/// [`masked::whiten`] (so the mask must select at least two tokens).
+///
+/// # Shapes
+/// - `token_level_rewards`: `[batch, response_len]` float
+/// - `values`: `[batch, response_len]` float
+/// - `response_mask`: `[batch, response_len]`, binary
+/// - returns: `(advantages, returns)`, `[batch, response_len]` each
+pub fn gae(
+    token_level_rewards: &Tensor,
+    values: &Tensor,
+    response_mask: &Tensor,
+    gamma: f64,
+    lam: f64,
+) -> Result<(Tensor, Tensor)> {
+    let (mask, _) = rewards_and_mask(token_level_rewards, response_mask)?;
+    check::float_like("values", values, "token_level_rewards", token_level_rewards)?;
+    let _guard = tch::no_grad_guard();
+    let values = values.to_kind(token_level_rewards.kind());
+    // [batch, response_len] -> [response_len, batch]: each step reads one contiguous row.
+    let r = token_level_rewards.transpose(0, 1).contiguous();
+    let v = values.transpose(0, 1).contiguous();
+    let m = mask.transpose(0, 1).contiguous();
+    let (len, batch) = (r.size()[0], r.size()[1]);
+    let opts = (r.kind(), r.device());
+    let mut next_values = Tensor::zeros([batch], opts);
+    let mut last_gae_lam = Tensor::zeros([batch], opts);
+    let advantages = Tensor::zeros([len, batch], opts);
+    let gamma_lam = gamma * lam;
+    for t in (0..len).rev() {
+        let (v_t, m_t) = (v.get(t), m.get(t));
+        let delta = r.get(t) + gamma * &next_values - &v_t;
+        let gae_t = delta + gamma_lam * &last_gae_lam;
+        // verl's `x * m + (1 - m) * y` for a binary m is `lerp(y, x, m)`, exactly, in one kernel;
+        // masked positions carry the running terms over
+        let _ = next_values.lerp_tensor_(&v_t, &m_t);
+        let row = advantages.get(t);
+        let _ = last_gae_lam.lerp_tensor_out(&row, &gae_t, &m_t);
+        last_gae_lam = row;
+    }
+    let advantages = advantages.transpose(0, 1);
+    let returns = &advantages + &values;
+    let advantages = masked::whiten_(&advantages, &mask, true)?;
+    Ok((advantages, returns))
+}
+
+/// GRPO outcome advantages, matching `compute_grpo_outcome_advantage`.
+///
+/// Each row's score is its rewards summed over all positions; the advantage is
+/// `(score - group_mean) / (group_std + 1e-6)` (unbiased std), or `score - group_mean` when
+/// `norm_adv_by_std_in_grpo` is false (Dr. GRPO). A group of one row has mean 0 and std 1, as in
+/// verl, so its advantage is `score / (1 + 1e-6)`. The scalar is broadcast over the response and
+/// multiplied by the mask. `returns` is the same tensor as `advantages`.
+///
+/// # Shapes
+/// - `token_level_rewards`: `[batch, response_len]` float
+/// - `response_mask`: `[batch, response_len]`, binary
+/// - `index`: `[batch]` int64 group ids
+/// - returns: `(advantages, returns)`, `[batch, response_len]` each, zero where masked
+pub fn grpo(
+    token_level_rewards: &Tensor,
+    response_mask: &Tensor,
+    index: &Tensor,
+    norm_adv_by_std_in_grpo: bool,
+) -> Result<(Tensor, Tensor)> {
+    let (mask, groups) = outcome_groups(token_level_rewards, response_mask, index)?;
+    let _guard = tch::no_grad_guard();
+    let scores = scores(token_level_rewards);
+    let (mean, std) = groups.mean_std(&scores);
+    let single = groups.counts.eq(1.0);
+    let mean = mean.where_scalarother(&single.logical_not(), 0.0);
+    let centered = &scores - groups.rows(&mean);
+    let scalars = if norm_adv_by_std_in_grpo {
+        let std = std.where_scalarother(&single.logical_not(), 1.0);
+        centered / (groups.rows(&std) + EPSILON)
+    } else {
+        centered
+    };
+    let advantages = scalars.unsqueeze(-1) * &mask;
+    Ok((advantages.shallow_clone(), advantages))
+}
+
+/// GRPO pass@k advantages, matching `compute_grpo_passk_outcome_advantage`.
+///
+/// Only the best row of each group gets a non-zero advantage, `r_max - r_second_max`, divided
+/// by `group_std + 1e-6` when `norm_adv_by_std_in_grpo`. Every group needs at least two rows
+/// (verl raises otherwise). `returns` is the same tensor as `advantages`.
+///
+/// # Shapes
+/// - `token_level_rewards`: `[batch, response_len]` float
+/// - `response_mask`: `[batch, response_len]`, binary
+/// - `index`: `[batch]` int64 group ids
+/// - returns: `(advantages, returns)`, `[batch, response_len]` each, zero where masked
+pub fn grpo_passk(
+    token_level_rewards: &Tensor,
+    response_mask: &Tensor,
+    index: &Tensor,
+    norm_adv_by_std_in_grpo: bool,
+) -> Result<(Tensor, Tensor)> {
+    let (mask, groups) = outcome_groups(token_level_rewards, response_mask, index)?;
+    let smallest = if groups.n > 0 {
+        groups.counts.min().double_value(&[]) as i64
+    } else {
+        2
+    };
+    if smallest < 2 {
+        return Err(Error::invalid(
+            "index",
+            format!("pass@k needs at least 2 samples per group, a group has {smallest}"),
+        ));
+    }
+    let _guard = tch::no_grad_guard();
+    let scores = scores(token_level_rewards);
+    let kind = scores.kind();
+    let batch = scores.size()[0];
+    let opts = (kind, scores.device());
+    let r_max = groups.max(&scores);
+    // the first row reaching the group maximum is the one that gets the advantage
+    let rows = Tensor::arange(batch, (Kind::Double, scores.device()));
+    let at_max = scores.eq_tensor(&groups.rows(&r_max));
+    let first = groups
+        .min(&rows.where_scalarother(&at_max, batch as f64))
+        .to_kind(Kind::Int64);
+    let best = Tensor::zeros([batch], (Kind::Bool, scores.device())).index_fill(0, &first, 1);
+    let others = scores.where_scalarother(&best.logical_not(), f64::NEG_INFINITY);
+    let r_second = groups.max(&others);
+    let advantage = if norm_adv_by_std_in_grpo {
+        let (_, std) = groups.mean_std(&scores);
+        (&r_max - &r_second) / (std + EPSILON)
+    } else {
+        &r_max - &r_second
+    };
+    let scalars = groups
+        .rows(&advantage)
+        .where_self(&best, &Tensor::zeros([batch], opts));
+    let advantages = scalars.unsqueeze(-1) * &mask;
+    Ok((advantages.shallow_clone(), advantages))
+}
+
+/// RLOO advantages, matching `compute_rloo_outcome_advantage`.
+///
+/// For a group of `n > 1` rows the advantage is `score * n / (n - 1) - mean * n / (n - 1)`
+/// (the score minus the mean of the other rows); a group of one keeps its raw score, as in
+/// verl. `returns` is the same tensor as `advantages`.
+///
+/// # Shapes
+/// - `token_level_rewards`: `[batch, response_len]` float
+/// - `response_mask`: `[batch, response_len]`, binary
+/// - `index`: `[batch]` int64 group ids
+/// - returns: `(advantages, returns)`, `[batch, response_len]` each, zero where masked
+pub fn rloo(
+    token_level_rewards: &Tensor,
+    response_mask: &Tensor,
+    index: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    let (mask, groups) = outcome_groups(token_level_rewards, response_mask, index)?;
+    let _guard = tch::no_grad_guard();
+    let scores = scores(token_level_rewards);
+    let n = groups.rows(&groups.counts);
+    let mean = groups.rows(&group_mean_or_zero(&groups, &scores));
+    let loo = (&scores * &n) / (&n - 1.0) - (mean * &n) / (&n - 1.0);
+    let scalars = loo.where_self(&n.gt(1.0), &scores);
+    let advantages = scalars.unsqueeze(-1) * &mask;
+    Ok((advantages.shallow_clone(), advantages))
+}
+
+/// OPO advantages, matching `compute_opo_outcome_advantage`: the baseline of a group is the
+/// mean score weighted by response length, `sum(len * score) / sum(len)`; a group of one has
+/// baseline 0. `returns` is the same tensor as `advantages`.
+///
+/// A group whose responses are all empty has an undefined baseline (verl gets NaN); here it is
+/// 0, which changes nothing because every position of such rows is masked.
+///
+/// # Shapes
+/// - `token_level_rewards`: `[batch, response_len]` float
+/// - `response_mask`: `[batch, response_len]`, binary
+/// - `index`: `[batch]` int64 group ids
+/// - returns: `(advantages, returns)`, `[batch, response_len]` each, zero where masked
+pub fn opo(
+    token_level_rewards: &Tensor,
+    response_mask: &Tensor,
+    index: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    let (mask, groups) = outcome_groups(token_level_rewards, response_mask, index)?;
+    let _guard = tch::no_grad_guard();
+    let scores = scores(token_level_rewards);
+    let lengths = mask.sum_dim_intlist([-1].as_slice(), false, None::<Kind>);
+    let total = groups.sum(&lengths);
+    let baseline = groups.sum(&(&lengths * &scores)) / &total;
+    let defined = groups.counts.gt(1.0).logical_and(&total.gt(0.0));
+    let baseline = baseline.where_scalarother(&defined, 0.0);
+    let advantages = (scores - groups.rows(&baseline)).unsqueeze(-1) * &mask;
+    Ok((advantages.shallow_clone(), advantages))
+}
+
+/// GPG advantages, matching `compute_gpg_outcome_advantage` with verl's defaults
+/// (`f_norm = 1`): `alpha * (score - group_mean)` where `alpha = batch / max(#rows with a
+/// non-zero score, 1)`; a group of one has mean 0. `returns` is the same tensor as `advantages`.
+///
+/// # Shapes
+/// - `token_level_rewards`: `[batch, response_len]` float
+/// - `response_mask`: `[batch, response_len]`, binary
+/// - `index`: `[batch]` int64 group ids
+/// - returns: `(advantages, returns)`, `[batch, response_len]` each, zero where masked
+pub fn gpg(
+    token_level_rewards: &Tensor,
+    response_mask: &Tensor,
+    index: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    let (mask, groups) = outcome_groups(token_level_rewards, response_mask, index)?;
+    let _guard = tch::no_grad_guard();
+    let scores = scores(token_level_rewards);
+    let batch = scores.size()[0] as f64;
+    let nonzero = scores
+        .count_nonzero(None::<i64>)
+        .to_kind(scores.kind())
+        .clamp_min(1.0);
+    let alpha = batch / nonzero;
+    let mean = groups.rows(&group_mean_or_zero(&groups, &scores));
+    let f_norm = 1.0;
+    let advantages = ((alpha * (scores - mean)) / f_norm).unsqueeze(-1) * &mask;
+    Ok((advantages.shallow_clone(), advantages))
+}
+
+/// REINFORCE++ advantages, matching `compute_reinforce_plus_plus_outcome_advantage`.
+///
+/// Discounted returns-to-go `G_t = r_t + gamma * G_{t+1}`, where the running return is reset
+/// after every masked position; the advantages are the returns whitened over the mask, times
+/// the mask. Returns `(advantages, returns)` with the returns not whitened.
+///
+/// # Shapes
+/// - `token_level_rewards`: `[batch, response_len]` float
+/// - `response_mask`: `[batch, response_len]`, binary, at least two ones
+/// - returns: `(advantages, returns)`, `[batch, response_len]` each
+pub fn reinforce_plus_plus(
+    token_level_rewards: &Tensor,
+    response_mask: &Tensor,
+    gamma: f64,
+) -> Result<(Tensor, Tensor)> {
+    let (mask, batch) = rewards_and_mask(token_level_rewards, response_mask)?;
+    let _guard = tch::no_grad_guard();
+    // [batch, response_len] -> [response_len, batch]
+    let r = token_level_rewards.transpose(0, 1).contiguous();
+    let m = mask.transpose(0, 1).contiguous();
+    let len = r.size()[0];
+    let returns = Tensor::zeros([len, batch], (r.kind(), r.device()));
+    let mut running = Tensor::zeros([batch], (r.kind(), r.device()));
+    for t in (0..len).rev() {
+        running = r.get(t) + gamma * &running;
+        returns.get(t).copy_(&running);
+        // reset after EOS
+        running *= m.get(t);
+    }
+    let returns = returns.transpose(0, 1);
+    let advantages = masked::whiten_(&returns, &mask, true)? * &mask;
+    Ok((advantages, returns))
+}
+
+/// REINFORCE++ with a group-mean baseline, matching
+/// `compute_reinforce_plus_plus_baseline_outcome_advantage`: `score - group_mean` (a group of
+/// one has mean 0), broadcast over the response, times the mask, whitened over the mask and
+/// multiplied by the mask again. `returns` is the same tensor as `advantages`.
+///
+/// # Shapes
+/// - `token_level_rewards`: `[batch, response_len]` float
+/// - `response_mask`: `[batch, response_len]`, binary, at least two ones
+/// - `index`: `[batch]` int64 group ids
+/// - returns: `(advantages, returns)`, `[batch, response_len]` each, zero where masked
+pub fn reinforce_plus_plus_baseline(
+    token_level_rewards: &Tensor,
+    response_mask: &Tensor,
+    index: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    let (mask, groups) = outcome_groups(token_level_rewards, response_mask, index)?;
+    let _guard = tch::no_grad_guard();
+    let scores = scores(token_level_rewards);
+    let centered = &scores - groups.rows(&group_mean_or_zero(&groups, &scores));
+    let tiled = centered.unsqueeze(-1).expand_as(token_level_rewards) * &mask;
+    let advantages = masked::whiten_(&tiled, &mask, true)? * &mask;
+    Ok((advantages.shallow_clone(), advantages))
+}
+
+/// ReMax advantages, matching `compute_remax_outcome_advantage`: `returns` are the masked
+/// rewards summed to go, and `advantages = returns - reward_baselines * mask`, where the
+/// baseline is the reward of the greedy response to the same prompt.
+///
+/// # Shapes
+/// - `token_level_rewards`: `[batch, response_len]` float
+/// - `reward_baselines`: `[batch]` float
+/// - `response_mask`: `[batch, response_len]`, binary
+/// - returns: `(advantages, returns)`, `[batch, response_len]` each
+pub fn remax(
+    token_level_rewards: &Tensor,
+    reward_baselines: &Tensor,
+    response_mask: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    let (mask, batch) = rewards_and_mask(token_level_rewards, response_mask)?;
+    check::float("reward_baselines", reward_baselines, &[Dim::Is(batch)])?;
+    let _guard = tch::no_grad_guard();
+    let returns = (token_level_rewards * &mask)
+        .flip([-1])
+        .cumsum(-1, None::<Kind>)
+        .flip([-1]);
+    let baselines = reward_baselines
+        .to_kind(token_level_rewards.kind())
+        .unsqueeze(-1);
+    let advantages = &returns - baselines * &mask;
+    Ok((advantages, returns))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_parse_and_unknown_names_list_the_valid_ones() {
+        for e in AdvEstimator::ALL {
+            assert_eq!(e.as_str().parse::<AdvEstimator>().unwrap(), e);
+            assert_eq!(serde_json::to_string(&e).unwrap(), format!("\"{e}\""));
+        }
+        let err = "ppo".parse::<AdvEstimator>().unwrap_err().to_string();
+        assert!(
+            err.starts_with("unknown adv_estimator `ppo`; expected one of: gae, grpo,"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn group_index_is_dense_in_first_appearance_order() {
+        let g = group_index(&["b", "a", "b", "c"]);
+        assert_eq!(Vec::<i64>::try_from(&g).unwrap(), vec![0, 1, 0, 2]);
+    }
+
+    #[test]
+    fn passk_rejects_singletons_and_bad_index() {
+        let r = Tensor::ones([3, 2], (Kind::Double, tch::Device::Cpu));
+        let err = grpo_passk(&r, &r, &Tensor::from_slice(&[0i64, 0, 1]), true).unwrap_err();
+        assert!(
+            err.to_string().contains("at least 2 samples per group"),
+            "{err}"
+        );
+        assert!(grpo(&r, &r, &Tensor::from_slice(&[0i64, 0]), true).is_err());
+        assert!(grpo(&r, &r, &Tensor::from_slice(&[0.0f64, 0.0, 1.0]), true).is_err());
+    }
+}
