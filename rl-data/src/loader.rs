@@ -99,6 +99,62 @@ impl PromptBatch {
         self.uid.is_empty()
     }
 
+    /// Moves everything into an [`rl_core::Batch`]: tensors `input_ids`, `attention_mask`,
+    /// `position_ids`; columns `data_source`, `ground_truth`, `extra_info`, `ability`, `uid`,
+    /// `index`, and `raw_prompt` / `full_prompts` when carried (verl's names).
+    ///
+    /// # Shapes
+    /// - `input_ids`, `attention_mask`, `position_ids`: `[batch, prompt_len]` i64
+    pub fn into_batch(self) -> Result<rl_core::Batch> {
+        use rl_core::keys;
+        use rl_core::shape::{Dim, expect_dims, expect_same_shape};
+        let n = self.len() as i64;
+        expect_dims(
+            keys::INPUT_IDS,
+            &self.input_ids,
+            &[Dim::Is(n), Dim::Any("prompt_len")],
+        )?;
+        expect_same_shape(
+            keys::ATTENTION_MASK,
+            &self.attention_mask,
+            keys::INPUT_IDS,
+            &self.input_ids,
+        )?;
+        expect_same_shape(
+            keys::POSITION_IDS,
+            &self.position_ids,
+            keys::INPUT_IDS,
+            &self.input_ids,
+        )?;
+        let mut b = rl_core::Batch::new();
+        b.insert(keys::INPUT_IDS, self.input_ids)?;
+        b.insert(keys::ATTENTION_MASK, self.attention_mask)?;
+        b.insert(keys::POSITION_IDS, self.position_ids)?;
+        b.insert_column(
+            keys::DATA_SOURCE,
+            self.data_source.into_iter().map(Value::String).collect(),
+        )?;
+        b.insert_column(keys::GROUND_TRUTH, self.ground_truth)?;
+        b.insert_column(keys::EXTRA_INFO, self.extra_info)?;
+        b.insert_column(keys::ABILITY, self.ability)?;
+        b.insert_column(keys::UID, self.uid.into_iter().map(Value::String).collect())?;
+        b.insert_column("index", self.index.into_iter().map(Value::from).collect())?;
+        if let Some(raw) = self.raw_prompt {
+            let raw = raw
+                .iter()
+                .map(|m| serde_json::to_value(m).unwrap_or(Value::Null))
+                .collect();
+            b.insert_column("raw_prompt", raw)?;
+        }
+        if let Some(full) = self.full_prompts {
+            b.insert_column(
+                "full_prompts",
+                full.into_iter().map(Value::String).collect(),
+            )?;
+        }
+        Ok(b)
+    }
+
     /// Token ids of row `i` without padding (a test and debugging aid).
     pub fn unpadded_ids(&self, i: usize) -> Vec<i64> {
         let ids = Vec::<i64>::try_from(self.input_ids.get(i as i64)).unwrap_or_default();

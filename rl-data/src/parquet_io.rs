@@ -455,24 +455,30 @@ pub fn write_rl_parquet(path: &Path, records: &[RlRecord]) -> Result<()> {
         None,
     ));
 
-    let extra: Vec<Value> = records
-        .iter()
-        .map(|r| Value::Object(r.extra_info.clone()))
-        .collect();
-    let (_, extra_info) = json_column(&extra.iter().collect::<Vec<_>>());
-
-    let schema = Schema::new(vec![
+    let mut fields = vec![
         Field::new("data_source", DataType::Utf8, true),
         Field::new("prompt", prompt.data_type().clone(), true),
         Field::new("ability", DataType::Utf8, true),
         Field::new("reward_model", reward_model.data_type().clone(), true),
-        Field::new("extra_info", extra_info.data_type().clone(), true),
-    ]);
-    let batch = RecordBatch::try_new(
-        Arc::new(schema),
-        vec![data_source, prompt, ability, reward_model, extra_info],
-    )
-    .map_err(|e| parquet_err(path, e))?;
+    ];
+    let mut columns = vec![data_source, prompt, ability, reward_model];
+    // Parquet cannot hold a struct without fields: with no extra_info keys the column is left
+    // out (readers then see `extra_info = null`).
+    if records.iter().any(|r| !r.extra_info.is_empty()) {
+        let extra: Vec<Value> = records
+            .iter()
+            .map(|r| Value::Object(r.extra_info.clone()))
+            .collect();
+        let (_, extra_info) = json_column(&extra.iter().collect::<Vec<_>>());
+        fields.push(Field::new(
+            "extra_info",
+            extra_info.data_type().clone(),
+            true,
+        ));
+        columns.push(extra_info);
+    }
+    let batch = RecordBatch::try_new(Arc::new(Schema::new(fields)), columns)
+        .map_err(|e| parquet_err(path, e))?;
     write_batches(path, &[batch])
 }
 

@@ -201,6 +201,52 @@ pub struct SftBatch {
     pub loss_mask: Tensor,
 }
 
+impl SftBatch {
+    /// Moves the tensors into an [`rl_core::Batch`] under `prefix` + `input_ids`,
+    /// `attention_mask`, `position_ids`, `loss_mask` (`prefix` is `""` for SFT).
+    ///
+    /// # Shapes
+    /// - every tensor: `[batch, seq_len]` i64
+    pub fn insert_into(self, batch: &mut rl_core::Batch, prefix: &str) -> Result<()> {
+        use rl_core::keys;
+        use rl_core::shape::{expect_2d, expect_same_shape};
+        expect_2d(keys::INPUT_IDS, &self.input_ids)?;
+        for (k, t) in [
+            (keys::ATTENTION_MASK, &self.attention_mask),
+            (keys::POSITION_IDS, &self.position_ids),
+            (keys::LOSS_MASK, &self.loss_mask),
+        ] {
+            expect_same_shape(k, t, keys::INPUT_IDS, &self.input_ids)?;
+        }
+        batch.insert(format!("{prefix}{}", keys::INPUT_IDS), self.input_ids)?;
+        batch.insert(
+            format!("{prefix}{}", keys::ATTENTION_MASK),
+            self.attention_mask,
+        )?;
+        batch.insert(format!("{prefix}{}", keys::POSITION_IDS), self.position_ids)?;
+        batch.insert(format!("{prefix}{}", keys::LOSS_MASK), self.loss_mask)?;
+        Ok(())
+    }
+
+    /// An [`rl_core::Batch`] with `input_ids`, `attention_mask`, `position_ids`, `loss_mask`.
+    pub fn into_batch(self) -> Result<rl_core::Batch> {
+        let mut b = rl_core::Batch::new();
+        self.insert_into(&mut b, "")?;
+        Ok(b)
+    }
+}
+
+impl PreferenceBatch {
+    /// An [`rl_core::Batch`] with `chosen_input_ids`, `chosen_attention_mask`,
+    /// `chosen_position_ids`, `chosen_loss_mask` and the same four `rejected_*` keys.
+    pub fn into_batch(self) -> Result<rl_core::Batch> {
+        let mut b = rl_core::Batch::new();
+        self.chosen.insert_into(&mut b, "chosen_")?;
+        self.rejected.insert_into(&mut b, "rejected_")?;
+        Ok(b)
+    }
+}
+
 /// Right-pads examples to `pad_to` (or the longest).
 ///
 /// # Shapes

@@ -176,6 +176,31 @@ fn resume_mid_epoch_replays_the_same_batches_across_an_epoch_boundary() {
 }
 
 #[test]
+fn prompt_batch_becomes_an_rl_core_batch() {
+    let mut l = loader(5, true, true);
+    let b = l.next_batch().unwrap().unwrap();
+    let (uids, gts) = (b.uid.clone(), b.ground_truth.clone());
+    let batch = b.into_batch().unwrap();
+    assert_eq!(batch.len(), 5);
+    assert_eq!(
+        batch.get(rl_core::keys::INPUT_IDS).unwrap().kind(),
+        tch::Kind::Int64
+    );
+    let uid_col: Vec<String> = batch
+        .column(rl_core::keys::UID)
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(uid_col, uids);
+    assert_eq!(
+        batch.column(rl_core::keys::GROUND_TRUTH).unwrap(),
+        gts.as_slice()
+    );
+    assert_eq!(batch.column("raw_prompt").unwrap().len(), 5);
+}
+
+#[test]
 fn bad_states_are_rejected() {
     let mut l = loader(5, true, true);
     let e = l
