@@ -1,5 +1,6 @@
 //! The shared foundation of the workspace: [`Batch`] (verl's `DataProto`), the batch [`keys`],
-//! [`shape`] checks, the [`roles`] the trainers program against, and the [`Error`] type.
+//! [`shape`] checks, the [`roles`] the trainers program against, the [`Trainer`] seam the harness
+//! drives, and the [`Error`] type.
 //!
 //! ```
 //! use rl_core::{Batch, keys};
@@ -19,7 +20,9 @@ pub mod keys;
 pub mod roles;
 mod save;
 pub mod shape;
+pub mod trainer;
 
 pub use batch::{Batch, MiniBatches};
 pub use error::{Error, Result};
 pub use roles::Metrics;
+pub use trainer::{Sample, StepMetrics, Trainer};
