@@ -7,11 +7,20 @@
 //! grow with the trainers.
 
 use std::collections::BTreeMap;
+use std::path::Path;
 
 use tch::Tensor;
 
 use crate::batch::Batch;
-use crate::error::Result;
+use crate::error::{Error, Result};
+
+/// The error the default `save_state` / `load_state` return: the role keeps no state to resume.
+fn not_checkpointable(role: &'static str) -> Error {
+    Error::Role {
+        role,
+        source: "this implementation does not support checkpoints".into(),
+    }
+}
 
 /// Scalar metrics under verl's names (`actor/pg_loss`), with every value reported in a step
 /// kept so they can be averaged (or summed) when the step ends.
@@ -115,6 +124,17 @@ pub trait Actor {
     fn compute_log_prob(&mut self, batch: &Batch, with_entropy: bool) -> Result<Batch>;
     /// One update over `batch` (mini-batches × PPO epochs, micro-batch accumulation).
     fn update(&mut self, batch: &Batch, objective: &dyn PolicyObjective) -> Result<Metrics>;
+    /// Writes the trained state (weights, optimizer moments and step, LR-schedule position)
+    /// into the existing folder `dir`. The default returns an error: not checkpointable.
+    fn save_state(&self, dir: &Path) -> Result<()> {
+        let _ = dir;
+        Err(not_checkpointable("actor"))
+    }
+    /// Restores what [`save_state`](Self::save_state) wrote.
+    fn load_state(&mut self, dir: &Path) -> Result<()> {
+        let _ = dir;
+        Err(not_checkpointable("actor"))
+    }
 }
 
 /// The frozen reference policy.
@@ -129,6 +149,16 @@ pub trait Critic {
     fn compute_values(&mut self, batch: &Batch) -> Result<Batch>;
     /// One update over `batch`.
     fn update(&mut self, batch: &Batch, objective: &dyn ValueObjective) -> Result<Metrics>;
+    /// Writes the trained state into the existing folder `dir`; the default returns an error.
+    fn save_state(&self, dir: &Path) -> Result<()> {
+        let _ = dir;
+        Err(not_checkpointable("critic"))
+    }
+    /// Restores what [`save_state`](Self::save_state) wrote.
+    fn load_state(&mut self, dir: &Path) -> Result<()> {
+        let _ = dir;
+        Err(not_checkpointable("critic"))
+    }
 }
 
 /// Rewards: rule functions by `data_source` and/or a reward model.

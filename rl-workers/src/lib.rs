@@ -6,12 +6,14 @@
 //!   `save_pretrained` over a Hugging Face directory.
 //! - [`gguf::import`]: a llama.cpp GGUF file to a Hugging Face directory.
 //! - [`generate`] with [`RolloutConfig`]: the batched, KV-cached rollout engine.
+//! - [`roles`]: actor, rollout (sharing the actor's weights), reference and critic workers.
 
 mod error;
 pub mod gguf;
 mod heads;
 mod hf;
 mod model;
+pub mod roles;
 mod rollout;
 
 pub use error::{Error, Result};

@@ -1,0 +1,423 @@
+//! The policy's three roles over one set of weights (verl's hybrid engine): [`ActorWorker`]
+//! trains it, [`RolloutWorker`] samples from the same weights (no copy per step), and
+//! [`ReferenceWorker`] is a frozen copy of the initial policy.
+
+use std::path::Path;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use rl_core::roles::{Actor, Metrics, PolicyObjective, PolicyOutput, Reference, Rollout};
+use rl_core::{Batch, keys};
+use serde_json::Value;
+use tch::{Device, Kind};
+
+use crate::error::Error;
+use crate::heads::CausalLm;
+use crate::roles::config::{ActorConfig, ValKwargs};
+use crate::roles::micro::{self, Micro};
+use crate::roles::optim::AdamW;
+use crate::roles::role_err;
+use crate::rollout::{GenerateOptions, RolloutConfig, generate};
+
+/// The policy's weights, shared by the actor and the rollout.
+pub type SharedPolicy = Arc<Mutex<CausalLm>>;
+
+/// Wraps a model for sharing between [`ActorWorker`] and [`RolloutWorker`].
+pub fn share(lm: CausalLm) -> SharedPolicy {
+    Arc::new(Mutex::new(lm))
+}
+
+pub(crate) fn lock<'a, T>(
+    m: &'a Mutex<T>,
+    role: &'static str,
+) -> rl_core::Result<MutexGuard<'a, T>> {
+    m.lock().map_err(|_| rl_core::Error::Role {
+        role,
+        source: "the shared model's lock is poisoned (a previous call panicked)".into(),
+    })
+}
+
+/// `meta_info[key]` as f64, or `default`.
+pub(crate) fn meta_f64(batch: &Batch, key: &str, default: f64) -> f64 {
+    batch
+        .meta_info()
+        .get(key)
+        .and_then(Value::as_f64)
+        .unwrap_or(default)
+}
+
+/// `meta_info[key]` as u64, or `default`.
+pub(crate) fn meta_u64(batch: &Batch, key: &str, default: u64) -> u64 {
+    batch
+        .meta_info()
+        .get(key)
+        .and_then(Value::as_u64)
+        .unwrap_or(default)
+}
+
+/// The trained policy: log-probs without gradient, and PPO-style updates (mini-batches x
+/// `ppo_epochs`, micro-batch accumulation with the mini-batch's global normalisers, global-norm
+/// clipping that skips non-finite steps, AdamW with a warmup/cosine schedule).
+#[derive(Debug)]
+pub struct ActorWorker {
+    lm: SharedPolicy,
+    cfg: ActorConfig,
+    rollout_n: usize,
+    optim: AdamW,
+}
+
+impl ActorWorker {
+    /// An actor over `lm`; `rollout_n` turns `ppo_mini_batch_size` (prompts) into rows.
+    pub fn new(lm: SharedPolicy, cfg: ActorConfig, rollout_n: usize) -> rl_core::Result<Self> {
+        cfg.validate("actor_rollout_ref.actor")
+            .map_err(role_err("actor"))?;
+        if rollout_n == 0 {
+            return Err(role_err("actor")(Error::invalid(
+                "rollout_n",
+                "must be at least 1",
+            )));
+        }
+        let optim = AdamW::new(lock(&lm, "actor")?.var_store(), cfg.optim.clone());
+        Ok(ActorWorker {
+            lm,
+            cfg,
+            rollout_n,
+            optim,
+        })
+    }
+
+    /// The shared weights (hand them to a [`RolloutWorker`] or a [`ReferenceWorker`]).
+    pub fn policy(&self) -> SharedPolicy {
+        self.lm.clone()
+    }
+
+    /// The optimiser (for its counters).
+    pub fn optimizer(&self) -> &AdamW {
+        &self.optim
+    }
+
+    /// The config.
+    pub fn config(&self) -> &ActorConfig {
+        &self.cfg
+    }
+}
+
+/// Runs `f` over micro-batches without gradient and reassembles `[batch, response_len]` outputs.
+fn no_grad_per_micro(
+    batch: &Batch,
+    rows: Option<usize>,
+    tokens: Option<usize>,
+    mut f: impl FnMut(&Batch) -> rl_core::Result<Vec<tch::Tensor>>,
+) -> rl_core::Result<Vec<tch::Tensor>> {
+    let _guard = tch::no_grad_guard();
+    let micros = micro::split(batch, rows, tokens)?;
+    let mut outs: Vec<Vec<tch::Tensor>> = Vec::new();
+    let mut order = Vec::new();
+    for Micro { batch, rows } in micros {
+        let parts = f(&batch)?;
+        if outs.is_empty() {
+            outs = parts.iter().map(|_| Vec::new()).collect();
+        }
+        for (slot, t) in outs.iter_mut().zip(parts) {
+            slot.push(t);
+        }
+        order.push(rows);
+    }
+    Ok(outs
+        .iter()
+        .map(|parts| micro::reassemble(parts, &order))
+        .collect())
+}
+
+/// The shared update loop of actor and critic: mini-batches x epochs, micro-batch gradient
+/// accumulation, clip, step; `loss` gives one micro-batch's share of its mini-batch's loss.
+pub(crate) fn update_loop(
+    cfg: &ActorConfig,
+    rollout_n: usize,
+    batch: &Batch,
+    optim: &mut AdamW,
+    prefix: &str,
+    mut loss: impl FnMut(
+        &Batch,
+        rl_core::roles::MiniBatchInfo,
+    ) -> rl_core::Result<(tch::Tensor, Metrics)>,
+) -> rl_core::Result<Metrics> {
+    let rows = cfg.ppo_mini_batch_size * rollout_n;
+    let len = batch.len();
+    if rows == 0 || len % rows != 0 {
+        return Err(rl_core::Error::UnevenMiniBatch { len, size: rows });
+    }
+    let lr = optim.current_lr();
+    let seed = cfg
+        .data_loader_seed
+        .wrapping_add(optim.counters().schedule_steps as u64);
+    let mut metrics = Metrics::new();
+    for mini in batch.iter_minibatches(rows, cfg.shuffle, seed, cfg.ppo_epochs)? {
+        let mini = mini?;
+        let info = micro::mini_batch_info(&mini)?;
+        if info.tokens <= 0.0 {
+            continue;
+        }
+        let micros = micro::split(
+            &mini,
+            cfg.ppo_micro_batch_size_per_gpu,
+            cfg.use_dynamic_bsz.then_some(cfg.ppo_max_token_len_per_gpu),
+        )?;
+        optim.zero_grad();
+        let mut mm = Metrics::new();
+        for m in micros {
+            let (l, ms) = loss(&m.batch, info)?;
+            l.backward();
+            mm.extend(ms);
+        }
+        micro::fold_micro_metrics(&mm, &mut metrics);
+        let (norm, _took) = optim.clip_and_step(cfg.grad_clip, lr);
+        metrics.push(format!("{prefix}/grad_norm"), norm);
+    }
+    optim.schedule_step();
+    metrics.push(format!("{prefix}/lr"), lr);
+    metrics.push(
+        format!("{prefix}/skipped_steps"),
+        optim.counters().skipped_steps as f64,
+    );
+    Ok(metrics)
+}
+
+/// Saves weights (`model.safetensors` + `config.json`, loadable as a Hugging Face model) and
+/// optimiser state into `dir`.
+fn save_lm(lm: &CausalLm, optim: &AdamW, dir: &Path) -> rl_core::Result<()> {
+    lm.save_pretrained(dir).map_err(role_err("actor"))?;
+    optim.save(dir).map_err(role_err("actor"))
+}
+
+impl Actor for ActorWorker {
+    fn compute_log_prob(&mut self, batch: &Batch, with_entropy: bool) -> rl_core::Result<Batch> {
+        let lm = lock(&self.lm, "actor")?;
+        let temperature = meta_f64(batch, "temperature", 1.0);
+        let outs = no_grad_per_micro(
+            batch,
+            self.cfg.log_prob_micro_batch_size_per_gpu,
+            self.cfg
+                .use_dynamic_bsz
+                .then_some(self.cfg.log_prob_max_token_len_per_gpu),
+            |m| {
+                let (lp, ent) = micro::log_probs(&lm, m, temperature, with_entropy)?;
+                Ok(std::iter::once(lp).chain(ent).collect())
+            },
+        )?;
+        let mut out = Batch::new();
+        let mut it = outs.into_iter();
+        if let Some(lp) = it.next() {
+            out.insert(keys::OLD_LOG_PROBS, lp)?;
+        }
+        if let Some(ent) = it.next() {
+            out.insert(keys::ENTROPYS, ent)?;
+        }
+        Ok(out)
+    }
+
+    fn update(
+        &mut self,
+        batch: &Batch,
+        objective: &dyn PolicyObjective,
+    ) -> rl_core::Result<Metrics> {
+        let lm = lock(&self.lm, "actor")?;
+        let temperature = meta_f64(batch, "temperature", 1.0);
+        let entropy = objective.needs_entropy();
+        update_loop(
+            &self.cfg,
+            self.rollout_n,
+            batch,
+            &mut self.optim,
+            "actor",
+            |micro, info| {
+                let (log_prob, entropy) = micro::log_probs(&lm, micro, temperature, entropy)?;
+                objective.loss(micro, &PolicyOutput { log_prob, entropy }, info)
+            },
+        )
+    }
+
+    fn save_state(&self, dir: &Path) -> rl_core::Result<()> {
+        let lm = lock(&self.lm, "actor")?;
+        save_lm(&lm, &self.optim, dir)
+    }
+
+    fn load_state(&mut self, dir: &Path) -> rl_core::Result<()> {
+        let mut lm = lock(&self.lm, "actor")?;
+        let path = dir.join("model.safetensors");
+        tch::no_grad(|| lm.var_store_mut().load(&path)).map_err(|e| rl_core::Error::Role {
+            role: "actor",
+            source: format!("{}: {e}", path.display()).into(),
+        })?;
+        self.optim.load(dir).map_err(role_err("actor"))
+    }
+}
+
+/// Samples from the actor's weights (verl's hybrid engine: the same tensors, no copy).
+///
+/// `meta_info` of the prompt batch steers a call: `validate: true` samples with
+/// [`ValKwargs`] instead of the training config; `seed` (u64) sets the sampler's seed, else it is
+/// `cfg.seed_for(global_step)` with `global_step` from `meta_info` (0 when absent).
+#[derive(Debug)]
+pub struct RolloutWorker {
+    lm: SharedPolicy,
+    cfg: RolloutConfig,
+    val: ValKwargs,
+    eos_token_ids: Vec<i64>,
+    pad_token_id: i64,
+}
+
+impl RolloutWorker {
+    /// A rollout over the shared weights, stopping at `eos_token_ids` and padding with
+    /// `pad_token_id`.
+    pub fn new(
+        lm: SharedPolicy,
+        cfg: RolloutConfig,
+        val: ValKwargs,
+        eos_token_ids: Vec<i64>,
+        pad_token_id: i64,
+    ) -> rl_core::Result<Self> {
+        cfg.validate().map_err(role_err("rollout"))?;
+        if eos_token_ids.is_empty() {
+            return Err(role_err("rollout")(Error::invalid(
+                "eos_token_ids",
+                "needs at least one stop token",
+            )));
+        }
+        Ok(RolloutWorker {
+            lm,
+            cfg,
+            val,
+            eos_token_ids,
+            pad_token_id,
+        })
+    }
+
+    /// The training sampling config.
+    pub fn config(&self) -> &RolloutConfig {
+        &self.cfg
+    }
+}
+
+impl Rollout for RolloutWorker {
+    fn generate(&mut self, prompts: &Batch) -> rl_core::Result<Batch> {
+        let validate = prompts
+            .meta_info()
+            .get("validate")
+            .and_then(Value::as_bool)
+            .unwrap_or(false);
+        let cfg = if validate {
+            RolloutConfig {
+                n: self.val.n,
+                temperature: self.val.temperature,
+                top_k: self.val.top_k,
+                top_p: self.val.top_p,
+                do_sample: self.val.do_sample,
+                ..self.cfg.clone()
+            }
+        } else {
+            self.cfg.clone()
+        };
+        let seed = match prompts.meta_info().get("seed").and_then(Value::as_u64) {
+            Some(s) => s,
+            None => cfg.seed_for(meta_u64(prompts, "global_step", 0)),
+        };
+        let mut opts = GenerateOptions {
+            eos_token_ids: self.eos_token_ids.clone(),
+            pad_token_id: self.pad_token_id,
+            seed,
+            progress: None,
+        };
+        let lm = lock(&self.lm, "rollout")?;
+        let out = generate(
+            &lm,
+            prompts.get(keys::INPUT_IDS)?,
+            prompts.get(keys::ATTENTION_MASK)?,
+            prompts.get(keys::POSITION_IDS)?,
+            &cfg,
+            &mut opts,
+        )
+        .map_err(role_err("rollout"))?;
+        drop(lm);
+        // carry every other key through, repeated n times interleaved like the rows
+        let mut rest = prompts.shallow_clone();
+        for k in [keys::INPUT_IDS, keys::ATTENTION_MASK, keys::POSITION_IDS] {
+            let _ = rest.pop(k)?;
+        }
+        let mut batch =
+            if rest.tensor_keys().next().is_some() || rest.column_keys().next().is_some() {
+                rest.repeat(cfg.n, true)?
+            } else {
+                let mut b = Batch::new();
+                *b.meta_info_mut() = rest.meta_info().clone();
+                b
+            };
+        let device = prompts.get(keys::INPUT_IDS)?.device();
+        for (k, t) in [
+            (keys::PROMPTS, out.prompts),
+            (keys::RESPONSES, out.responses),
+            (keys::INPUT_IDS, out.input_ids),
+            (keys::ATTENTION_MASK, out.attention_mask),
+            (keys::POSITION_IDS, out.position_ids),
+            (keys::RESPONSE_MASK, out.response_mask),
+            (keys::ROLLOUT_LOG_PROBS, out.rollout_log_probs),
+        ] {
+            batch.insert(k, t.to_device(device))?;
+        }
+        Ok(batch)
+    }
+}
+
+/// The frozen reference policy: a copy of the initial actor weights.
+#[derive(Debug)]
+pub struct ReferenceWorker {
+    lm: CausalLm,
+    micro_batch_size: Option<usize>,
+}
+
+impl ReferenceWorker {
+    /// A frozen copy of the policy's current weights.
+    pub fn from_policy(
+        policy: &SharedPolicy,
+        micro_batch_size: Option<usize>,
+    ) -> rl_core::Result<Self> {
+        let src = lock(policy, "reference")?;
+        let mut lm =
+            CausalLm::new(src.config(), src.device(), src.kind()).map_err(role_err("reference"))?;
+        lm.var_store_mut().copy(src.var_store())?;
+        lm.var_store_mut().freeze();
+        Ok(ReferenceWorker {
+            lm,
+            micro_batch_size,
+        })
+    }
+
+    /// A frozen model loaded from a Hugging Face directory.
+    pub fn from_pretrained(
+        dir: impl AsRef<Path>,
+        device: Device,
+        kind: Kind,
+        micro_batch_size: Option<usize>,
+    ) -> rl_core::Result<Self> {
+        let mut lm = CausalLm::from_pretrained(dir, device, kind).map_err(role_err("reference"))?;
+        lm.var_store_mut().freeze();
+        Ok(ReferenceWorker {
+            lm,
+            micro_batch_size,
+        })
+    }
+}
+
+impl Reference for ReferenceWorker {
+    fn compute_ref_log_prob(&mut self, batch: &Batch) -> rl_core::Result<Batch> {
+        let temperature = meta_f64(batch, "temperature", 1.0);
+        let lm = &self.lm;
+        let outs = no_grad_per_micro(batch, self.micro_batch_size, None, |m| {
+            Ok(vec![micro::log_probs(lm, m, temperature, false)?.0])
+        })?;
+        let mut out = Batch::new();
+        if let Some(lp) = outs.into_iter().next() {
+            out.insert(keys::REF_LOG_PROB, lp)?;
+        }
+        Ok(out)
+    }
+}

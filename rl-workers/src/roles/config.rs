@@ -1,0 +1,393 @@
+//! The worker-side config groups of verl's `actor_rollout_ref.actor`, `critic` and
+//! `actor_rollout_ref.rollout.val_kwargs`: optimiser, LR schedule, mini/micro-batch sizes.
+//!
+//! The loss keys of verl's `actor` group (`clip_ratio`, `entropy_coeff`, `use_kl_loss`, ...) and
+//! `critic.cliprange_value` belong to the objective and live in rl-algos; a composer that reads
+//! one `actor` table splits it by [`ActorConfig::FIELDS`].
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+/// The LR schedule after warmup (verl's `optim.lr_scheduler_type`, formerly `warmup_style`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LrSchedule {
+    /// Linear warmup to `lr`, then constant.
+    #[default]
+    Constant,
+    /// Linear warmup to `lr`, then a cosine decay to `min_lr_ratio * lr`.
+    Cosine,
+}
+
+/// verl's `optim` group: AdamW and its LR schedule. The schedule advances once per `update`
+/// call (one training step), as verl's `lr_scheduler.step()` does.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct OptimConfig {
+    /// Peak learning rate, > 0. Default 1e-6 (actor); the critic's default is 1e-5.
+    pub lr: f64,
+    /// AdamW's `(beta1, beta2)`, each in `[0, 1)`. Default `[0.9, 0.999]`.
+    pub betas: [f64; 2],
+    /// AdamW's epsilon, > 0. Default 1e-8.
+    pub eps: f64,
+    /// Decoupled weight decay, >= 0. Default 0.01.
+    pub weight_decay: f64,
+    /// Warmup steps; -1 means use `lr_warmup_steps_ratio`. Default -1.
+    pub lr_warmup_steps: i64,
+    /// Warmup as a fraction of `total_training_steps`, in `[0, 1]`. Default 0.
+    pub lr_warmup_steps_ratio: f64,
+    /// Training steps the schedule spans; -1 = filled in by the trainer. Default -1.
+    pub total_training_steps: i64,
+    /// The schedule after warmup. Default `constant`.
+    pub lr_scheduler_type: LrSchedule,
+    /// Cosine only: the floor, as a fraction of `lr`, in `[0, 1]`. Default 0.
+    pub min_lr_ratio: f64,
+    /// Cosine only: number of cosine half-waves times 2 over training. Default 0.5.
+    pub num_cycles: f64,
+}
+
+impl Default for OptimConfig {
+    fn default() -> Self {
+        OptimConfig {
+            lr: 1e-6,
+            betas: [0.9, 0.999],
+            eps: 1e-8,
+            weight_decay: 0.01,
+            lr_warmup_steps: -1,
+            lr_warmup_steps_ratio: 0.0,
+            total_training_steps: -1,
+            lr_scheduler_type: LrSchedule::Constant,
+            min_lr_ratio: 0.0,
+            num_cycles: 0.5,
+        }
+    }
+}
+
+impl OptimConfig {
+    /// Checks ranges; `prefix` is the config path of this group (`actor_rollout_ref.actor.optim`).
+    pub fn validate(&self, prefix: &str) -> Result<()> {
+        let bad = |k: &str, why: String| Err(Error::invalid(&format!("{prefix}.{k}"), why));
+        if !(self.lr > 0.0 && self.lr.is_finite()) {
+            return bad("lr", format!("must be positive, got {}", self.lr));
+        }
+        if self.betas.iter().any(|b| !(0.0..1.0).contains(b)) {
+            return bad(
+                "betas",
+                format!("each must be in [0, 1), got {:?}", self.betas),
+            );
+        }
+        if !(self.eps > 0.0) {
+            return bad("eps", format!("must be positive, got {}", self.eps));
+        }
+        if !(self.weight_decay >= 0.0 && self.weight_decay.is_finite()) {
+            return bad(
+                "weight_decay",
+                format!("must be >= 0, got {}", self.weight_decay),
+            );
+        }
+        if !(0.0..=1.0).contains(&self.lr_warmup_steps_ratio) {
+            return bad(
+                "lr_warmup_steps_ratio",
+                format!("must be in [0, 1], got {}", self.lr_warmup_steps_ratio),
+            );
+        }
+        if !(0.0..=1.0).contains(&self.min_lr_ratio) {
+            return bad(
+                "min_lr_ratio",
+                format!("must be in [0, 1], got {}", self.min_lr_ratio),
+            );
+        }
+        Ok(())
+    }
+
+    /// Warmup steps: `lr_warmup_steps` when positive, else `ratio * total_training_steps`.
+    pub fn warmup_steps(&self) -> i64 {
+        if self.lr_warmup_steps > 0 {
+            self.lr_warmup_steps
+        } else {
+            (self.lr_warmup_steps_ratio * self.total_training_steps.max(0) as f64) as i64
+        }
+    }
+
+    /// The learning rate of schedule step `step` (0-based), as verl's
+    /// `get_constant_schedule_with_warmup` / `get_cosine_schedule_with_warmup`.
+    pub fn lr_at(&self, step: i64) -> f64 {
+        let warmup = self.warmup_steps();
+        let factor = match self.lr_scheduler_type {
+            LrSchedule::Constant => {
+                if step < warmup {
+                    step as f64 / warmup.max(1) as f64
+                } else {
+                    1.0
+                }
+            }
+            LrSchedule::Cosine => {
+                let min = self.min_lr_ratio;
+                if step < warmup {
+                    min + (1.0 - min) * step as f64 / warmup.max(1) as f64
+                } else {
+                    let total = self.total_training_steps.max(1);
+                    let progress = (step - warmup) as f64 / (total - warmup).max(1) as f64;
+                    let x = (std::f64::consts::PI * self.num_cycles * 2.0 * progress).cos();
+                    (x * (1.0 - min) * 0.5 + (1.0 + min) * 0.5).max(min)
+                }
+            }
+        };
+        self.lr * factor
+    }
+}
+
+fn default_token_len() -> usize {
+    16384
+}
+
+/// verl's `actor_rollout_ref.actor` worker keys (the loss keys are rl-algos').
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ActorConfig {
+    /// Prompts per mini-batch (one optimiser step); multiplied by `rollout.n` into rows, as
+    /// verl normalises it. Default 256.
+    pub ppo_mini_batch_size: usize,
+    /// Rows per micro-batch (gradient accumulation); `None` = the whole mini-batch. Default none.
+    pub ppo_micro_batch_size_per_gpu: Option<usize>,
+    /// Split micro-batches by token count instead of rows. Default false.
+    pub use_dynamic_bsz: bool,
+    /// Token budget of a dynamic micro-batch (prompt + response tokens). Default 16384.
+    #[serde(default = "default_token_len")]
+    pub ppo_max_token_len_per_gpu: usize,
+    /// Passes over each batch. Default 1.
+    pub ppo_epochs: usize,
+    /// Shuffle rows into mini-batches (seeded by `data_loader_seed` and the step). Default false.
+    pub shuffle: bool,
+    /// Seed of the mini-batch shuffle. Default 0.
+    pub data_loader_seed: u64,
+    /// Clip the global gradient norm to this; a non-finite norm skips the step. Default 1.0.
+    pub grad_clip: f64,
+    /// Rows per micro-batch of `compute_log_prob` (verl's `rollout.log_prob_micro_batch_size_per_gpu`);
+    /// `None` = the whole batch. Default none.
+    pub log_prob_micro_batch_size_per_gpu: Option<usize>,
+    /// Token budget of a dynamic `compute_log_prob` micro-batch. Default 16384.
+    #[serde(default = "default_token_len")]
+    pub log_prob_max_token_len_per_gpu: usize,
+    /// AdamW and LR schedule.
+    pub optim: OptimConfig,
+}
+
+impl Default for ActorConfig {
+    fn default() -> Self {
+        ActorConfig {
+            ppo_mini_batch_size: 256,
+            ppo_micro_batch_size_per_gpu: None,
+            use_dynamic_bsz: false,
+            ppo_max_token_len_per_gpu: 16384,
+            ppo_epochs: 1,
+            shuffle: false,
+            data_loader_seed: 0,
+            grad_clip: 1.0,
+            log_prob_micro_batch_size_per_gpu: None,
+            log_prob_max_token_len_per_gpu: 16384,
+            optim: OptimConfig::default(),
+        }
+    }
+}
+
+impl ActorConfig {
+    /// The keys of this group, for a composer that splits verl's `actor` table between this
+    /// struct and the loss keys.
+    pub const FIELDS: &'static [&'static str] = &[
+        "ppo_mini_batch_size",
+        "ppo_micro_batch_size_per_gpu",
+        "use_dynamic_bsz",
+        "ppo_max_token_len_per_gpu",
+        "ppo_epochs",
+        "shuffle",
+        "data_loader_seed",
+        "grad_clip",
+        "log_prob_micro_batch_size_per_gpu",
+        "log_prob_max_token_len_per_gpu",
+        "optim",
+    ];
+
+    /// Checks ranges; `prefix` names the group (`actor_rollout_ref.actor`).
+    pub fn validate(&self, prefix: &str) -> Result<()> {
+        let bad = |k: &str, why: String| Err(Error::invalid(&format!("{prefix}.{k}"), why));
+        if self.ppo_mini_batch_size == 0 {
+            return bad("ppo_mini_batch_size", "must be at least 1".into());
+        }
+        if self.ppo_micro_batch_size_per_gpu == Some(0) {
+            return bad(
+                "ppo_micro_batch_size_per_gpu",
+                "must be at least 1 (or null)".into(),
+            );
+        }
+        if self.log_prob_micro_batch_size_per_gpu == Some(0) {
+            return bad(
+                "log_prob_micro_batch_size_per_gpu",
+                "must be at least 1 (or null)".into(),
+            );
+        }
+        if self.ppo_epochs == 0 {
+            return bad("ppo_epochs", "must be at least 1".into());
+        }
+        if self.use_dynamic_bsz && self.ppo_max_token_len_per_gpu == 0 {
+            return bad("ppo_max_token_len_per_gpu", "must be at least 1".into());
+        }
+        if !(self.grad_clip > 0.0) {
+            return bad(
+                "grad_clip",
+                format!("must be positive, got {}", self.grad_clip),
+            );
+        }
+        self.optim.validate(&format!("{prefix}.optim"))
+    }
+}
+
+/// verl's `critic` worker keys (`cliprange_value` and `loss_agg_mode` are the objective's).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CriticConfig {
+    /// Prompts per mini-batch, times `rollout.n` rows. Default 256.
+    pub ppo_mini_batch_size: usize,
+    /// Rows per micro-batch; `None` = the whole mini-batch. Default none.
+    pub ppo_micro_batch_size_per_gpu: Option<usize>,
+    /// Split micro-batches by token count. Default false.
+    pub use_dynamic_bsz: bool,
+    /// Token budget of a dynamic micro-batch. Default 32768.
+    pub ppo_max_token_len_per_gpu: usize,
+    /// Passes over each batch. Default 1.
+    pub ppo_epochs: usize,
+    /// Shuffle rows into mini-batches. Default false.
+    pub shuffle: bool,
+    /// Seed of the mini-batch shuffle. Default 0.
+    pub data_loader_seed: u64,
+    /// Global gradient-norm clip. Default 1.0.
+    pub grad_clip: f64,
+    /// AdamW and LR schedule; the critic's default `lr` is 1e-5.
+    pub optim: OptimConfig,
+}
+
+impl Default for CriticConfig {
+    fn default() -> Self {
+        CriticConfig {
+            ppo_mini_batch_size: 256,
+            ppo_micro_batch_size_per_gpu: None,
+            use_dynamic_bsz: false,
+            ppo_max_token_len_per_gpu: 32768,
+            ppo_epochs: 1,
+            shuffle: false,
+            data_loader_seed: 0,
+            grad_clip: 1.0,
+            optim: OptimConfig {
+                lr: 1e-5,
+                ..OptimConfig::default()
+            },
+        }
+    }
+}
+
+impl CriticConfig {
+    /// The keys of this group (see [`ActorConfig::FIELDS`]).
+    pub const FIELDS: &'static [&'static str] = &[
+        "ppo_mini_batch_size",
+        "ppo_micro_batch_size_per_gpu",
+        "use_dynamic_bsz",
+        "ppo_max_token_len_per_gpu",
+        "ppo_epochs",
+        "shuffle",
+        "data_loader_seed",
+        "grad_clip",
+        "optim",
+    ];
+
+    /// The same settings as an [`ActorConfig`] (the update loop is shared).
+    pub(crate) fn as_actor(&self) -> ActorConfig {
+        ActorConfig {
+            ppo_mini_batch_size: self.ppo_mini_batch_size,
+            ppo_micro_batch_size_per_gpu: self.ppo_micro_batch_size_per_gpu,
+            use_dynamic_bsz: self.use_dynamic_bsz,
+            ppo_max_token_len_per_gpu: self.ppo_max_token_len_per_gpu,
+            ppo_epochs: self.ppo_epochs,
+            shuffle: self.shuffle,
+            data_loader_seed: self.data_loader_seed,
+            grad_clip: self.grad_clip,
+            log_prob_micro_batch_size_per_gpu: self.ppo_micro_batch_size_per_gpu,
+            log_prob_max_token_len_per_gpu: self.ppo_max_token_len_per_gpu,
+            optim: self.optim.clone(),
+        }
+    }
+
+    /// Checks ranges; `prefix` names the group (`critic`).
+    pub fn validate(&self, prefix: &str) -> Result<()> {
+        self.as_actor().validate(prefix)
+    }
+}
+
+/// verl's `actor_rollout_ref.rollout.val_kwargs`: sampling during validation.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ValKwargs {
+    /// Top-k; -1 = off. Default -1.
+    pub top_k: i64,
+    /// Nucleus; default 1.0.
+    pub top_p: f64,
+    /// Temperature; default 0 (greedy).
+    pub temperature: f64,
+    /// Samples per prompt; default 1.
+    pub n: usize,
+    /// Sample (true) or greedy (false). Default false.
+    pub do_sample: bool,
+}
+
+impl Default for ValKwargs {
+    fn default() -> Self {
+        ValKwargs {
+            top_k: -1,
+            top_p: 1.0,
+            temperature: 0.0,
+            n: 1,
+            do_sample: false,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_verls_and_schedules_warm_up() {
+        let a: ActorConfig = serde_json::from_str("{}").unwrap();
+        assert_eq!(a, ActorConfig::default());
+        assert_eq!(a.optim.lr, 1e-6);
+        let c: CriticConfig = serde_json::from_str("{}").unwrap();
+        assert_eq!(c.optim.lr, 1e-5);
+        assert!(serde_json::from_str::<ActorConfig>(r#"{"ppo_epoch": 2}"#).is_err());
+        let o = OptimConfig {
+            lr: 1.0,
+            lr_warmup_steps: 4,
+            total_training_steps: 14,
+            lr_scheduler_type: LrSchedule::Cosine,
+            ..OptimConfig::default()
+        };
+        assert_eq!(o.lr_at(0), 0.0);
+        assert_eq!(o.lr_at(2), 0.5);
+        assert!((o.lr_at(4) - 1.0).abs() < 1e-12);
+        assert!((o.lr_at(9) - 0.5).abs() < 1e-12);
+        assert!(o.lr_at(14).abs() < 1e-12);
+        let k = OptimConfig {
+            lr_scheduler_type: LrSchedule::Constant,
+            ..o
+        };
+        assert_eq!(k.lr_at(100), 1.0);
+        let bad = ActorConfig {
+            ppo_epochs: 0,
+            ..ActorConfig::default()
+        };
+        let err = bad
+            .validate("actor_rollout_ref.actor")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("actor_rollout_ref.actor.ppo_epochs"), "{err}");
+    }
+}

@@ -1,0 +1,28 @@
+//! The roles of rl-core implemented on a device: actor, rollout sharing the actor's weights,
+//! frozen reference, critic, with their configs and a checkpointable AdamW.
+//!
+//! A worker never knows which algorithm trains it: the loss arrives as an
+//! [`rl_core::roles::PolicyObjective`] / [`rl_core::roles::ValueObjective`].
+
+mod actor;
+mod config;
+mod critic;
+mod micro;
+mod optim;
+
+pub use actor::{ActorWorker, ReferenceWorker, RolloutWorker, SharedPolicy, share};
+pub use config::{ActorConfig, CriticConfig, LrSchedule, OptimConfig, ValKwargs};
+pub use critic::CriticWorker;
+pub use micro::token_balanced_partitions;
+pub use optim::{AdamW, OptimCounters};
+
+/// Wraps an rl-workers error as the `rl_core::Error::Role` of `role`.
+pub(crate) fn role_err(role: &'static str) -> impl Fn(crate::Error) -> rl_core::Error {
+    move |e| rl_core::Error::Role {
+        role,
+        source: Box::new(e),
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,280 @@
+//! Role tests on a tiny random model: shared weights, exact accumulation, resume.
+
+use rl_core::roles::{
+    Actor, Critic, Metrics, MiniBatchInfo, PolicyObjective, PolicyOutput, Reference, Rollout,
+    ValueObjective,
+};
+use rl_core::{Batch, keys};
+use tch::{Device, Kind, Tensor};
+
+use super::*;
+use crate::heads::{CausalLm, ValueModel};
+use crate::model::Config;
+use crate::rollout::RolloutConfig;
+
+/// `-sum(log_prob * advantages * mask) / mini-batch tokens`: sums to the mini-batch's loss.
+struct TokenMeanPg;
+
+impl PolicyObjective for TokenMeanPg {
+    fn needs_entropy(&self) -> bool {
+        false
+    }
+    fn loss(
+        &self,
+        micro: &Batch,
+        out: &PolicyOutput,
+        info: MiniBatchInfo,
+    ) -> rl_core::Result<(Tensor, Metrics)> {
+        let mask = micro.get(keys::RESPONSE_MASK)?;
+        let adv = micro.get(keys::ADVANTAGES)?;
+        let loss = -(&out.log_prob * adv * mask).sum(Kind::Float) / info.tokens;
+        let mut m = Metrics::new();
+        m.push("actor/pg_loss", loss.double_value(&[]));
+        Ok((loss, m))
+    }
+}
+
+struct Mse;
+
+impl ValueObjective for Mse {
+    fn loss(
+        &self,
+        micro: &Batch,
+        values: &Tensor,
+        info: MiniBatchInfo,
+    ) -> rl_core::Result<(Tensor, Metrics)> {
+        let mask = micro.get(keys::RESPONSE_MASK)?;
+        let ret = micro.get(keys::RETURNS)?;
+        let loss = ((values - ret).square() * mask).sum(Kind::Float) / info.tokens * 0.5;
+        let mut m = Metrics::new();
+        m.push("critic/vf_loss", loss.double_value(&[]));
+        Ok((loss, m))
+    }
+}
+
+fn tiny_policy(seed: i64) -> SharedPolicy {
+    tch::manual_seed(seed);
+    share(CausalLm::new(&Config::tiny(), Device::Cpu, Kind::Float).unwrap())
+}
+
+fn prompts(rows: i64) -> Batch {
+    let ids = Tensor::randint_low(3, 100, [rows, 5], (Kind::Int64, Device::Cpu));
+    let mask = Tensor::ones([rows, 5], (Kind::Int64, Device::Cpu));
+    let _ = mask.narrow(1, 0, 2).narrow(0, 0, 1).fill_(0);
+    let pos = (mask.cumsum(1, Kind::Int64) - 1).clamp_min(0);
+    let mut b = Batch::new();
+    b.insert(keys::INPUT_IDS, ids).unwrap();
+    b.insert(keys::ATTENTION_MASK, mask).unwrap();
+    b.insert(keys::POSITION_IDS, pos).unwrap();
+    b.insert_column(keys::UID, (0..rows).map(|i| i.to_string().into()).collect())
+        .unwrap();
+    b
+}
+
+fn rollout(policy: &SharedPolicy, n: usize) -> RolloutWorker {
+    let cfg = RolloutConfig {
+        n,
+        response_length: 6,
+        seed: 3,
+        ..RolloutConfig::default()
+    };
+    RolloutWorker::new(policy.clone(), cfg, ValKwargs::default(), vec![2], 0).unwrap()
+}
+
+fn rolled(policy: &SharedPolicy) -> Batch {
+    tch::manual_seed(11);
+    let mut b = rollout(policy, 2).generate(&prompts(4)).unwrap();
+    let adv = Tensor::randn([8, 6], (Kind::Float, Device::Cpu));
+    b.insert(keys::ADVANTAGES, adv).unwrap();
+    let ret = Tensor::randn([8, 6], (Kind::Float, Device::Cpu));
+    b.insert(keys::RETURNS, ret).unwrap();
+    b
+}
+
+fn actor_cfg(micro: Option<usize>, dynamic: bool) -> ActorConfig {
+    ActorConfig {
+        ppo_mini_batch_size: 2,
+        ppo_micro_batch_size_per_gpu: micro,
+        use_dynamic_bsz: dynamic,
+        ppo_max_token_len_per_gpu: 25,
+        optim: OptimConfig {
+            lr: 1e-2,
+            ..OptimConfig::default()
+        },
+        ..ActorConfig::default()
+    }
+}
+
+fn params(p: &SharedPolicy) -> Vec<(String, Tensor)> {
+    let lm = p.lock().unwrap();
+    let mut v: Vec<_> = lm
+        .var_store()
+        .variables()
+        .into_iter()
+        .map(|(k, t)| (k, t.copy()))
+        .collect();
+    v.sort_by(|a, b| a.0.cmp(&b.0));
+    v
+}
+
+fn max_diff(a: &[(String, Tensor)], b: &[(String, Tensor)]) -> f64 {
+    a.iter()
+        .zip(b)
+        .map(|((_, x), (_, y))| (x - y).abs().max().double_value(&[]))
+        .fold(0.0, f64::max)
+}
+
+#[test]
+fn rollout_carries_columns_and_shares_the_actors_weights() {
+    let policy = tiny_policy(0);
+    let batch = rolled(&policy);
+    assert_eq!(batch.len(), 8);
+    assert_eq!(
+        batch.column(keys::UID).unwrap()[..2],
+        ["0".into(), "0".into()] as [serde_json::Value; 2]
+    );
+    let before = rollout(&policy, 2).generate(&prompts(4)).unwrap();
+    let mut actor = ActorWorker::new(policy.clone(), actor_cfg(None, false), 2).unwrap();
+    let old = actor.compute_log_prob(&batch, true).unwrap();
+    let mut batch = batch;
+    batch.union(old).unwrap();
+    actor.update(&batch, &TokenMeanPg).unwrap();
+    // the rollout holds the same tensors: its log-probs of a fixed sequence moved with the update
+    let again = actor.compute_log_prob(&before, false).unwrap();
+    let lm = policy.lock().unwrap();
+    let direct = tch::no_grad(|| micro::log_probs(&lm, &before, 1.0, false).unwrap().0);
+    assert!(
+        again
+            .get(keys::OLD_LOG_PROBS)
+            .unwrap()
+            .allclose(&direct, 1e-6, 1e-6, false)
+    );
+    drop(lm);
+    let lp_before = {
+        let mut a = ActorWorker::new(tiny_policy(0), actor_cfg(None, false), 2).unwrap();
+        a.compute_log_prob(&before, false).unwrap()
+    };
+    assert!(
+        !lp_before
+            .get(keys::OLD_LOG_PROBS)
+            .unwrap()
+            .allclose(&direct, 1e-6, 1e-6, false)
+    );
+}
+
+#[test]
+fn four_micro_batches_equal_one_and_dynamic_bsz_too() {
+    let base = tiny_policy(1);
+    let batch = rolled(&base);
+    let mut results = Vec::new();
+    for (micro, dynamic) in [(None, false), (Some(1), false), (None, true)] {
+        let policy = tiny_policy(1);
+        let mut actor = ActorWorker::new(policy.clone(), actor_cfg(micro, dynamic), 2).unwrap();
+        let mut b = batch.shallow_clone();
+        b.union(actor.compute_log_prob(&batch, false).unwrap())
+            .unwrap();
+        let m = actor.update(&b, &TokenMeanPg).unwrap();
+        assert_eq!(m.values("actor/grad_norm").len(), 2);
+        results.push((params(&policy), m.values("actor/pg_loss").to_vec()));
+    }
+    for (p, loss) in &results[1..] {
+        assert!(
+            max_diff(&results[0].0, p) < 1e-5,
+            "{}",
+            max_diff(&results[0].0, p)
+        );
+        for (a, b) in loss.iter().zip(&results[0].1) {
+            assert!((a - b).abs() < 1e-5, "{loss:?} vs {:?}", results[0].1);
+        }
+    }
+    assert!(max_diff(&results[0].0, &params(&tiny_policy(1))) > 1e-4);
+}
+
+#[test]
+fn reference_is_frozen_and_resume_restores_weights_and_optimizer() {
+    let policy = tiny_policy(2);
+    let mut reference = ReferenceWorker::from_policy(&policy, Some(3)).unwrap();
+    let batch = rolled(&policy);
+    let r0 = reference.compute_ref_log_prob(&batch).unwrap();
+    let mut actor = ActorWorker::new(policy.clone(), actor_cfg(Some(2), false), 2).unwrap();
+    let mut b = batch.shallow_clone();
+    b.union(actor.compute_log_prob(&batch, false).unwrap())
+        .unwrap();
+    assert!(r0.get(keys::REF_LOG_PROB).unwrap().allclose(
+        b.get(keys::OLD_LOG_PROBS).unwrap(),
+        1e-6,
+        1e-6,
+        false
+    ));
+    actor.update(&b, &TokenMeanPg).unwrap();
+    let r1 = reference.compute_ref_log_prob(&batch).unwrap();
+    assert!(
+        r0.get(keys::REF_LOG_PROB)
+            .unwrap()
+            .equal(r1.get(keys::REF_LOG_PROB).unwrap())
+    );
+
+    let dir = tempfile::tempdir().unwrap();
+    actor.save_state(dir.path()).unwrap();
+    actor.update(&b, &TokenMeanPg).unwrap();
+    let want = params(&policy);
+    let other = tiny_policy(9);
+    let mut resumed = ActorWorker::new(other.clone(), actor_cfg(Some(2), false), 2).unwrap();
+    resumed.load_state(dir.path()).unwrap();
+    resumed.update(&b, &TokenMeanPg).unwrap();
+    assert!(max_diff(&want, &params(&other)) == 0.0);
+    assert_eq!(resumed.optimizer().counters(), actor.optimizer().counters());
+}
+
+#[test]
+fn critic_loss_falls() {
+    let policy = tiny_policy(3);
+    let batch = rolled(&policy);
+    tch::manual_seed(4);
+    let vm = ValueModel::new(&Config::tiny(), Device::Cpu, Kind::Float).unwrap();
+    let cfg = CriticConfig {
+        ppo_mini_batch_size: 4,
+        optim: OptimConfig {
+            lr: 1e-2,
+            ..OptimConfig::default()
+        },
+        ..CriticConfig::default()
+    };
+    let mut critic = CriticWorker::new(vm, cfg, 2).unwrap();
+    let v = critic.compute_values(&batch).unwrap();
+    assert_eq!(v.get(keys::VALUES).unwrap().size(), [8, 6]);
+    let first = critic
+        .update(&batch, &Mse)
+        .unwrap()
+        .values("critic/vf_loss")[0];
+    let mut last = first;
+    for _ in 0..20 {
+        last = critic
+            .update(&batch, &Mse)
+            .unwrap()
+            .values("critic/vf_loss")[0];
+    }
+    assert!(last < first * 0.7, "{first} -> {last}");
+}
+
+#[test]
+fn bad_configs_name_the_key() {
+    let policy = tiny_policy(0);
+    let err = ActorWorker::new(
+        policy.clone(),
+        ActorConfig {
+            ppo_mini_batch_size: 0,
+            ..ActorConfig::default()
+        },
+        1,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("actor_rollout_ref.actor.ppo_mini_batch_size"),
+        "{err}"
+    );
+    let mut actor = ActorWorker::new(policy.clone(), actor_cfg(None, false), 3).unwrap();
+    let b = rolled(&policy);
+    assert!(actor.update(&b, &TokenMeanPg).is_err()); // 6 rows per mini-batch do not divide 8
+}
