@@ -1,9 +1,10 @@
 //! The math of RL post-training: advantages, KL penalties, policy, value and DPO losses.
 //!
-//! Loss aggregation lives here too, and (later) the trainer loops written against the role
-//! traits of `rl-core`.
+//! Loss aggregation lives here too, and the trainer loops written against the role traits of
+//! `rl-core` ([`trainer`]).
 //!
-//! Everything here is pure tensor math: no IO, deterministic given its inputs and seed.
+//! The math is pure tensor code: no IO, deterministic given its inputs and seed (the trainers
+//! write their own `trainer_state.json` into a checkpoint folder, nothing else).
 //! Each function matches a named verl function (its doc says which) value for value and, for
 //! the losses, gradient for gradient; the parity fixtures under `tests/fixtures/` pin that.
 //!
@@ -20,6 +21,7 @@
 //! - [`dpo`]: DPO (sigmoid, IPO, hinge, reference-free), online-DPO pairs, sequence log-probs,
 //!   SPPO
 //! - [`dapo`]: overlong reward shaping and the dynamic-sampling group filter
+//! - [`trainer`]: [`trainer::OnPolicyTrainer`], [`trainer::SftTrainer`], their objectives and config
 //!
 //! Mutually exclusive choices are enums whose serde names are verl's config strings; the
 //! config groups are [`AlgoConfig`] (verl's `algorithm`) and [`PolicyLossConfig`] (the policy
@@ -67,6 +69,7 @@ pub mod kl;
 pub mod logits;
 pub mod loss;
 pub mod masked;
+pub mod trainer;
 
 pub use advantage::AdvEstimator;
 pub use agg::{GlobalBatchInfo, LossAggMode};

@@ -11,6 +11,7 @@ pub mod countdown;
 pub mod gsm8k;
 pub mod math;
 pub mod qa_em;
+pub mod role;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

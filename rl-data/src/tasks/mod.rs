@@ -6,6 +6,7 @@
 mod arithmetic;
 mod countdown;
 mod gsm8k;
+pub mod tiny_vocab;
 mod word_problems;
 
 use std::collections::HashSet;

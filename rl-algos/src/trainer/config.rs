@@ -1,0 +1,367 @@
+//! The trainer's config: the loss keys of verl's `actor` and `critic` groups, verl's `trainer`
+//! group, and [`OnPolicyConfig`], the checked plan an [`OnPolicyTrainer`](super::OnPolicyTrainer)
+//! runs, composed from the crates' config groups by whoever reads the experiment file.
+
+use serde::{Deserialize, Serialize};
+
+use crate::advantage::AdvEstimator;
+use crate::agg::LossAggMode;
+use crate::config::AlgoConfig;
+use crate::dapo::OverlongBufferConfig;
+use crate::error::{Error, Result};
+use crate::kl::KlPenalty;
+use crate::loss::{PolicyLossConfig, PolicyLossMode, PolicyLossParams};
+
+/// The loss keys of verl's `actor_rollout_ref.actor` group (the worker keys — optimiser,
+/// mini/micro-batch sizes, clipping — are rl-workers' `ActorConfig`), with verl's defaults.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ActorLossConfig {
+    /// PPO's clip range. Default 0.2.
+    pub clip_ratio: f64,
+    /// Lower clip range; absent = `clip_ratio`.
+    pub clip_ratio_low: Option<f64>,
+    /// Upper clip range (DAPO's clip-higher); absent = `clip_ratio`.
+    pub clip_ratio_high: Option<f64>,
+    /// Dual-clip bound, > 1. Default 3.0.
+    pub clip_ratio_c: f64,
+    /// Loss aggregation. Default `token-mean`.
+    pub loss_agg_mode: LossAggMode,
+    /// Divisor of `seq-mean-token-sum-norm`; absent = the response length.
+    pub loss_scale_factor: Option<f64>,
+    /// The policy loss and its parameters.
+    pub policy_loss: PolicyLossParams,
+    /// Entropy bonus coefficient (the loss subtracts `entropy_coeff * entropy`). Default 0.
+    pub entropy_coeff: f64,
+    /// Add `kl_loss_coef * KL(policy || reference)` to the loss (GRPO). Default false.
+    pub use_kl_loss: bool,
+    /// Coefficient of the KL loss, >= 0. Default 0.001.
+    pub kl_loss_coef: f64,
+    /// KL estimator of the KL loss. Default `low_var_kl`.
+    pub kl_loss_type: KlPenalty,
+}
+
+impl Default for ActorLossConfig {
+    fn default() -> Self {
+        let p = PolicyLossConfig::default();
+        ActorLossConfig {
+            clip_ratio: p.clip_ratio,
+            clip_ratio_low: p.clip_ratio_low,
+            clip_ratio_high: p.clip_ratio_high,
+            clip_ratio_c: p.clip_ratio_c,
+            loss_agg_mode: p.loss_agg_mode,
+            loss_scale_factor: p.loss_scale_factor,
+            policy_loss: p.policy_loss,
+            entropy_coeff: 0.0,
+            use_kl_loss: false,
+            kl_loss_coef: 0.001,
+            kl_loss_type: KlPenalty::LowVarKl,
+        }
+    }
+}
+
+impl ActorLossConfig {
+    /// The keys of this group, for a composer splitting verl's `actor` table.
+    pub const FIELDS: &'static [&'static str] = &[
+        "clip_ratio",
+        "clip_ratio_low",
+        "clip_ratio_high",
+        "clip_ratio_c",
+        "loss_agg_mode",
+        "loss_scale_factor",
+        "policy_loss",
+        "entropy_coeff",
+        "use_kl_loss",
+        "kl_loss_coef",
+        "kl_loss_type",
+    ];
+
+    /// The policy-loss part.
+    pub fn policy_loss_config(&self) -> PolicyLossConfig {
+        PolicyLossConfig {
+            clip_ratio: self.clip_ratio,
+            clip_ratio_low: self.clip_ratio_low,
+            clip_ratio_high: self.clip_ratio_high,
+            clip_ratio_c: self.clip_ratio_c,
+            loss_agg_mode: self.loss_agg_mode,
+            loss_scale_factor: self.loss_scale_factor,
+            policy_loss: self.policy_loss,
+            ..PolicyLossConfig::default()
+        }
+    }
+}
+
+/// The loss keys of verl's `critic` group.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CriticLossConfig {
+    /// Value clip range around the rollout-time values, >= 0. Default 0.5.
+    pub cliprange_value: f64,
+    /// Loss aggregation. Default `token-mean`.
+    pub loss_agg_mode: LossAggMode,
+}
+
+impl Default for CriticLossConfig {
+    fn default() -> Self {
+        CriticLossConfig {
+            cliprange_value: 0.5,
+            loss_agg_mode: LossAggMode::TokenMean,
+        }
+    }
+}
+
+/// verl's `trainer` group (the keys a trainer reads; the harness owns the rest).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainerSection {
+    /// Epochs over the training set, used when `total_training_steps` is absent. Default 30.
+    pub total_epochs: usize,
+    /// Training steps; absent = `total_epochs * batches per epoch`.
+    pub total_training_steps: Option<u64>,
+    /// Validate every this many steps; -1 = never. Default -1.
+    pub test_freq: i64,
+    /// Validate before the first step. Default true.
+    pub val_before_train: bool,
+    /// Generations logged as samples per validation. Default 0.
+    pub log_val_generations: usize,
+    /// Steps during which only the critic is updated. Default 0.
+    pub critic_warmup: u64,
+    /// Checkpoint every this many steps; -1 = never (read by the harness). Default -1.
+    pub save_freq: i64,
+}
+
+impl Default for TrainerSection {
+    fn default() -> Self {
+        TrainerSection {
+            total_epochs: 30,
+            total_training_steps: None,
+            test_freq: -1,
+            val_before_train: true,
+            log_val_generations: 0,
+            critic_warmup: 0,
+            save_freq: -1,
+        }
+    }
+}
+
+/// Everything [`OnPolicyTrainer`](super::OnPolicyTrainer) needs, composed from verl's groups:
+/// `algorithm`, the loss keys of `actor_rollout_ref.actor` and `critic`, the sizes that must
+/// agree across groups, and `trainer`. [`check`](Self::check) names the verl key at fault.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct OnPolicyConfig {
+    /// verl's `algorithm`.
+    pub algorithm: AlgoConfig,
+    /// The loss keys of `actor_rollout_ref.actor`.
+    pub actor: ActorLossConfig,
+    /// The loss keys of `critic`.
+    pub critic: CriticLossConfig,
+    /// verl's `trainer`.
+    pub trainer: TrainerSection,
+    /// `data.train_batch_size`: prompts per step.
+    pub train_batch_size: usize,
+    /// `actor_rollout_ref.rollout.n`: responses per prompt.
+    pub rollout_n: usize,
+    /// `actor_rollout_ref.rollout.temperature` (log-probs are computed at it).
+    pub temperature: f64,
+    /// `actor_rollout_ref.rollout.response_length` (= `data.max_response_length`).
+    pub max_response_length: i64,
+    /// `actor_rollout_ref.actor.ppo_mini_batch_size`: prompts per actor mini-batch.
+    pub actor_ppo_mini_batch_size: usize,
+    /// `critic.ppo_mini_batch_size`: prompts per critic mini-batch.
+    pub critic_ppo_mini_batch_size: usize,
+    /// `reward_model.overlong_buffer` (DAPO's overlong shaping).
+    pub overlong_buffer: OverlongBufferConfig,
+    /// Batches per epoch of the training loader (to derive the step count from epochs).
+    pub batches_per_epoch: usize,
+}
+
+impl Default for OnPolicyConfig {
+    fn default() -> Self {
+        OnPolicyConfig {
+            algorithm: AlgoConfig::default(),
+            actor: ActorLossConfig::default(),
+            critic: CriticLossConfig::default(),
+            trainer: TrainerSection::default(),
+            train_batch_size: 1024,
+            rollout_n: 1,
+            temperature: 1.0,
+            max_response_length: 512,
+            actor_ppo_mini_batch_size: 256,
+            critic_ppo_mini_batch_size: 256,
+            overlong_buffer: OverlongBufferConfig::default(),
+            batches_per_epoch: 1,
+        }
+    }
+}
+
+fn bad(key: &'static str, reason: impl Into<String>) -> Error {
+    Error::InvalidArgument {
+        name: key,
+        reason: reason.into(),
+    }
+}
+
+impl OnPolicyConfig {
+    /// The step count: `trainer.total_training_steps`, else epochs x batches per epoch.
+    pub fn total_steps(&self) -> u64 {
+        self.trainer
+            .total_training_steps
+            .unwrap_or((self.trainer.total_epochs * self.batches_per_epoch) as u64)
+    }
+
+    /// Checks the cross-group rules verl asserts (and a few more) before any model loads;
+    /// every error names the verl key (`actor_rollout_ref.rollout.n`, ...).
+    pub fn check(&self) -> Result<()> {
+        let algo = &self.algorithm;
+        algo.validate()
+            .map_err(|e| bad("algorithm", e.to_string()))?;
+        self.actor
+            .policy_loss_config()
+            .validate()
+            .map_err(|e| bad("actor_rollout_ref.actor", e.to_string()))?;
+        if self.train_batch_size == 0 {
+            return Err(bad("data.train_batch_size", "must be at least 1"));
+        }
+        if self.rollout_n == 0 {
+            return Err(bad("actor_rollout_ref.rollout.n", "must be at least 1"));
+        }
+        if algo.adv_estimator.needs_groups() && self.rollout_n < 2 {
+            return Err(bad(
+                "actor_rollout_ref.rollout.n",
+                format!(
+                    "adv_estimator `{}` compares responses within a group and needs n >= 2, got {}",
+                    algo.adv_estimator, self.rollout_n
+                ),
+            ));
+        }
+        if self.actor_ppo_mini_batch_size == 0
+            || !self
+                .train_batch_size
+                .is_multiple_of(self.actor_ppo_mini_batch_size)
+        {
+            return Err(bad(
+                "actor_rollout_ref.actor.ppo_mini_batch_size",
+                format!(
+                    "{} must divide data.train_batch_size ({})",
+                    self.actor_ppo_mini_batch_size, self.train_batch_size
+                ),
+            ));
+        }
+        if algo.adv_estimator.needs_critic()
+            && (self.critic_ppo_mini_batch_size == 0
+                || !self
+                    .train_batch_size
+                    .is_multiple_of(self.critic_ppo_mini_batch_size))
+        {
+            return Err(bad(
+                "critic.ppo_mini_batch_size",
+                format!(
+                    "{} must divide data.train_batch_size ({})",
+                    self.critic_ppo_mini_batch_size, self.train_batch_size
+                ),
+            ));
+        }
+        if algo.adv_estimator == AdvEstimator::Remax {
+            return Err(bad(
+                "algorithm.adv_estimator",
+                "`remax` needs a greedy baseline rollout, which this trainer does not run",
+            ));
+        }
+        if !(self.temperature > 0.0) {
+            return Err(bad(
+                "actor_rollout_ref.rollout.temperature",
+                format!("must be positive for training, got {}", self.temperature),
+            ));
+        }
+        if self.max_response_length < 1 {
+            return Err(bad("data.max_response_length", "must be at least 1"));
+        }
+        if !(self.actor.kl_loss_coef >= 0.0) {
+            return Err(bad("actor_rollout_ref.actor.kl_loss_coef", "must be >= 0"));
+        }
+        if !(self.critic.cliprange_value >= 0.0) {
+            return Err(bad("critic.cliprange_value", "must be >= 0"));
+        }
+        let ob = &self.overlong_buffer;
+        if ob.enable && (ob.len <= 0 || ob.len > self.max_response_length) {
+            return Err(bad(
+                "reward_model.overlong_buffer.len",
+                format!(
+                    "must be in 1..={} (the response length), got {}",
+                    self.max_response_length, ob.len
+                ),
+            ));
+        }
+        if let Some(fg) = &algo.filter_groups
+            && fg.enable
+        {
+            let metric = fg.metric.as_deref().unwrap_or("");
+            if !["acc", "score", "seq_reward", "seq_final_reward"].contains(&metric) {
+                return Err(bad(
+                    "algorithm.filter_groups.metric",
+                    format!(
+                        "must be one of acc, score, seq_reward, seq_final_reward, got `{metric}`"
+                    ),
+                ));
+            }
+            if self.rollout_n < 2 {
+                return Err(bad(
+                    "actor_rollout_ref.rollout.n",
+                    "dynamic sampling (algorithm.filter_groups) needs n >= 2",
+                ));
+            }
+        }
+        if self.actor.policy_loss.loss_mode == PolicyLossMode::Reinforce && self.actor.use_kl_loss {
+            // allowed; nothing to check, kept explicit for readers
+        }
+        if self.total_steps() == 0 {
+            return Err(bad(
+                "trainer.total_training_steps",
+                "training would run zero steps",
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bad_configs_name_the_key() {
+        let grpo = OnPolicyConfig {
+            algorithm: AlgoConfig {
+                adv_estimator: AdvEstimator::Grpo,
+                ..AlgoConfig::default()
+            },
+            train_batch_size: 8,
+            actor_ppo_mini_batch_size: 4,
+            rollout_n: 1,
+            ..OnPolicyConfig::default()
+        };
+        let err = grpo.check().unwrap_err().to_string();
+        assert!(err.contains("actor_rollout_ref.rollout.n"), "{err}");
+        let uneven = OnPolicyConfig {
+            rollout_n: 4,
+            actor_ppo_mini_batch_size: 3,
+            ..grpo.clone()
+        };
+        let err = uneven.check().unwrap_err().to_string();
+        assert!(
+            err.contains("actor_rollout_ref.actor.ppo_mini_batch_size"),
+            "{err}"
+        );
+        let ok = OnPolicyConfig {
+            rollout_n: 4,
+            ..grpo
+        };
+        ok.check().unwrap();
+        let err =
+            serde_json::from_str::<OnPolicyConfig>(r#"{"algorithm": {"adv_estimator": "grpoo"}}"#)
+                .unwrap_err()
+                .to_string();
+        assert!(err.contains("grpoo"), "{err}");
+    }
+}

@@ -1,0 +1,17 @@
+//! The trainer loops, written against the role traits of rl-core: [`OnPolicyTrainer`] (PPO,
+//! GRPO, Dr. GRPO, RLOO, REINFORCE++, GSPO, DAPO) and [`SftTrainer`], the objectives they
+//! hand to the actor and critic, their config, and a small metrics-sink interface.
+
+mod config;
+mod objective;
+mod on_policy;
+mod sft;
+mod source;
+
+pub use config::{ActorLossConfig, CriticLossConfig, OnPolicyConfig, TrainerSection};
+pub use objective::{PolicyLoss, SftLoss, ValueLoss};
+pub use on_policy::{
+    ACC_COLUMN, OnPolicyTrainer, PROMPT_TEXT_COLUMN, RESPONSE_TEXT_COLUMN, Roles, SCORE_COLUMN,
+};
+pub use sft::{SftConfig, SftTrainer};
+pub use source::{BatchSource, JsonlSink, MemorySink, MetricsSink, RunOptions, run};

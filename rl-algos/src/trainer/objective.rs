@@ -1,0 +1,162 @@
+//! The objectives the trainers hand to the actor and critic: verl's `update_policy` loss
+//! (policy loss + KL loss − entropy bonus), the clipped value loss, and the SFT loss.
+//!
+//! Each micro-batch's loss uses the whole mini-batch's normalisers ([`MiniBatchInfo`]), so the
+//! micro-batch losses add up to the mini-batch loss and gradient accumulation is exact for
+//! every aggregation mode. Metrics ending in `_loss` are such shares (the actor sums them per
+//! mini-batch); the others are per-micro-batch averages.
+
+use rl_core::roles::{Metrics, MiniBatchInfo, PolicyObjective, PolicyOutput, ValueObjective};
+use rl_core::{Batch, keys};
+use tch::Tensor;
+
+use crate::agg::{self, GlobalBatchInfo};
+use crate::kl;
+use crate::loss::{self, PolicyLossInputs};
+use crate::trainer::config::{ActorLossConfig, CriticLossConfig};
+
+fn norm(info: MiniBatchInfo) -> GlobalBatchInfo {
+    GlobalBatchInfo {
+        dp_size: 1,
+        batch_num_tokens: Some(info.tokens.max(1.0)),
+        global_batch_size: Some(info.sequences.max(1.0)),
+        loss_scale_factor: None,
+    }
+}
+
+fn wrap(e: crate::Error) -> rl_core::Error {
+    rl_core::Error::Role {
+        role: "objective",
+        source: Box::new(e),
+    }
+}
+
+fn item(t: &Tensor) -> f64 {
+    t.detach().double_value(&[])
+}
+
+/// verl's actor loss: the configured policy loss, plus `kl_loss_coef * KL` when `use_kl_loss`
+/// (reads `ref_log_prob`), minus `entropy_coeff * entropy` when the coefficient is non-zero.
+/// Reads `old_log_probs`, `advantages`, `response_mask` (and `rollout_log_probs` never).
+#[derive(Debug, Clone, Copy)]
+pub struct PolicyLoss {
+    /// The loss keys.
+    pub cfg: ActorLossConfig,
+}
+
+impl PolicyObjective for PolicyLoss {
+    fn needs_entropy(&self) -> bool {
+        self.cfg.entropy_coeff != 0.0
+    }
+
+    fn loss(
+        &self,
+        micro: &Batch,
+        out: &PolicyOutput,
+        info: MiniBatchInfo,
+    ) -> rl_core::Result<(Tensor, Metrics)> {
+        let mask = micro.get(keys::RESPONSE_MASK)?;
+        let norm = norm(info);
+        let pl_cfg = self.cfg.policy_loss_config();
+        let inputs = PolicyLossInputs {
+            old_log_prob: micro.get(keys::OLD_LOG_PROBS)?,
+            log_prob: &out.log_prob,
+            advantages: micro.get(keys::ADVANTAGES)?,
+            response_mask: mask,
+            rollout_is_weights: None,
+        };
+        let pg = loss::policy(&inputs, &pl_cfg, &norm).map_err(wrap)?;
+        let mut metrics = Metrics::new();
+        metrics.push("actor/pg_loss", item(&pg.loss));
+        for (k, v) in pg.metrics.to_vec() {
+            metrics.push(k, v);
+        }
+        let mut total = pg.loss;
+        if self.cfg.entropy_coeff != 0.0 {
+            let entropy = out
+                .entropy
+                .as_ref()
+                .ok_or_else(|| rl_core::Error::MissingKey {
+                    key: "entropy".into(),
+                    present: "the actor computed no entropy".into(),
+                })?;
+            let ent = agg::aggregate(entropy, mask, self.cfg.loss_agg_mode, &norm).map_err(wrap)?;
+            metrics.push("actor/entropy_loss", item(&ent));
+            total = total - ent * self.cfg.entropy_coeff;
+        }
+        if self.cfg.use_kl_loss {
+            let reference = micro.get(keys::REF_LOG_PROB)?;
+            let kld = kl::penalty(&out.log_prob, reference, self.cfg.kl_loss_type).map_err(wrap)?;
+            let kl_loss =
+                agg::aggregate(&kld, mask, self.cfg.loss_agg_mode, &norm).map_err(wrap)?;
+            metrics.push("actor/kl_loss", item(&kl_loss));
+            metrics.push("actor/kl_coef", self.cfg.kl_loss_coef);
+            total = total + kl_loss * self.cfg.kl_loss_coef;
+        }
+        Ok((total, metrics))
+    }
+}
+
+/// verl's clipped value loss (`compute_value_loss`), reading `values` (rollout-time),
+/// `returns` and `response_mask`.
+#[derive(Debug, Clone, Copy)]
+pub struct ValueLoss {
+    /// The loss keys.
+    pub cfg: CriticLossConfig,
+}
+
+impl ValueObjective for ValueLoss {
+    fn loss(
+        &self,
+        micro: &Batch,
+        vpreds: &Tensor,
+        info: MiniBatchInfo,
+    ) -> rl_core::Result<(Tensor, Metrics)> {
+        let out = loss::value(
+            vpreds,
+            micro.get(keys::RETURNS)?,
+            micro.get(keys::VALUES)?,
+            micro.get(keys::RESPONSE_MASK)?,
+            self.cfg.cliprange_value,
+            self.cfg.loss_agg_mode,
+            &norm(info),
+        )
+        .map_err(wrap)?;
+        let mut metrics = Metrics::new();
+        metrics.push(loss::VF_LOSS, item(&out.loss));
+        metrics.push(loss::VF_CLIPFRAC, out.vf_clipfrac);
+        let mask = micro.get(keys::RESPONSE_MASK)?;
+        let vmean = (vpreds.detach() * mask)
+            .sum(tch::Kind::Double)
+            .double_value(&[])
+            / mask.sum(tch::Kind::Double).double_value(&[]).max(1.0);
+        metrics.push("critic/vpred_mean", vmean);
+        Ok((out.loss, metrics))
+    }
+}
+
+/// SFT: the negative log-likelihood of the response tokens, `token-mean` over the mini-batch
+/// (verl's `fsdp_sft_trainer` loss, with the prompt masked out).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SftLoss;
+
+impl PolicyObjective for SftLoss {
+    fn needs_entropy(&self) -> bool {
+        false
+    }
+
+    fn loss(
+        &self,
+        micro: &Batch,
+        out: &PolicyOutput,
+        info: MiniBatchInfo,
+    ) -> rl_core::Result<(Tensor, Metrics)> {
+        let mask = micro.get(keys::RESPONSE_MASK)?;
+        let nll = -&out.log_prob;
+        let l =
+            agg::aggregate(&nll, mask, agg::LossAggMode::TokenMean, &norm(info)).map_err(wrap)?;
+        let mut metrics = Metrics::new();
+        metrics.push("train/loss", item(&l));
+        Ok((l, metrics))
+    }
+}

@@ -1,0 +1,566 @@
+//! [`OnPolicyTrainer`]: verl's `RayPPOTrainer.fit` step, parameterised by the advantage
+//! estimator and the policy loss (PPO, GRPO, Dr. GRPO, RLOO, REINFORCE++, GSPO, DAPO).
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::Instant;
+
+use rl_core::roles::{Actor, Critic, Reference, Reward, Rollout};
+use rl_core::{Batch, Sample, StepMetrics, Trainer, keys};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use tch::{Kind, Tensor};
+
+use crate::advantage::{self, AdvEstimator, AdvantageInputs};
+use crate::dapo;
+use crate::kl::{self, KlController};
+use crate::trainer::config::OnPolicyConfig;
+use crate::trainer::objective::{PolicyLoss, ValueLoss};
+use crate::trainer::source::BatchSource;
+
+/// Column a [`Reward`] role may add with each row's score (else the summed scores are used).
+pub const SCORE_COLUMN: &str = "score";
+/// Column a [`Reward`] role may add with each row's accuracy (DAPO's `acc` filter metric).
+pub const ACC_COLUMN: &str = "acc";
+/// Column with the decoded prompt, used for validation samples when present.
+pub const PROMPT_TEXT_COLUMN: &str = "prompt_text";
+/// Column with the decoded response, used for validation samples when present.
+pub const RESPONSE_TEXT_COLUMN: &str = "response_text";
+
+/// The roles an on-policy trainer drives.
+pub struct Roles {
+    /// The trained policy.
+    pub actor: Box<dyn Actor>,
+    /// Generation (sharing the actor's weights).
+    pub rollout: Box<dyn Rollout>,
+    /// The frozen reference; needed when `use_kl_loss` or `use_kl_in_reward`.
+    pub reference: Option<Box<dyn Reference>>,
+    /// The value model; needed by `gae`.
+    pub critic: Option<Box<dyn Critic>>,
+    /// Rewards.
+    pub reward: Box<dyn Reward>,
+}
+
+impl std::fmt::Debug for Roles {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Roles")
+            .field("reference", &self.reference.is_some())
+            .field("critic", &self.critic.is_some())
+            .finish()
+    }
+}
+
+/// What `trainer_state.json` of a checkpoint holds besides the roles' own folders.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct TrainerState {
+    global_step: u64,
+    train_source: Value,
+    kl_ctrl: KlController,
+}
+
+fn role_err(role: &'static str, e: impl std::fmt::Display) -> rl_core::Error {
+    rl_core::Error::Role {
+        role,
+        source: e.to_string().into(),
+    }
+}
+
+fn wrap(e: crate::Error) -> rl_core::Error {
+    match e {
+        crate::Error::Core(c) => c,
+        other => rl_core::Error::Role {
+            role: "trainer",
+            source: Box::new(other),
+        },
+    }
+}
+
+/// One on-policy trainer for the PPO family. Each [`step`](Trainer::step): generate
+/// `train_batch_size x n` responses, score them (plus DAPO's overlong shaping and dynamic
+/// sampling when configured), compute `old_log_probs` (+ entropy), `ref_log_prob`, `values`,
+/// KL-in-reward, advantages, then update the critic and the actor; metrics under verl's names.
+///
+/// Rollout seeds derive from the step (`meta_info.global_step = step * 1000 + gen_batch`), never
+/// from libtorch's global RNG, so a resumed run samples what the uninterrupted one did.
+pub struct OnPolicyTrainer {
+    cfg: OnPolicyConfig,
+    roles: Roles,
+    train: Box<dyn BatchSource>,
+    val: Vec<Batch>,
+    kl_ctrl: KlController,
+    global_step: u64,
+}
+
+impl std::fmt::Debug for OnPolicyTrainer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OnPolicyTrainer")
+            .field("cfg", &self.cfg)
+            .field("roles", &self.roles)
+            .field("global_step", &self.global_step)
+            .finish()
+    }
+}
+
+/// Masked mean, max and min of `x` over `mask`.
+fn masked_stats(x: &Tensor, mask: &Tensor) -> (f64, f64, f64) {
+    let sel = x.masked_select(&mask.ne(0.0));
+    if sel.numel() == 0 {
+        return (0.0, 0.0, 0.0);
+    }
+    let sel = sel.to_kind(Kind::Double);
+    (
+        sel.mean(Kind::Double).double_value(&[]),
+        sel.max().double_value(&[]),
+        sel.min().double_value(&[]),
+    )
+}
+
+fn stats(x: &Tensor) -> (f64, f64, f64) {
+    let x = x.to_kind(Kind::Double);
+    (
+        x.mean(Kind::Double).double_value(&[]),
+        x.max().double_value(&[]),
+        x.min().double_value(&[]),
+    )
+}
+
+fn put3(m: &mut StepMetrics, key: &str, (mean, max, min): (f64, f64, f64)) {
+    m.insert(format!("{key}/mean"), mean);
+    m.insert(format!("{key}/max"), max);
+    m.insert(format!("{key}/min"), min);
+}
+
+fn string_column(batch: &Batch, key: &str) -> rl_core::Result<Vec<String>> {
+    Ok(batch
+        .column(key)?
+        .iter()
+        .map(|v| match v {
+            Value::String(s) => s.clone(),
+            other => other.to_string(),
+        })
+        .collect())
+}
+
+/// Per-row values of a numeric column, or `None` when the batch lacks it.
+fn f64_column(batch: &Batch, key: &str) -> Option<Vec<f64>> {
+    batch
+        .column(key)
+        .ok()
+        .map(|c| c.iter().map(|v| v.as_f64().unwrap_or(0.0)).collect())
+}
+
+impl OnPolicyTrainer {
+    /// A trainer at step 0. Checks `cfg` (naming the verl key at fault) and that the roles the
+    /// algorithm needs are there; `val` holds the validation prompt batches.
+    pub fn new(
+        cfg: OnPolicyConfig,
+        roles: Roles,
+        train: Box<dyn BatchSource>,
+        val: Vec<Batch>,
+    ) -> rl_core::Result<Self> {
+        cfg.check().map_err(wrap)?;
+        if cfg.algorithm.adv_estimator.needs_critic() && roles.critic.is_none() {
+            return Err(role_err(
+                "trainer",
+                "algorithm.adv_estimator `gae` needs a critic role",
+            ));
+        }
+        if (cfg.actor.use_kl_loss || cfg.algorithm.use_kl_in_reward) && roles.reference.is_none() {
+            return Err(role_err(
+                "trainer",
+                "use_kl_loss / algorithm.use_kl_in_reward need a reference role",
+            ));
+        }
+        let kl_ctrl = KlController::new(&cfg.algorithm.kl_ctrl).map_err(wrap)?;
+        Ok(OnPolicyTrainer {
+            cfg,
+            roles,
+            train,
+            val,
+            kl_ctrl,
+            global_step: 0,
+        })
+    }
+
+    /// The config.
+    pub fn config(&self) -> &OnPolicyConfig {
+        &self.cfg
+    }
+
+    /// One generation batch: prompts, responses, scores (overlong-shaped when enabled).
+    fn generate(
+        &mut self,
+        gen_batch: u64,
+        timing: &mut BTreeMap<&'static str, f64>,
+    ) -> rl_core::Result<Batch> {
+        let mut prompts = self.train.next_batch()?;
+        let meta = prompts.meta_info_mut();
+        meta.insert(
+            "global_step".into(),
+            (self.global_step * 1000 + gen_batch).into(),
+        );
+        meta.insert("temperature".into(), self.cfg.temperature.into());
+        let t = Instant::now();
+        let mut batch = self.roles.rollout.generate(&prompts)?;
+        *timing.entry("gen").or_default() += t.elapsed().as_secs_f64();
+        batch
+            .meta_info_mut()
+            .insert("temperature".into(), self.cfg.temperature.into());
+        let t = Instant::now();
+        let scores = self.roles.reward.score(&batch)?;
+        batch.union(scores)?;
+        if self.cfg.overlong_buffer.enable {
+            let s = batch.pop(keys::TOKEN_LEVEL_SCORES)?;
+            let (shaped, _) = dapo::apply_overlong_penalty(
+                &s,
+                batch.get(keys::RESPONSE_MASK)?,
+                self.cfg.max_response_length,
+                &self.cfg.overlong_buffer,
+            )
+            .map_err(wrap)?;
+            batch.insert(keys::TOKEN_LEVEL_SCORES, shaped)?;
+        }
+        *timing.entry("reward").or_default() += t.elapsed().as_secs_f64();
+        Ok(batch)
+    }
+
+    /// DAPO's dynamic sampling: generation batches until `train_batch_size` informative groups
+    /// are kept, bounded by `max_num_gen_batches`.
+    fn generate_filtered(
+        &mut self,
+        timing: &mut BTreeMap<&'static str, f64>,
+        metrics: &mut StepMetrics,
+    ) -> rl_core::Result<Batch> {
+        let fg = self.cfg.algorithm.filter_groups.clone().unwrap_or_default();
+        let metric = fg.metric.clone().unwrap_or_default();
+        let mut kept: Vec<Batch> = Vec::new();
+        let mut kept_groups = 0i64;
+        let mut gen_batches = 0u64;
+        loop {
+            let batch = self.generate(gen_batches, timing)?;
+            gen_batches += 1;
+            let per_row: Tensor = match metric.as_str() {
+                "acc" => Tensor::from_slice(&f64_column(&batch, ACC_COLUMN).ok_or_else(|| {
+                    role_err(
+                        "trainer",
+                        "filter_groups.metric `acc` needs an `acc` column from the reward role",
+                    )
+                })?),
+                "score" => match f64_column(&batch, SCORE_COLUMN) {
+                    Some(v) => Tensor::from_slice(&v),
+                    None => batch.get(keys::TOKEN_LEVEL_SCORES)?.sum_dim_intlist(
+                        [-1].as_slice(),
+                        false,
+                        Kind::Double,
+                    ),
+                },
+                // without KL in the reward, the final reward is the score
+                _ => batch.get(keys::TOKEN_LEVEL_SCORES)?.sum_dim_intlist(
+                    [-1].as_slice(),
+                    false,
+                    Kind::Double,
+                ),
+            };
+            let index = advantage::group_index(&string_column(&batch, keys::UID)?);
+            let f = dapo::filter_groups(&per_row.to_kind(Kind::Double), &index).map_err(wrap)?;
+            let keep: Vec<i64> = Vec::<bool>::try_from(&f.keep)?
+                .iter()
+                .enumerate()
+                .filter(|(_, k)| **k)
+                .map(|(i, _)| i as i64)
+                .collect();
+            kept_groups += f.kept_groups;
+            if !keep.is_empty() {
+                kept.push(batch.reorder(&keep)?);
+            }
+            if kept_groups >= self.cfg.train_batch_size as i64 {
+                break;
+            }
+            if fg.max_num_gen_batches > 0 && gen_batches >= fg.max_num_gen_batches as u64 {
+                return Err(role_err(
+                    "trainer",
+                    format!(
+                        "dynamic sampling kept {kept_groups} of {} groups after {gen_batches} generation batches \
+                         (algorithm.filter_groups.max_num_gen_batches); the data may be too easy or too hard",
+                        self.cfg.train_batch_size
+                    ),
+                ));
+            }
+        }
+        metrics.insert("train/num_gen_batches".into(), gen_batches as f64);
+        let all = Batch::concat(&kept)?;
+        all.slice(0..self.cfg.train_batch_size * self.cfg.rollout_n)
+    }
+
+    fn data_metrics(&self, batch: &Batch, m: &mut StepMetrics) -> rl_core::Result<()> {
+        let mask = batch.get(keys::RESPONSE_MASK)?;
+        let scores = batch.get(keys::TOKEN_LEVEL_SCORES)?.sum_dim_intlist(
+            [-1].as_slice(),
+            false,
+            Kind::Double,
+        );
+        put3(m, "critic/score", stats(&scores));
+        let rewards = batch.get(keys::TOKEN_LEVEL_REWARDS)?.sum_dim_intlist(
+            [-1].as_slice(),
+            false,
+            Kind::Double,
+        );
+        put3(m, "critic/rewards", stats(&rewards));
+        put3(
+            m,
+            "critic/advantages",
+            masked_stats(batch.get(keys::ADVANTAGES)?, mask),
+        );
+        put3(
+            m,
+            "critic/returns",
+            masked_stats(batch.get(keys::RETURNS)?, mask),
+        );
+        if let Ok(v) = batch.get(keys::VALUES) {
+            put3(m, "critic/values", masked_stats(v, mask));
+        }
+        let resp_len = mask.sum_dim_intlist([-1].as_slice(), false, Kind::Double);
+        put3(m, "response_length", stats(&resp_len));
+        let clip = resp_len
+            .eq(self.cfg.max_response_length as f64)
+            .to_kind(Kind::Double)
+            .mean(Kind::Double)
+            .double_value(&[]);
+        m.insert("response_length/clip_ratio".into(), clip);
+        let prompt_len = batch.get(keys::PROMPTS)?.size()[1];
+        let prompt_lens = batch
+            .get(keys::ATTENTION_MASK)?
+            .narrow(1, 0, prompt_len)
+            .sum_dim_intlist([-1].as_slice(), false, Kind::Double);
+        put3(m, "prompt_length", stats(&prompt_lens));
+        if let Some(acc) = f64_column(batch, ACC_COLUMN) {
+            m.insert(
+                "critic/acc/mean".into(),
+                acc.iter().sum::<f64>() / acc.len().max(1) as f64,
+            );
+        }
+        Ok(())
+    }
+}
+
+impl Trainer for OnPolicyTrainer {
+    fn global_step(&self) -> u64 {
+        self.global_step
+    }
+
+    fn total_steps(&self) -> u64 {
+        self.cfg.total_steps()
+    }
+
+    fn step(&mut self) -> rl_core::Result<StepMetrics> {
+        let t_step = Instant::now();
+        let mut timing: BTreeMap<&'static str, f64> = BTreeMap::new();
+        let mut m = StepMetrics::new();
+        let filter = self
+            .cfg
+            .algorithm
+            .filter_groups
+            .as_ref()
+            .is_some_and(|f| f.enable);
+        let mut batch = if filter {
+            self.generate_filtered(&mut timing, &mut m)?
+        } else {
+            self.generate(0, &mut timing)?
+        };
+        let mask = batch.get(keys::RESPONSE_MASK)?.shallow_clone();
+
+        let t = Instant::now();
+        let old = self.roles.actor.compute_log_prob(&batch, true)?;
+        if let Ok(ent) = old.get(keys::ENTROPYS) {
+            m.insert("actor/entropy".into(), masked_stats(ent, &mask).0);
+        }
+        batch.union(old)?;
+        timing.insert("old_log_prob", t.elapsed().as_secs_f64());
+
+        let algo = self.cfg.algorithm.clone();
+        if self.cfg.actor.use_kl_loss || algo.use_kl_in_reward {
+            let t = Instant::now();
+            let reference = self
+                .roles
+                .reference
+                .as_mut()
+                .ok_or_else(|| role_err("trainer", "no reference role"))?;
+            batch.union(reference.compute_ref_log_prob(&batch)?)?;
+            timing.insert("ref", t.elapsed().as_secs_f64());
+        }
+        if algo.adv_estimator.needs_critic() {
+            let t = Instant::now();
+            let critic = self
+                .roles
+                .critic
+                .as_mut()
+                .ok_or_else(|| role_err("trainer", "no critic role"))?;
+            batch.union(critic.compute_values(&batch)?)?;
+            timing.insert("values", t.elapsed().as_secs_f64());
+        }
+
+        let t = Instant::now();
+        let scores = batch.get(keys::TOKEN_LEVEL_SCORES)?.shallow_clone();
+        let rewards = if algo.use_kl_in_reward {
+            let (r, km) = kl::in_reward(
+                &scores,
+                batch.get(keys::OLD_LOG_PROBS)?,
+                batch.get(keys::REF_LOG_PROB)?,
+                &mask,
+                &mut self.kl_ctrl,
+                algo.kl_penalty,
+            )
+            .map_err(wrap)?;
+            for (k, v) in km.to_vec() {
+                m.insert(k.into(), v);
+            }
+            r
+        } else {
+            scores
+        };
+        batch.insert(keys::TOKEN_LEVEL_REWARDS, rewards)?;
+        let index = advantage::group_index(&string_column(&batch, keys::UID)?);
+        let (adv, ret) = {
+            let values = batch.get(keys::VALUES).ok();
+            let inputs = AdvantageInputs {
+                token_level_rewards: batch.get(keys::TOKEN_LEVEL_REWARDS)?,
+                response_mask: &mask,
+                values,
+                index: algo.adv_estimator.needs_groups().then_some(&index),
+                reward_baselines: None,
+            };
+            advantage::compute(&inputs, &algo).map_err(wrap)?
+        };
+        batch.insert(keys::ADVANTAGES, adv.to_kind(Kind::Float))?;
+        batch.insert(keys::RETURNS, ret.to_kind(Kind::Float))?;
+        timing.insert("adv", t.elapsed().as_secs_f64());
+
+        if let Some(critic) = self.roles.critic.as_mut()
+            && algo.adv_estimator == AdvEstimator::Gae
+        {
+            let t = Instant::now();
+            let cm = critic.update(
+                &batch,
+                &ValueLoss {
+                    cfg: self.cfg.critic,
+                },
+            )?;
+            m.extend(cm.mean());
+            timing.insert("update_critic", t.elapsed().as_secs_f64());
+        }
+        if self.global_step >= self.cfg.trainer.critic_warmup {
+            let t = Instant::now();
+            let am = self.roles.actor.update(
+                &batch,
+                &PolicyLoss {
+                    cfg: self.cfg.actor,
+                },
+            )?;
+            m.extend(am.mean());
+            timing.insert("update_actor", t.elapsed().as_secs_f64());
+        }
+
+        self.data_metrics(&batch, &mut m)?;
+        let step_s = t_step.elapsed().as_secs_f64();
+        timing.insert("step", step_s);
+        let tokens = batch
+            .get(keys::ATTENTION_MASK)?
+            .sum(Kind::Double)
+            .double_value(&[]);
+        m.insert("perf/total_num_tokens".into(), tokens);
+        m.insert("perf/throughput".into(), tokens / step_s.max(1e-9));
+        for (k, v) in timing {
+            m.insert(format!("timing_s/{k}"), v);
+        }
+        self.global_step += 1;
+        m.insert("training/global_step".into(), self.global_step as f64);
+        Ok(m)
+    }
+
+    fn validate(&mut self) -> rl_core::Result<(StepMetrics, Vec<Sample>)> {
+        let mut per_source: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+        let mut samples = Vec::new();
+        for i in 0..self.val.len() {
+            let mut prompts = self.val[i].shallow_clone();
+            let meta = prompts.meta_info_mut();
+            meta.insert("validate".into(), true.into());
+            meta.insert("global_step".into(), (self.global_step * 1000 + 999).into());
+            let mut out = self.roles.rollout.generate(&prompts)?;
+            out.union(self.roles.reward.score(&out)?)?;
+            let scores = match f64_column(&out, SCORE_COLUMN) {
+                Some(s) => s,
+                None => Vec::<f64>::try_from(out.get(keys::TOKEN_LEVEL_SCORES)?.sum_dim_intlist(
+                    [-1].as_slice(),
+                    false,
+                    Kind::Double,
+                ))?,
+            };
+            let sources = string_column(&out, keys::DATA_SOURCE)?;
+            let prompts_text = string_column(&out, PROMPT_TEXT_COLUMN).unwrap_or_default();
+            let responses_text = string_column(&out, RESPONSE_TEXT_COLUMN).unwrap_or_default();
+            for (r, (s, ds)) in scores.iter().zip(&sources).enumerate() {
+                per_source.entry(ds.clone()).or_default().push(*s);
+                if samples.len() < self.cfg.trainer.log_val_generations {
+                    samples.push(Sample {
+                        prompt: prompts_text.get(r).cloned().unwrap_or_default(),
+                        response: responses_text.get(r).cloned().unwrap_or_default(),
+                        score: *s,
+                        data_source: ds.clone(),
+                    });
+                }
+            }
+        }
+        let mut m = StepMetrics::new();
+        for (ds, s) in per_source {
+            m.insert(
+                format!("val/test_score/{ds}"),
+                s.iter().sum::<f64>() / s.len().max(1) as f64,
+            );
+        }
+        Ok((m, samples))
+    }
+
+    fn save_checkpoint(&self, dir: &Path) -> rl_core::Result<()> {
+        let io = |path: &Path, source| rl_core::Error::Io {
+            path: path.display().to_string(),
+            source,
+        };
+        let actor = dir.join("actor");
+        std::fs::create_dir_all(&actor).map_err(|e| io(&actor, e))?;
+        self.roles.actor.save_state(&actor)?;
+        if let Some(critic) = self.roles.critic.as_ref() {
+            let d = dir.join("critic");
+            std::fs::create_dir_all(&d).map_err(|e| io(&d, e))?;
+            critic.save_state(&d)?;
+        }
+        let state = TrainerState {
+            global_step: self.global_step,
+            train_source: self.train.state(),
+            kl_ctrl: self.kl_ctrl.clone(),
+        };
+        let path = dir.join("trainer_state.json");
+        let text = serde_json::to_string_pretty(&state).map_err(|e| role_err("trainer", e))?;
+        std::fs::write(&path, text).map_err(|e| io(&path, e))
+    }
+
+    fn load_checkpoint(&mut self, dir: &Path) -> rl_core::Result<()> {
+        let path = dir.join("trainer_state.json");
+        let text = std::fs::read_to_string(&path).map_err(|source| rl_core::Error::Io {
+            path: path.display().to_string(),
+            source,
+        })?;
+        let state: TrainerState =
+            serde_json::from_str(&text).map_err(|e| rl_core::Error::Format {
+                path: path.display().to_string(),
+                reason: e.to_string(),
+            })?;
+        self.roles.actor.load_state(&dir.join("actor"))?;
+        if let Some(critic) = self.roles.critic.as_mut() {
+            critic.load_state(&dir.join("critic"))?;
+        }
+        self.train.load_state(&state.train_source)?;
+        self.kl_ctrl = state.kl_ctrl;
+        self.global_step = state.global_step;
+        Ok(())
+    }
+}

@@ -1,0 +1,150 @@
+//! A character-level Hugging Face tokenizer (every printable ASCII character, newline and
+//! ChatML specials) written as real `tokenizer.json` + `tokenizer_config.json` files, for tiny
+//! models that train in seconds; and a short-prompt addition task for them.
+
+use std::path::Path;
+
+use serde_json::{Map, Value, json};
+
+use super::{GeneratedFiles, SplitSizes, TaskRng, generate_splits};
+use crate::error::{Error, Result};
+use crate::parquet_io::RlRecord;
+use crate::tokenizer::Message;
+
+/// The special tokens, in id order from 0: pad, unk, `<|im_start|>`, `<|im_end|>` (the eos).
+pub const TINY_SPECIALS: [&str; 4] = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>"];
+
+/// The ChatML template of the tiny tokenizer.
+pub const TINY_CHAT_TEMPLATE: &str = "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+
+/// The vocabulary: the specials, then `\n` and the printable ASCII characters.
+pub fn tiny_vocab() -> Vec<String> {
+    let mut v: Vec<String> = TINY_SPECIALS.iter().map(|s| s.to_string()).collect();
+    v.push("\n".into());
+    v.extend((0x20u8..0x7f).map(|c| (c as char).to_string()));
+    v
+}
+
+/// Writes `tokenizer.json` (WordLevel over single characters, a per-character split and a
+/// `Fuse` decoder) and `tokenizer_config.json` (ChatML template, eos `<|im_end|>`, pad `<pad>`)
+/// into `dir`; returns the vocabulary size (100).
+pub fn write_tiny_tokenizer(dir: &Path) -> Result<usize> {
+    std::fs::create_dir_all(dir).map_err(|source| Error::Io {
+        path: dir.to_path_buf(),
+        source,
+    })?;
+    let vocab = tiny_vocab();
+    let map: Map<String, Value> = vocab
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), Value::from(i)))
+        .collect();
+    let added: Vec<Value> = TINY_SPECIALS
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            json!({"id": i, "content": t, "single_word": false, "lstrip": false,
+                   "rstrip": false, "normalized": false, "special": true})
+        })
+        .collect();
+    let tokenizer = json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": added,
+        "normalizer": null,
+        "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "[\\s\\S]"}, "behavior": "Isolated", "invert": false},
+        "post_processor": null,
+        "decoder": {"type": "Fuse"},
+        "model": {"type": "WordLevel", "vocab": map, "unk_token": "<unk>"}
+    });
+    let config = json!({
+        "bos_token": null,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<pad>",
+        "unk_token": "<unk>",
+        "chat_template": TINY_CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": false,
+        "model_max_length": 512,
+        "tokenizer_class": "PreTrainedTokenizerFast"
+    });
+    for (name, value) in [
+        ("tokenizer.json", tokenizer),
+        ("tokenizer_config.json", config),
+    ] {
+        let path = dir.join(name);
+        let text = serde_json::to_string_pretty(&value).map_err(|e| Error::Config {
+            key: name.into(),
+            message: e.to_string(),
+        })?;
+        std::fs::write(&path, text).map_err(|source| Error::Io { path, source })?;
+    }
+    Ok(vocab.len())
+}
+
+/// Writes `dir/{train,test}.parquet` of `a+b=` prompts with `a`, `b` in `0..=max_operand`
+/// (`data_source = "arithmetic"`, ground truth the sum as a string, `extra_info.answer` too, for
+/// SFT targets). Test prompts never repeat a train prompt.
+pub fn generate_tiny_addition(
+    dir: &Path,
+    max_operand: i64,
+    sizes: SplitSizes,
+    seed: u64,
+) -> Result<GeneratedFiles> {
+    if max_operand < 1 {
+        return Err(Error::Config {
+            key: "tiny_addition.max_operand".into(),
+            message: "must be at least 1".into(),
+        });
+    }
+    generate_splits(
+        dir,
+        sizes,
+        seed,
+        "tiny_addition",
+        |rng: &mut TaskRng, split, index| {
+            let a = rng.range(0, max_operand);
+            let b = rng.range(0, max_operand);
+            let answer = (a + b).to_string();
+            let mut extra = Map::new();
+            extra.insert("split".into(), split.into());
+            extra.insert("index".into(), index.into());
+            extra.insert("answer".into(), answer.clone().into());
+            Some(RlRecord {
+                data_source: "arithmetic".into(),
+                prompt: vec![Message::user(format!("{a}+{b}="))],
+                ability: "math".into(),
+                style: "rule".into(),
+                ground_truth: Value::String(answer),
+                extra_info: extra,
+            })
+        },
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Tokenizer;
+
+    #[test]
+    fn tiny_tokenizer_round_trips_through_from_dir() {
+        let dir = tempfile::tempdir().unwrap();
+        assert_eq!(write_tiny_tokenizer(dir.path()).unwrap(), 100);
+        let tok = Tokenizer::from_dir(dir.path()).unwrap();
+        let text = tok
+            .apply_chat_template(&[Message::user("12+3=")], true)
+            .unwrap();
+        assert_eq!(
+            text,
+            "<|im_start|>user\n12+3=<|im_end|>\n<|im_start|>assistant\n"
+        );
+        let ids = tok.encode(&text, false).unwrap();
+        assert_eq!(ids.len(), 1 + 4 + 1 + 5 + 1 + 1 + 1 + 9 + 1);
+        assert_eq!(ids[0], 2);
+        assert_eq!(tok.decode(&ids, false).unwrap(), text);
+        assert_eq!(tok.decode(&ids, true).unwrap(), "user\n12+3=\nassistant\n");
+        assert_eq!(tok.eos_token_id(), Some(3));
+        assert_eq!(tok.pad_token_id(), Some(0));
+    }
+}
