@@ -62,3 +62,18 @@ pub(crate) mod test_support {
         crate::Tokenizer::from_files(tj, Some(&cfg)).unwrap()
     }
 }
+
+#[cfg(test)]
+mod thread_safety {
+    //! The harness shares these across threads.
+    fn send_sync<T: Send + Sync>() {}
+
+    #[test]
+    fn public_types_are_send_and_sync() {
+        send_sync::<crate::Tokenizer>();
+        send_sync::<crate::RlDataset>();
+        send_sync::<crate::reward::RewardRegistry>();
+        send_sync::<crate::LoaderState>();
+        send_sync::<crate::SftDataset>();
+    }
+}

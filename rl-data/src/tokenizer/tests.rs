@@ -254,3 +254,42 @@ fn strftime_formats_known_dates() {
     );
     assert_eq!(strftime(0, "%Y-%m-%d %a"), "1970-01-01 Thu");
 }
+
+#[test]
+fn segmented_encoding_equals_the_tokenizers_crate() {
+    for name in ["chatml", "qwen2_5", "llama3", "smollm2"] {
+        let (dir, exp) = case_dir(name);
+        let tok = Tokenizer::from_dir(dir.path()).unwrap();
+        assert!(
+            tok.segmenter.is_some(),
+            "{name}: fixture tokenizers qualify for segmenting"
+        );
+        let mut texts: Vec<String> = exp.encodes.iter().map(|c| c.text.clone()).collect();
+        texts.extend(exp.chats.iter().map(|c| c.rendered.clone()));
+        let batch = tok.encode_batch(&texts, false).unwrap();
+        for (t, ids) in texts.iter().zip(batch) {
+            assert_eq!(ids, tok.encode_plain(t, false).unwrap(), "{name}: {t:?}");
+        }
+    }
+}
+
+proptest::proptest! {
+    #[test]
+    fn segmented_encoding_equals_plain_on_random_text(
+        parts in proptest::collection::vec(
+            proptest::prop_oneof![
+                proptest::string::string_regex("[ a-zA-Z0-9.,!?\n\t'é東🚀]{0,12}").unwrap(),
+                proptest::sample::select(vec![
+                    "<|im_start|>".to_string(), "<|im_end|>".to_string(), "<|endoftext|>".to_string(),
+                    "<|im_start".to_string(), " <|im_end|> ".to_string(), "\n".to_string(),
+                ]),
+            ],
+            0..12,
+        )
+    ) {
+        let tok = crate::test_support::tokenizer("smollm2");
+        let text: String = parts.concat();
+        let seg = tok.encode_batch(std::slice::from_ref(&text), false).unwrap().remove(0);
+        proptest::prop_assert_eq!(seg, tok.encode_plain(&text, false).unwrap());
+    }
+}
