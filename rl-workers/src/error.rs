@@ -94,6 +94,9 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    /// An error from rl-core (batch keys and shapes).
+    #[error(transparent)]
+    Core(#[from] rl_core::Error),
     /// An error raised by libtorch.
     #[error(transparent)]
     Tch(#[from] tch::TchError),

@@ -611,8 +611,15 @@ impl Model {
                 ));
             }
         }
-        if s == 0 {
-            return Err(Error::invalid("input_ids", "seq_len must be at least 1"));
+        if s == 0 || b == 0 {
+            return Err(Error::invalid("input_ids", format!("needs at least one token, got {size:?}")));
+        }
+        let (lo, hi) = (input_ids.min().int64_value(&[]), input_ids.max().int64_value(&[]));
+        if lo < 0 || hi >= self.cfg.vocab_size {
+            return Err(Error::invalid(
+                "input_ids",
+                format!("token ids {lo}..={hi} fall outside the vocab of {}", self.cfg.vocab_size),
+            ));
         }
         let kind = self.embed_tokens.kind();
         let mut xs = Tensor::embedding(&self.embed_tokens, input_ids, -1, false, false);

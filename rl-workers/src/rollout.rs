@@ -121,10 +121,10 @@ impl std::fmt::Debug for GenerateOptions<'_> {
     }
 }
 
-impl GenerateOptions<'_> {
+impl<'a> GenerateOptions<'a> {
     /// Stop and pad tokens from the model's config (`eos_token_id`, `pad_token_id`, falling
     /// back to the first eos id), with seed 0 and no hook.
-    pub fn from_config(cfg: &crate::model::Config) -> GenerateOptions<'static> {
+    pub fn from_config(cfg: &crate::model::Config) -> GenerateOptions<'a> {
         let eos_token_ids = cfg.eos_token_id.as_ref().map(|e| e.to_vec()).unwrap_or_default();
         let pad_token_id = cfg.pad_token_id.or(eos_token_ids.first().copied()).unwrap_or(0);
         GenerateOptions { eos_token_ids, pad_token_id, seed: 0, progress: None }

@@ -1,0 +1,183 @@
+"""Side-by-side benchmark: rl-workers (Rust, tch) against transformers/PyTorch on one model.
+
+Run from the repository root after `scripts/import-smollm2` and `scripts/reference-env`:
+  .venv/bin/python rl-workers/benches/side_by_side.py [--model DIR] [--threads 2] [--new-tokens 64]
+
+Both sides get the same 32 chat prompts as the same token ids, run on CPU with the same thread
+count, each in its own process (so peak RSS is per side): batched generation of NEW_TOKENS tokens
+greedy and sampled (temperature 1, no top-k/top-p), then forward+backward of the mean token
+log-likelihood on the greedy batch. Also measures this machine's floor: matmul throughput and
+memory bandwidth. Prints a JSON summary and a Markdown table.
+"""
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+QUESTIONS = [
+    "What is the capital of France?", "Name three primary colors.", "What is 12 times 7?",
+    "Who wrote Romeo and Juliet?", "Give me a synonym for happy.", "What is the boiling point of water?",
+    "Translate 'thank you' into Spanish.", "How many legs does a spider have?", "What is photosynthesis?",
+    "Write a haiku about the sea.", "What is the largest planet?", "Explain gravity in one sentence.",
+    "What is the square root of 81?", "Name a famous painter.", "What language is spoken in Brazil?",
+    "How many days are in a leap year?", "What is the chemical symbol for gold?", "Suggest a name for a cat.",
+    "What is the opposite of cold?", "Who was the first person on the Moon?", "What do bees make?",
+    "List two fruits that are red.", "What is the freezing point of water in Fahrenheit?",
+    "Describe a rainbow briefly.", "What is 100 divided by 4?", "Which ocean is the largest?",
+    "What is a noun?", "Give a tip for better sleep.", "What is the capital of Japan?",
+    "How many continents are there?", "What color is the sky on a clear day?", "Tell me a fun fact about cats.",
+]
+
+
+def hf_side(args):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(args.threads)
+    rows = json.load(open(args.prompts))
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    pad = model.config.pad_token_id
+    eos = model.config.eos_token_id
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = torch.tensor(r)
+        mask[i, width - len(r):] = 1
+    report = {}
+
+    def real_tokens(new):
+        # count tokens up to and including the first eos per row, as rl-workers' response_mask
+        total = 0
+        for row in new.tolist():
+            n = 0
+            for t in row:
+                n += 1
+                if t == eos:
+                    break
+            total += n
+        return total
+
+    greedy = None
+    for name, sample in [("greedy", False), ("sampled", True)]:
+        torch.manual_seed(1234)
+        kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if sample else dict(do_sample=False)
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=args.new_tokens,
+                                 pad_token_id=pad, eos_token_id=eos, **kwargs)
+        secs = time.perf_counter() - start
+        new = out[:, width:]
+        tokens = real_tokens(new)
+        report[f"{name}_seconds"] = secs
+        report[f"{name}_tokens"] = tokens
+        report[f"{name}_tokens_per_s"] = tokens / secs
+        if not sample:
+            greedy = new
+            report["greedy_responses"] = new.tolist()
+
+    # forward+backward on the same batch layout rl-workers builds: prompts + responses padded to new_tokens
+    resp = torch.full((len(rows), args.new_tokens), pad, dtype=torch.long)
+    resp[:, : greedy.shape[1]] = greedy
+    resp_mask = torch.zeros_like(resp)
+    for i, row in enumerate(greedy.tolist()):
+        n = 0
+        for t in row:
+            n += 1
+            if t == eos:
+                break
+        resp_mask[i, :n] = 1
+    full_ids = torch.cat([ids, resp], 1)
+    full_mask = torch.cat([mask, resp_mask], 1)
+    pos = torch.cat([(mask.cumsum(-1) - 1).clamp(min=0),
+                     (mask.cumsum(-1) - 1).clamp(min=0)[:, -1:] + torch.arange(1, args.new_tokens + 1)], 1)
+    targets = full_ids[:, 1:]
+    weight = full_mask[:, 1:].float()
+    model.train(False)
+    times = []
+    for _ in range(4):
+        model.zero_grad(set_to_none=False)
+        start = time.perf_counter()
+        logits = model(input_ids=full_ids, attention_mask=full_mask, position_ids=pos).logits
+        logp = logits[:, :-1].log_softmax(-1).gather(2, targets.unsqueeze(-1)).squeeze(-1)
+        loss = -(logp * weight).sum() / weight.sum()
+        loss.backward()
+        times.append(time.perf_counter() - start)
+    secs = sum(times[1:]) / (len(times) - 1)
+    report["fwd_bwd_seconds"] = secs
+    report["fwd_bwd_tokens_per_s"] = full_mask.sum().item() / secs
+    report["fwd_bwd_shape"] = list(full_ids.shape)
+    report["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps(report))
+
+
+def floor(threads):
+    import torch
+
+    torch.set_num_threads(threads)
+    out = {}
+    for m in (32, 2048):
+        a, b = torch.randn(m, 576), torch.randn(576, 1536)
+        for _ in range(3):
+            a @ b
+        reps = max(3, int(2e10 / (2 * m * 576 * 1536)))
+        start = time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        out[f"matmul_gflops_m{m}"] = 2 * m * 576 * 1536 * reps / (time.perf_counter() - start) / 1e9
+    x = torch.empty(64 * 1024 * 1024 // 4 * 8)  # 512 MiB, well past the caches
+    y = torch.empty_like(x)
+    y.copy_(x)
+    start = time.perf_counter()
+    for _ in range(5):
+        y.copy_(x)
+    out["copy_gb_per_s"] = 2 * x.numel() * 4 * 5 / (time.perf_counter() - start) / 1e9
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default=os.path.join(ROOT, "models", "smollm2-135m-instruct"))
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--prompts")
+    p.add_argument("--hf-side", action="store_true")
+    args = p.parse_args()
+    if args.hf_side:
+        return hf_side(args)
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(args.model)
+    rows = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True) for q in QUESTIONS]
+    rows = [list(r["input_ids"]) if isinstance(r, dict) else list(r) for r in rows]
+    prompts = os.path.join(tempfile.mkdtemp(), "prompts.json")
+    json.dump(rows, open(prompts, "w"))
+    subprocess.run(["cargo", "build", "--release", "-q", "-p", "rl-workers", "--example", "bench_model"],
+                   cwd=ROOT, check=True)
+    load = os.getloadavg()
+    rust_cmd = [os.path.join(ROOT, "target", "release", "examples", "bench_model"), args.model, prompts,
+                str(args.new_tokens), str(args.threads)]
+    rust = json.loads(subprocess.run(rust_cmd, check=True, capture_output=True, text=True).stdout)
+    hf_cmd = [sys.executable, __file__, "--hf-side", "--model", args.model, "--prompts", prompts,
+              "--threads", str(args.threads), "--new-tokens", str(args.new_tokens)]
+    hf = json.loads(subprocess.run(hf_cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
+    fl = floor(args.threads)
+    same = rust.pop("greedy_responses") == [r + [None] * 0 for r in hf.pop("greedy_responses")]
+    summary = {
+        "rust": rust, "transformers": hf, "floor": fl, "load_avg_before": load,
+        "greedy_tokens_identical": same,
+        "greedy_speedup": rust["greedy_tokens_per_s"] / hf["greedy_tokens_per_s"],
+        "sampled_speedup": rust["sampled_tokens_per_s"] / hf["sampled_tokens_per_s"],
+        "fwd_bwd_time_ratio": rust["fwd_bwd_seconds"] / hf["fwd_bwd_seconds"],
+    }
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()

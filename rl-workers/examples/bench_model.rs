@@ -1,0 +1,88 @@
+//! The Rust side of `benches/side_by_side.py`: batched generation (greedy and sampled) and
+//! forward+backward throughput on one model and one set of prompt token ids, printed as JSON.
+//!
+//! Usage: `bench_model MODEL_DIR PROMPTS.json NEW_TOKENS THREADS`, where PROMPTS.json is a list
+//! of token-id lists (left-padded here with the model's pad id).
+
+use std::time::Instant;
+
+use rl_workers::{CausalLm, GenerateOptions, RolloutConfig, generate};
+use tch::{Device, Kind, Tensor};
+
+fn peak_rss_mib() -> f64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+        .map_or(0.0, |kb| kb / 1024.0)
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let [dir, prompts, new_tokens, threads] = args.as_slice() else {
+        return Err("usage: bench_model MODEL_DIR PROMPTS.json NEW_TOKENS THREADS".into());
+    };
+    let new_tokens: i64 = new_tokens.parse()?;
+    tch::set_num_threads(threads.parse()?);
+    let rows: Vec<Vec<i64>> = serde_json::from_str(&std::fs::read_to_string(prompts)?)?;
+    let lm = CausalLm::from_pretrained(dir, Device::Cpu, Kind::Float)?;
+    let pad = lm.config().pad_token_id.unwrap_or(0);
+    let width = rows.iter().map(Vec::len).max().unwrap_or(1);
+    let mut ids = vec![pad; rows.len() * width];
+    let mut mask = vec![0i64; rows.len() * width];
+    for (r, row) in rows.iter().enumerate() {
+        let start = r * width + width - row.len();
+        ids[start..start + row.len()].copy_from_slice(row);
+        mask[start..start + row.len()].iter_mut().for_each(|m| *m = 1);
+    }
+    let shape = [rows.len() as i64, width as i64];
+    let input_ids = Tensor::from_slice(&ids).view(shape);
+    let mask = Tensor::from_slice(&mask).view(shape);
+    let pos = (mask.cumsum(1, Kind::Int64) - 1).clamp_min(0);
+
+    let mut report = serde_json::Map::new();
+    let mut greedy_out = None;
+    for (name, do_sample) in [("greedy", false), ("sampled", true)] {
+        let cfg = RolloutConfig { do_sample, top_k: -1, top_p: 1.0, temperature: 1.0, response_length: new_tokens, ..Default::default() };
+        let mut opts = GenerateOptions::from_config(lm.config());
+        opts.seed = 1234;
+        let start = Instant::now();
+        let out = generate(&lm, &input_ids, &mask, &pos, &cfg, &mut opts)?;
+        let secs = start.elapsed().as_secs_f64();
+        let tokens = out.response_mask.sum(Kind::Float).double_value(&[]);
+        report.insert(format!("{name}_seconds"), secs.into());
+        report.insert(format!("{name}_tokens"), tokens.into());
+        report.insert(format!("{name}_tokens_per_s"), (tokens / secs).into());
+        if name == "greedy" {
+            let responses: Vec<Vec<i64>> = Vec::try_from(&out.responses)?;
+            report.insert("greedy_responses".to_owned(), serde_json::to_value(responses)?);
+            greedy_out = Some(out);
+        }
+    }
+
+    // forward + backward of the mean token log-likelihood on the greedy batch
+    let out = greedy_out.expect("greedy ran");
+    let (ids, mask, pos) = (&out.input_ids, &out.attention_mask, &out.position_ids);
+    let len = ids.size()[1];
+    let targets = ids.narrow(1, 1, len - 1);
+    let weight = mask.narrow(1, 1, len - 1).to_kind(Kind::Float);
+    let mut times = Vec::new();
+    for _ in 0..4 {
+        lm.var_store().trainable_variables().iter_mut().for_each(|t| t.zero_grad());
+        let start = Instant::now();
+        let logits = lm.forward(ids, mask, pos, None)?;
+        let logp = logits.narrow(1, 0, len - 1).log_softmax(-1, Kind::Float).gather(2, &targets.unsqueeze(-1), false);
+        let loss = -(logp.squeeze_dim(-1) * &weight).sum(Kind::Float) / weight.sum(Kind::Float);
+        loss.backward();
+        times.push(start.elapsed().as_secs_f64());
+    }
+    let secs = times[1..].iter().sum::<f64>() / (times.len() - 1) as f64;
+    let tokens = mask.sum(Kind::Float).double_value(&[]);
+    report.insert("fwd_bwd_seconds".to_owned(), secs.into());
+    report.insert("fwd_bwd_tokens_per_s".to_owned(), (tokens / secs).into());
+    report.insert("fwd_bwd_shape".to_owned(), serde_json::to_value(ids.size())?);
+    report.insert("peak_rss_mib".to_owned(), peak_rss_mib().into());
+    println!("{}", serde_json::Value::Object(report));
+    Ok(())
+}
