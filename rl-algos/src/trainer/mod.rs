@@ -5,6 +5,7 @@
 mod config;
 mod objective;
 mod on_policy;
+mod preference;
 mod sft;
 mod source;
 
@@ -12,6 +13,9 @@ pub use config::{ActorLossConfig, CriticLossConfig, OnPolicyConfig, TrainerSecti
 pub use objective::{PolicyLoss, SftLoss, ValueLoss};
 pub use on_policy::{
     ACC_COLUMN, OnPolicyTrainer, PROMPT_TEXT_COLUMN, RESPONSE_TEXT_COLUMN, Roles, SCORE_COLUMN,
+};
+pub use preference::{
+    DpoLoss, DpoTrainer, DpoTrainerConfig, PAIR_INDEX, REF_SEQ_LOG_PROB, mark_pairs,
 };
 pub use sft::{SftConfig, SftTrainer};
 pub use source::{BatchSource, JsonlSink, MemorySink, MetricsSink, RunOptions, run};
