@@ -34,7 +34,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for (r, row) in rows.iter().enumerate() {
         let start = r * width + width - row.len();
         ids[start..start + row.len()].copy_from_slice(row);
-        mask[start..start + row.len()].iter_mut().for_each(|m| *m = 1);
+        mask[start..start + row.len()]
+            .iter_mut()
+            .for_each(|m| *m = 1);
     }
     let shape = [rows.len() as i64, width as i64];
     let input_ids = Tensor::from_slice(&ids).view(shape);
@@ -44,7 +46,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut report = serde_json::Map::new();
     let mut greedy_out = None;
     for (name, do_sample) in [("greedy", false), ("sampled", true)] {
-        let cfg = RolloutConfig { do_sample, top_k: -1, top_p: 1.0, temperature: 1.0, response_length: new_tokens, ..Default::default() };
+        let cfg = RolloutConfig {
+            do_sample,
+            top_k: -1,
+            top_p: 1.0,
+            temperature: 1.0,
+            response_length: new_tokens,
+            ..Default::default()
+        };
         let mut opts = GenerateOptions::from_config(lm.config());
         opts.seed = 1234;
         let start = Instant::now();
@@ -56,7 +65,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         report.insert(format!("{name}_tokens_per_s"), (tokens / secs).into());
         if name == "greedy" {
             let responses: Vec<Vec<i64>> = Vec::try_from(&out.responses)?;
-            report.insert("greedy_responses".to_owned(), serde_json::to_value(responses)?);
+            report.insert(
+                "greedy_responses".to_owned(),
+                serde_json::to_value(responses)?,
+            );
             greedy_out = Some(out);
         }
     }
@@ -69,10 +81,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let weight = mask.narrow(1, 1, len - 1).to_kind(Kind::Float);
     let mut times = Vec::new();
     for _ in 0..4 {
-        lm.var_store().trainable_variables().iter_mut().for_each(|t| t.zero_grad());
+        lm.var_store()
+            .trainable_variables()
+            .iter_mut()
+            .for_each(|t| t.zero_grad());
         let start = Instant::now();
         let logits = lm.forward(ids, mask, pos, None)?;
-        let logp = logits.narrow(1, 0, len - 1).log_softmax(-1, Kind::Float).gather(2, &targets.unsqueeze(-1), false);
+        let logp = logits
+            .narrow(1, 0, len - 1)
+            .log_softmax(-1, Kind::Float)
+            .gather(2, &targets.unsqueeze(-1), false);
         let loss = -(logp.squeeze_dim(-1) * &weight).sum(Kind::Float) / weight.sum(Kind::Float);
         loss.backward();
         times.push(start.elapsed().as_secs_f64());
@@ -81,7 +99,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let tokens = mask.sum(Kind::Float).double_value(&[]);
     report.insert("fwd_bwd_seconds".to_owned(), secs.into());
     report.insert("fwd_bwd_tokens_per_s".to_owned(), (tokens / secs).into());
-    report.insert("fwd_bwd_shape".to_owned(), serde_json::to_value(ids.size())?);
+    report.insert(
+        "fwd_bwd_shape".to_owned(),
+        serde_json::to_value(ids.size())?,
+    );
     report.insert("peak_rss_mib".to_owned(), peak_rss_mib().into());
     println!("{}", serde_json::Value::Object(report));
     Ok(())

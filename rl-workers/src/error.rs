@@ -104,24 +104,47 @@ pub enum Error {
 
 impl Error {
     pub(crate) fn io(path: impl AsRef<Path>, source: std::io::Error) -> Self {
-        Error::Io { path: path.as_ref().display().to_string(), source }
+        Error::Io {
+            path: path.as_ref().display().to_string(),
+            source,
+        }
     }
 
     pub(crate) fn format(path: impl AsRef<Path>, reason: impl Into<String>) -> Self {
-        Error::Format { path: path.as_ref().display().to_string(), reason: reason.into() }
+        Error::Format {
+            path: path.as_ref().display().to_string(),
+            reason: reason.into(),
+        }
     }
 
     pub(crate) fn invalid(name: &str, reason: impl Into<String>) -> Self {
-        Error::InvalidArgument { name: name.to_owned(), reason: reason.into() }
+        Error::InvalidArgument {
+            name: name.to_owned(),
+            reason: reason.into(),
+        }
     }
 }
 
 /// Checks that `t` has `dims.len()` dimensions matching `dims` (`None` = any size, named in
 /// `doc`); returns its size.
-pub(crate) fn expect_dims(key: &str, t: &tch::Tensor, dims: &[Option<i64>], doc: &str) -> Result<Vec<i64>> {
+pub(crate) fn expect_dims(
+    key: &str,
+    t: &tch::Tensor,
+    dims: &[Option<i64>],
+    doc: &str,
+) -> Result<Vec<i64>> {
     let got = t.size();
-    let ok = got.len() == dims.len() && got.iter().zip(dims).all(|(g, d)| d.is_none_or(|d| d == *g));
-    if ok { Ok(got) } else { Err(Error::Shape { key: key.to_owned(), expected: doc.to_owned(), got }) }
+    let ok =
+        got.len() == dims.len() && got.iter().zip(dims).all(|(g, d)| d.is_none_or(|d| d == *g));
+    if ok {
+        Ok(got)
+    } else {
+        Err(Error::Shape {
+            key: key.to_owned(),
+            expected: doc.to_owned(),
+            got,
+        })
+    }
 }
 
 /// Checks that `t` has one of the `allowed` dtypes.
@@ -131,6 +154,10 @@ pub(crate) fn expect_kind(key: &str, t: &tch::Tensor, allowed: &[Kind]) -> Resul
         Ok(())
     } else {
         let expected: Vec<String> = allowed.iter().map(|k| format!("{k:?}")).collect();
-        Err(Error::Dtype { key: key.to_owned(), expected: expected.join(" or "), got })
+        Err(Error::Dtype {
+            key: key.to_owned(),
+            expected: expected.join(" or "),
+            got,
+        })
     }
 }

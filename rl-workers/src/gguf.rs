@@ -149,7 +149,9 @@ struct Reader<'a> {
 impl Reader<'_> {
     fn bytes<const N: usize>(&mut self) -> Result<[u8; N]> {
         let mut b = [0u8; N];
-        self.inner.read_exact(&mut b).map_err(|e| Error::io(self.path, e))?;
+        self.inner
+            .read_exact(&mut b)
+            .map_err(|e| Error::io(self.path, e))?;
         Ok(b)
     }
     fn u32(&mut self) -> Result<u32> {
@@ -164,8 +166,11 @@ impl Reader<'_> {
             return Err(Error::format(self.path, format!("string of {len} bytes")));
         }
         let mut b = vec![0u8; len as usize];
-        self.inner.read_exact(&mut b).map_err(|e| Error::io(self.path, e))?;
-        String::from_utf8(b).map_err(|e| Error::format(self.path, format!("invalid utf-8 string: {e}")))
+        self.inner
+            .read_exact(&mut b)
+            .map_err(|e| Error::io(self.path, e))?;
+        String::from_utf8(b)
+            .map_err(|e| Error::format(self.path, format!("invalid utf-8 string: {e}")))
     }
     fn value(&mut self, ty: u32, depth: usize) -> Result<GgufValue> {
         Ok(match ty {
@@ -184,13 +189,20 @@ impl Reader<'_> {
                 if len > 1 << 28 {
                     return Err(Error::format(self.path, format!("array of {len} items")));
                 }
-                let items = (0..len).map(|_| self.value(item, depth + 1)).collect::<Result<Vec<_>>>()?;
+                let items = (0..len)
+                    .map(|_| self.value(item, depth + 1))
+                    .collect::<Result<Vec<_>>>()?;
                 GgufValue::Array(items)
             }
             10 => GgufValue::U64(self.u64()?),
             11 => GgufValue::I64(i64::from_le_bytes(self.bytes()?)),
             12 => GgufValue::F64(f64::from_le_bytes(self.bytes()?)),
-            other => return Err(Error::format(self.path, format!("unknown metadata value type {other}"))),
+            other => {
+                return Err(Error::format(
+                    self.path,
+                    format!("unknown metadata value type {other}"),
+                ));
+            }
         })
     }
 }
@@ -200,17 +212,26 @@ impl GgufFile {
     pub fn open(path: impl AsRef<Path>) -> Result<GgufFile> {
         let path = path.as_ref();
         let file = File::open(path).map_err(|e| Error::io(path, e))?;
-        let mut r = Reader { inner: BufReader::new(file), path };
+        let mut r = Reader {
+            inner: BufReader::new(file),
+            path,
+        };
         if &r.bytes::<4>()? != b"GGUF" {
             return Err(Error::format(path, "not a GGUF file (bad magic)"));
         }
         let version = r.u32()?;
         if !(2..=3).contains(&version) {
-            return Err(Error::format(path, format!("unsupported GGUF version {version}")));
+            return Err(Error::format(
+                path,
+                format!("unsupported GGUF version {version}"),
+            ));
         }
         let (n_tensors, n_kv) = (r.u64()?, r.u64()?);
         if n_tensors > 1 << 24 || n_kv > 1 << 24 {
-            return Err(Error::format(path, format!("implausible counts: {n_tensors} tensors, {n_kv} keys")));
+            return Err(Error::format(
+                path,
+                format!("implausible counts: {n_tensors} tensors, {n_kv} keys"),
+            ));
         }
         let mut metadata = BTreeMap::new();
         for _ in 0..n_kv {
@@ -223,17 +244,34 @@ impl GgufFile {
             let name = r.string()?;
             let n_dims = r.u32()?;
             if n_dims > 4 {
-                return Err(Error::format(path, format!("tensor `{name}` has {n_dims} dims")));
+                return Err(Error::format(
+                    path,
+                    format!("tensor `{name}` has {n_dims} dims"),
+                ));
             }
             let dims = (0..n_dims).map(|_| r.u64()).collect::<Result<Vec<_>>>()?;
             let type_id = r.u32()?;
             let offset = r.u64()?;
-            tensors.push(GgufTensor { name, dims, type_id, offset });
+            tensors.push(GgufTensor {
+                name,
+                dims,
+                type_id,
+                offset,
+            });
         }
-        let alignment = metadata.get("general.alignment").and_then(GgufValue::as_i64).unwrap_or(32).max(1) as u64;
+        let alignment = metadata
+            .get("general.alignment")
+            .and_then(GgufValue::as_i64)
+            .unwrap_or(32)
+            .max(1) as u64;
         let pos = r.inner.stream_position().map_err(|e| Error::io(path, e))?;
         let data_start = pos.div_ceil(alignment) * alignment;
-        Ok(GgufFile { path: path.to_owned(), metadata, tensors, data_start })
+        Ok(GgufFile {
+            path: path.to_owned(),
+            metadata,
+            tensors,
+            data_start,
+        })
     }
 
     /// Reads and dequantises one tensor to f32 in its PyTorch shape.
@@ -250,39 +288,60 @@ impl GgufFile {
         })?;
         let numel: u64 = t.dims.iter().product();
         let (block, block_bytes) = ty.block();
-        if numel % block as u64 != 0 {
-            return Err(Error::format(path, format!("tensor `{}`: {numel} elements are not whole {ty:?} blocks", t.name)));
+        if !numel.is_multiple_of(block as u64) {
+            return Err(Error::format(
+                path,
+                format!(
+                    "tensor `{}`: {numel} elements are not whole {ty:?} blocks",
+                    t.name
+                ),
+            ));
         }
         let n_bytes = numel / block as u64 * block_bytes as u64;
         let mut file = File::open(path).map_err(|e| Error::io(path, e))?;
-        file.seek(SeekFrom::Start(self.data_start + t.offset)).map_err(|e| Error::io(path, e))?;
+        file.seek(SeekFrom::Start(self.data_start + t.offset))
+            .map_err(|e| Error::io(path, e))?;
         let mut raw = vec![0u8; n_bytes as usize];
-        file.read_exact(&mut raw).map_err(|e| Error::format(path, format!("tensor `{}` is truncated: {e}", t.name)))?;
+        file.read_exact(&mut raw)
+            .map_err(|e| Error::format(path, format!("tensor `{}` is truncated: {e}", t.name)))?;
         let values = dequantize(ty, &raw);
         Ok(Tensor::from_slice(&values).view(t.shape().as_slice()))
     }
 
     fn get(&self, key: &str) -> Result<&GgufValue> {
-        self.metadata.get(key).ok_or_else(|| Error::format(&self.path, format!("missing metadata key `{key}`")))
+        self.metadata
+            .get(key)
+            .ok_or_else(|| Error::format(&self.path, format!("missing metadata key `{key}`")))
     }
 
     fn int(&self, key: &str) -> Result<i64> {
-        self.get(key)?.as_i64().ok_or_else(|| Error::format(&self.path, format!("metadata `{key}` is not an integer")))
+        self.get(key)?
+            .as_i64()
+            .ok_or_else(|| Error::format(&self.path, format!("metadata `{key}` is not an integer")))
     }
 
     fn float(&self, key: &str) -> Result<f64> {
-        self.get(key)?.as_f64().ok_or_else(|| Error::format(&self.path, format!("metadata `{key}` is not a number")))
+        self.get(key)?
+            .as_f64()
+            .ok_or_else(|| Error::format(&self.path, format!("metadata `{key}` is not a number")))
     }
 
     fn str(&self, key: &str) -> Result<&str> {
-        self.get(key)?.as_str().ok_or_else(|| Error::format(&self.path, format!("metadata `{key}` is not a string")))
+        self.get(key)?
+            .as_str()
+            .ok_or_else(|| Error::format(&self.path, format!("metadata `{key}` is not a string")))
     }
 
     fn strings(&self, key: &str) -> Result<Vec<&str>> {
         let items = self.get(key)?.as_array();
         items
             .and_then(|a| a.iter().map(GgufValue::as_str).collect::<Option<Vec<_>>>())
-            .ok_or_else(|| Error::format(&self.path, format!("metadata `{key}` is not an array of strings")))
+            .ok_or_else(|| {
+                Error::format(
+                    &self.path,
+                    format!("metadata `{key}` is not an array of strings"),
+                )
+            })
     }
 }
 
@@ -294,9 +353,18 @@ fn f16_at(b: &[u8], i: usize) -> f32 {
 fn dequantize(ty: GgmlType, raw: &[u8]) -> Vec<f32> {
     let (_, bytes) = ty.block();
     match ty {
-        GgmlType::F32 => raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
-        GgmlType::F16 => raw.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-        GgmlType::Bf16 => raw.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+        GgmlType::F32 => raw
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+        GgmlType::F16 => raw
+            .chunks_exact(2)
+            .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        GgmlType::Bf16 => raw
+            .chunks_exact(2)
+            .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
         _ => {
             let mut out = Vec::with_capacity(raw.len() / bytes * 32);
             for b in raw.chunks_exact(bytes) {
@@ -310,8 +378,11 @@ fn dequantize(ty: GgmlType, raw: &[u8]) -> Vec<f32> {
                     }
                     GgmlType::Q4_0 | GgmlType::Q4_1 => {
                         let d = f16_at(b, 0);
-                        let (m, qs, offset) =
-                            if ty == GgmlType::Q4_1 { (f16_at(b, 2), &b[4..20], 0.0) } else { (0.0, &b[2..18], 8.0) };
+                        let (m, qs, offset) = if ty == GgmlType::Q4_1 {
+                            (f16_at(b, 2), &b[4..20], 0.0)
+                        } else {
+                            (0.0, &b[2..18], 8.0)
+                        };
                         for (j, q) in qs.iter().enumerate() {
                             y[j] = ((q & 0x0F) as f32 - offset) * d + m;
                             y[j + 16] = ((q >> 4) as f32 - offset) * d + m;
@@ -319,7 +390,11 @@ fn dequantize(ty: GgmlType, raw: &[u8]) -> Vec<f32> {
                     }
                     GgmlType::Q5_0 | GgmlType::Q5_1 => {
                         let d = f16_at(b, 0);
-                        let (m, at, offset) = if ty == GgmlType::Q5_1 { (f16_at(b, 2), 4, 0.0) } else { (0.0, 2, 16.0) };
+                        let (m, at, offset) = if ty == GgmlType::Q5_1 {
+                            (f16_at(b, 2), 4, 0.0)
+                        } else {
+                            (0.0, 2, 16.0)
+                        };
                         let qh = u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
                         for (j, q) in b[at + 4..at + 20].iter().enumerate() {
                             let h0 = ((qh >> j) << 4) & 0x10;
@@ -395,7 +470,9 @@ fn unpermute(w: &Tensor, n_heads: i64) -> Tensor {
     let mut view = vec![n_heads, rows / n_heads / 2, 2];
     view.extend(&rest);
     // [n_heads, head_dim / 2, 2, ...] -> [n_heads, 2, head_dim / 2, ...]
-    w.view(view.as_slice()).transpose(1, 2).reshape(size.as_slice())
+    w.view(view.as_slice())
+        .transpose(1, 2)
+        .reshape(size.as_slice())
 }
 
 fn shortest_f32(v: f64) -> f64 {
@@ -408,19 +485,37 @@ pub fn import(gguf_path: impl AsRef<Path>, out_dir: impl AsRef<Path>) -> Result<
     let g = GgufFile::open(gguf_path)?;
     let arch = g.str("general.architecture")?.to_owned();
     if arch != "llama" {
-        return Err(Error::format(gguf_path, format!("general.architecture is {arch:?}; only \"llama\" is supported")));
+        return Err(Error::format(
+            gguf_path,
+            format!("general.architecture is {arch:?}; only \"llama\" is supported"),
+        ));
     }
     let key = |k: &str| format!("{arch}.{k}");
     let hidden = g.int(&key("embedding_length"))?;
     let n_heads = g.int(&key("attention.head_count"))?;
-    let n_kv_heads = g.metadata.get(&key("attention.head_count_kv")).and_then(GgufValue::as_i64).unwrap_or(n_heads);
+    let n_kv_heads = g
+        .metadata
+        .get(&key("attention.head_count_kv"))
+        .and_then(GgufValue::as_i64)
+        .unwrap_or(n_heads);
     let tokens = g.strings("tokenizer.ggml.tokens")?;
-    let vocab = g.metadata.get(&key("vocab_size")).and_then(GgufValue::as_i64).unwrap_or(tokens.len() as i64);
-    let head_dim = g.metadata.get(&key("rope.dimension_count")).and_then(GgufValue::as_i64).unwrap_or(hidden / n_heads);
+    let vocab = g
+        .metadata
+        .get(&key("vocab_size"))
+        .and_then(GgufValue::as_i64)
+        .unwrap_or(tokens.len() as i64);
+    let head_dim = g
+        .metadata
+        .get(&key("rope.dimension_count"))
+        .and_then(GgufValue::as_i64)
+        .unwrap_or(hidden / n_heads);
     let tie = !g.tensors.iter().any(|t| t.name == "output.weight");
     let token_id = |k: &str| g.metadata.get(k).and_then(GgufValue::as_i64);
-    let (bos, eos, pad) =
-        (token_id("tokenizer.ggml.bos_token_id"), token_id("tokenizer.ggml.eos_token_id"), token_id("tokenizer.ggml.padding_token_id"));
+    let (bos, eos, pad) = (
+        token_id("tokenizer.ggml.bos_token_id"),
+        token_id("tokenizer.ggml.eos_token_id"),
+        token_id("tokenizer.ggml.padding_token_id"),
+    );
     let config = json!({
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -447,8 +542,8 @@ pub fn import(gguf_path: impl AsRef<Path>, out_dir: impl AsRef<Path>) -> Result<
         "use_cache": true,
     });
     // check the config parses as ours before writing anything big
-    let cfg: crate::model::Config =
-        serde_json::from_value(config.clone()).map_err(|e| Error::format(gguf_path, format!("derived config: {e}")))?;
+    let cfg: crate::model::Config = serde_json::from_value(config.clone())
+        .map_err(|e| Error::format(gguf_path, format!("derived config: {e}")))?;
     cfg.family()?;
 
     let mut tensors = Vec::new();
@@ -457,9 +552,14 @@ pub fn import(gguf_path: impl AsRef<Path>, out_dir: impl AsRef<Path>) -> Result<
         if t.name == "rope_freqs.weight" {
             continue; // llama.cpp's own RoPE table, recomputed from rope_theta
         }
-        let name = hf_name(&t.name)
-            .ok_or_else(|| Error::format(gguf_path, format!("tensor `{}` has no Hugging Face equivalent", t.name)))?;
-        let ty = GgmlType::from_id(t.type_id).map_or_else(|| format!("type{}", t.type_id), |ty| format!("{ty:?}"));
+        let name = hf_name(&t.name).ok_or_else(|| {
+            Error::format(
+                gguf_path,
+                format!("tensor `{}` has no Hugging Face equivalent", t.name),
+            )
+        })?;
+        let ty = GgmlType::from_id(t.type_id)
+            .map_or_else(|| format!("type{}", t.type_id), |ty| format!("{ty:?}"));
         *source_types.entry(ty.to_uppercase()).or_default() += 1;
         let mut w = g.tensor(t)?;
         if name.ends_with("q_proj.weight") || name.ends_with("q_proj.bias") {
@@ -491,7 +591,8 @@ pub fn import(gguf_path: impl AsRef<Path>, out_dir: impl AsRef<Path>) -> Result<
 }
 
 fn write_json(path: &Path, value: &Value) -> Result<()> {
-    let text = serde_json::to_string_pretty(value).map_err(|e| Error::format(path, e.to_string()))?;
+    let text =
+        serde_json::to_string_pretty(value).map_err(|e| Error::format(path, e.to_string()))?;
     std::fs::write(path, text + "\n").map_err(|e| Error::io(path, e))
 }
 
@@ -500,11 +601,24 @@ fn write_tokenizer(g: &GgufFile, tokens: &[&str], out_dir: &Path) -> Result<()> 
     let path = &g.path;
     let model = g.str("tokenizer.ggml.model")?;
     if model != "gpt2" {
-        return Err(Error::format(path, format!("tokenizer.ggml.model is {model:?}; only \"gpt2\" (byte-level BPE) is supported")));
+        return Err(Error::format(
+            path,
+            format!(
+                "tokenizer.ggml.model is {model:?}; only \"gpt2\" (byte-level BPE) is supported"
+            ),
+        ));
     }
-    let pre = g.metadata.get("tokenizer.ggml.pre").and_then(GgufValue::as_str).unwrap_or("default");
+    let pre = g
+        .metadata
+        .get("tokenizer.ggml.pre")
+        .and_then(GgufValue::as_str)
+        .unwrap_or("default");
     let merges = g.strings("tokenizer.ggml.merges")?;
-    let types: Vec<i64> = match g.metadata.get("tokenizer.ggml.token_type").and_then(GgufValue::as_array) {
+    let types: Vec<i64> = match g
+        .metadata
+        .get("tokenizer.ggml.token_type")
+        .and_then(GgufValue::as_array)
+    {
         Some(a) => a.iter().map(|v| v.as_i64().unwrap_or(1)).collect(),
         None => vec![1; tokens.len()],
     };
@@ -521,15 +635,23 @@ fn write_tokenizer(g: &GgufFile, tokens: &[&str], out_dir: &Path) -> Result<()> 
             added_decoder.insert(id.to_string(), dec);
         }
     }
-    let vocab: serde_json::Map<String, Value> =
-        tokens.iter().enumerate().map(|(i, t)| ((*t).to_owned(), Value::from(i as i64))).collect();
+    let vocab: serde_json::Map<String, Value> = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| ((*t).to_owned(), Value::from(i as i64)))
+        .collect();
     let byte_level = json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true});
     // SmolLM's pre-tokenizer splits every digit into its own token before byte-level BPE
     let pre_tokenizer = match pre {
-        "smollm" => json!({"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": true}, byte_level]}),
+        "smollm" => {
+            json!({"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": true}, byte_level]})
+        }
         "gpt-2" | "default" => byte_level,
         other => {
-            return Err(Error::format(path, format!("tokenizer.ggml.pre {other:?} is not supported (supported: smollm, gpt-2)")));
+            return Err(Error::format(
+                path,
+                format!("tokenizer.ggml.pre {other:?} is not supported (supported: smollm, gpt-2)"),
+            ));
         }
     };
     let tokenizer = json!({
@@ -560,10 +682,21 @@ fn write_tokenizer(g: &GgufFile, tokens: &[&str], out_dir: &Path) -> Result<()> 
             .map(|t| Value::from(*t))
             .unwrap_or(Value::Null)
     };
-    let chat_template = g.metadata.get("tokenizer.chat_template").and_then(GgufValue::as_str);
-    let add_bos = g.metadata.get("tokenizer.ggml.add_bos_token").and_then(GgufValue::as_bool).unwrap_or(false);
+    let chat_template = g
+        .metadata
+        .get("tokenizer.chat_template")
+        .and_then(GgufValue::as_str);
+    let add_bos = g
+        .metadata
+        .get("tokenizer.ggml.add_bos_token")
+        .and_then(GgufValue::as_bool)
+        .unwrap_or(false);
     let max_len = g.int("llama.context_length").unwrap_or(2048);
-    let special: Vec<Value> = added.iter().filter(|a| a["special"] == json!(true)).map(|a| a["content"].clone()).collect();
+    let special: Vec<Value> = added
+        .iter()
+        .filter(|a| a["special"] == json!(true))
+        .map(|a| a["content"].clone())
+        .collect();
     let config = json!({
         "add_bos_token": add_bos,
         "add_prefix_space": false,
@@ -605,7 +738,15 @@ mod tests {
         let mut b = f16b(2.0).to_vec();
         b.extend((0..16).map(|j| (j as u8) | (15 - j as u8) << 4));
         let y = dequantize(GgmlType::Q4_0, &b);
-        assert_eq!((y[0], y[1], y[16], y[31]), ((0.0 - 8.0) * 2.0, (1.0 - 8.0) * 2.0, (15.0 - 8.0) * 2.0, (0.0 - 8.0) * 2.0));
+        assert_eq!(
+            (y[0], y[1], y[16], y[31]),
+            (
+                (0.0 - 8.0) * 2.0,
+                (1.0 - 8.0) * 2.0,
+                (15.0 - 8.0) * 2.0,
+                (0.0 - 8.0) * 2.0
+            )
+        );
         let mut b = f16b(0.5).to_vec();
         b.extend(f16b(-1.0));
         b.extend((0..16).map(|j| (j as u8) | (15 - j as u8) << 4));
@@ -625,17 +766,30 @@ mod tests {
     #[test]
     fn unpermute_inverts_llama_cpp_permute() {
         let (n_heads, head_dim, inp) = (3i64, 4i64, 2i64);
-        let w = Tensor::arange(n_heads * head_dim * inp, (Kind::Float, tch::Device::Cpu)).view([n_heads * head_dim, inp]);
+        let w = Tensor::arange(n_heads * head_dim * inp, (Kind::Float, tch::Device::Cpu))
+            .view([n_heads * head_dim, inp]);
         // llama.cpp: w.reshape(n_head, 2, rows // n_head // 2, *rest).swapaxes(1, 2).reshape(w.shape)
-        let permuted = w.view([n_heads, 2, head_dim / 2, inp]).transpose(1, 2).reshape([n_heads * head_dim, inp]);
+        let permuted = w
+            .view([n_heads, 2, head_dim / 2, inp])
+            .transpose(1, 2)
+            .reshape([n_heads * head_dim, inp]);
         assert!(unpermute(&permuted, n_heads).equal(&w));
     }
 
     #[test]
     fn names_map_to_hugging_face() {
-        assert_eq!(hf_name("blk.12.attn_q.weight").unwrap(), "model.layers.12.self_attn.q_proj.weight");
-        assert_eq!(hf_name("blk.0.ffn_norm.weight").unwrap(), "model.layers.0.post_attention_layernorm.weight");
-        assert_eq!(hf_name("token_embd.weight").unwrap(), "model.embed_tokens.weight");
+        assert_eq!(
+            hf_name("blk.12.attn_q.weight").unwrap(),
+            "model.layers.12.self_attn.q_proj.weight"
+        );
+        assert_eq!(
+            hf_name("blk.0.ffn_norm.weight").unwrap(),
+            "model.layers.0.post_attention_layernorm.weight"
+        );
+        assert_eq!(
+            hf_name("token_embd.weight").unwrap(),
+            "model.embed_tokens.weight"
+        );
         assert!(hf_name("blk.0.mystery.weight").is_none());
     }
 

@@ -26,7 +26,10 @@ fn dtype_name(kind: Kind) -> &'static str {
 fn check_kind(kind: Kind) -> Result<()> {
     match kind {
         Kind::Float | Kind::BFloat16 | Kind::Half | Kind::Double => Ok(()),
-        other => Err(Error::invalid("kind", format!("model dtype must be floating point, got {other:?}"))),
+        other => Err(Error::invalid(
+            "kind",
+            format!("model dtype must be floating point, got {other:?}"),
+        )),
     }
 }
 
@@ -45,10 +48,15 @@ fn write_config(cfg: &Config, class_suffix: &str, kind: Kind, dir: &Path) -> Res
     let family = cfg.family()?;
     cfg.architectures = vec![format!("{}{class_suffix}", family.class_prefix())];
     cfg.model_type = family.model_type().to_owned();
-    let key = if cfg.extra.contains_key("dtype") { "dtype" } else { "torch_dtype" };
+    let key = if cfg.extra.contains_key("dtype") {
+        "dtype"
+    } else {
+        "torch_dtype"
+    };
     cfg.extra.insert(key.to_owned(), dtype_name(kind).into());
     let path = dir.join(CONFIG_JSON);
-    let text = serde_json::to_string_pretty(&cfg).map_err(|e| Error::format(&path, e.to_string()))?;
+    let text =
+        serde_json::to_string_pretty(&cfg).map_err(|e| Error::format(&path, e.to_string()))?;
     std::fs::write(&path, text + "\n").map_err(|e| Error::io(&path, e))
 }
 
@@ -85,8 +93,15 @@ impl CausalLm {
     /// `tch::manual_seed` first for a reproducible init).
     pub fn new(cfg: &Config, device: Device, kind: Kind) -> Result<CausalLm> {
         let (vs, model, lm_head) = build(cfg, device, kind, |root, cfg| {
-            (!cfg.tie_word_embeddings)
-                .then(|| Linear::new(root / "lm_head", cfg.hidden_size, cfg.vocab_size, false, cfg.initializer_range))
+            (!cfg.tie_word_embeddings).then(|| {
+                Linear::new(
+                    root / "lm_head",
+                    cfg.hidden_size,
+                    cfg.vocab_size,
+                    false,
+                    cfg.initializer_range,
+                )
+            })
         })?;
         Ok(CausalLm { vs, model, lm_head })
     }
@@ -124,7 +139,9 @@ impl CausalLm {
         position_ids: &Tensor,
         cache: Option<&mut KvCache>,
     ) -> Result<Tensor> {
-        let hidden = self.model.forward(input_ids, attention_mask, position_ids, cache)?;
+        let hidden = self
+            .model
+            .forward(input_ids, attention_mask, position_ids, cache)?;
         Ok(self.logits(&hidden))
     }
 
@@ -184,20 +201,37 @@ impl ValueModel {
     /// A freshly initialised critic.
     pub fn new(cfg: &Config, device: Device, kind: Kind) -> Result<ValueModel> {
         let (vs, model, score) = build(cfg, device, kind, |root, cfg| {
-            Linear::new(root / "score", cfg.hidden_size, 1, true, cfg.initializer_range)
+            Linear::new(
+                root / "score",
+                cfg.hidden_size,
+                1,
+                true,
+                cfg.initializer_range,
+            )
         })?;
-        Ok(ValueModel { vs, model, score, fresh_head: true })
+        Ok(ValueModel {
+            vs,
+            model,
+            score,
+            fresh_head: true,
+        })
     }
 
     /// Loads the stack from `dir`; the value head comes from `score.*` when the checkpoint has it
     /// (a saved critic) and is initialised fresh otherwise (e.g. from the actor's checkpoint).
-    pub fn from_pretrained(dir: impl AsRef<Path>, device: Device, kind: Kind) -> Result<ValueModel> {
+    pub fn from_pretrained(
+        dir: impl AsRef<Path>,
+        device: Device,
+        kind: Kind,
+    ) -> Result<ValueModel> {
         let dir = dir.as_ref();
         let cfg = read_config(dir)?;
         let ckpt = Checkpoint::open(dir)?;
         let mut critic = ValueModel::new(&cfg, device, kind)?;
         let has_head = ckpt.contains("score.weight");
-        let fresh = hf::load_into(&critic.vs, &ckpt, &|name| !has_head && name.starts_with("score."))?;
+        let fresh = hf::load_into(&critic.vs, &ckpt, &|name| {
+            !has_head && name.starts_with("score.")
+        })?;
         critic.fresh_head = !fresh.is_empty();
         Ok(critic)
     }
@@ -212,7 +246,12 @@ impl ValueModel {
         let dir = dir.as_ref();
         let mut cfg = self.config().clone();
         cfg.set_num_labels(1);
-        write_config(&cfg, "ForTokenClassification", self.model.embed_tokens().kind(), dir)?;
+        write_config(
+            &cfg,
+            "ForTokenClassification",
+            self.model.embed_tokens().kind(),
+            dir,
+        )?;
         hf::save_var_store(&self.vs, dir)
     }
 
@@ -221,9 +260,20 @@ impl ValueModel {
     /// # Shapes
     /// - `input_ids`, `attention_mask`, `position_ids`: `[batch, seq_len]` i64
     /// - returns values `[batch, seq_len]` f32
-    pub fn forward(&self, input_ids: &Tensor, attention_mask: &Tensor, position_ids: &Tensor) -> Result<Tensor> {
-        let hidden = self.model.forward(input_ids, attention_mask, position_ids, None)?;
-        Ok(self.score.forward(&hidden).squeeze_dim(-1).to_kind(Kind::Float))
+    pub fn forward(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+        position_ids: &Tensor,
+    ) -> Result<Tensor> {
+        let hidden = self
+            .model
+            .forward(input_ids, attention_mask, position_ids, None)?;
+        Ok(self
+            .score
+            .forward(&hidden)
+            .squeeze_dim(-1)
+            .to_kind(Kind::Float))
     }
 
     /// The hyper-parameters.
@@ -255,13 +305,23 @@ impl RewardModel {
     /// A freshly initialised reward model with `cfg.num_labels()` outputs.
     pub fn new(cfg: &Config, device: Device, kind: Kind) -> Result<RewardModel> {
         let (vs, model, score) = build(cfg, device, kind, |root, cfg| {
-            Linear::new(root / "score", cfg.hidden_size, cfg.num_labels(), false, cfg.initializer_range)
+            Linear::new(
+                root / "score",
+                cfg.hidden_size,
+                cfg.num_labels(),
+                false,
+                cfg.initializer_range,
+            )
         })?;
         Ok(RewardModel { vs, model, score })
     }
 
     /// Loads a Hugging Face `*ForSequenceClassification` checkpoint; `score.weight` is required.
-    pub fn from_pretrained(dir: impl AsRef<Path>, device: Device, kind: Kind) -> Result<RewardModel> {
+    pub fn from_pretrained(
+        dir: impl AsRef<Path>,
+        device: Device,
+        kind: Kind,
+    ) -> Result<RewardModel> {
         let dir = dir.as_ref();
         let cfg = read_config(dir)?;
         let ckpt = Checkpoint::open(dir)?;
@@ -273,7 +333,12 @@ impl RewardModel {
     /// Writes `config.json` (architectures `*ForSequenceClassification`) and weights.
     pub fn save_pretrained(&self, dir: impl AsRef<Path>) -> Result<()> {
         let dir = dir.as_ref();
-        write_config(self.config(), "ForSequenceClassification", self.model.embed_tokens().kind(), dir)?;
+        write_config(
+            self.config(),
+            "ForSequenceClassification",
+            self.model.embed_tokens().kind(),
+            dir,
+        )?;
         hf::save_var_store(&self.vs, dir)
     }
 
@@ -282,14 +347,28 @@ impl RewardModel {
     /// # Shapes
     /// - `input_ids`, `attention_mask`, `position_ids`: `[batch, seq_len]` i64
     /// - returns scores `[batch, num_labels]` f32
-    pub fn forward(&self, input_ids: &Tensor, attention_mask: &Tensor, position_ids: &Tensor) -> Result<Tensor> {
-        let size = expect_dims("attention_mask", attention_mask, &[None, None], "[batch, seq_len]")?;
-        let hidden = self.model.forward(input_ids, attention_mask, position_ids, None)?;
+    pub fn forward(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+        position_ids: &Tensor,
+    ) -> Result<Tensor> {
+        let size = expect_dims(
+            "attention_mask",
+            attention_mask,
+            &[None, None],
+            "[batch, seq_len]",
+        )?;
+        let hidden = self
+            .model
+            .forward(input_ids, attention_mask, position_ids, None)?;
         let positions = Tensor::arange(size[1], (Kind::Int64, attention_mask.device()));
         let last = (positions * attention_mask.ne(0).to_kind(Kind::Int64)).argmax(-1, false);
         let hidden_size = hidden.size()[2];
         // [batch] -> [batch, 1, hidden] gather index
-        let index = last.view([-1, 1, 1]).expand([size[0], 1, hidden_size], false);
+        let index = last
+            .view([-1, 1, 1])
+            .expand([size[0], 1, hidden_size], false);
         let at_last = hidden.gather(1, &index, false).squeeze_dim(1);
         Ok(self.score.forward(&at_last).to_kind(Kind::Float))
     }

@@ -48,17 +48,21 @@ fn read_header(path: &Path) -> Result<(u64, HashMap<String, TensorInfo>)> {
     let len = u64::from_le_bytes(len);
     let file_len = file.metadata().map_err(|e| Error::io(path, e))?.len();
     if len > file_len.saturating_sub(8) || len > 100_000_000 {
-        return Err(Error::format(path, format!("safetensors header of {len} bytes does not fit the file")));
+        return Err(Error::format(
+            path,
+            format!("safetensors header of {len} bytes does not fit the file"),
+        ));
     }
     let mut header = vec![0u8; len as usize];
-    file.read_exact(&mut header).map_err(|e| Error::io(path, e))?;
-    let mut raw: serde_json::Map<String, serde_json::Value> =
-        serde_json::from_slice(&header).map_err(|e| Error::format(path, format!("safetensors header: {e}")))?;
+    file.read_exact(&mut header)
+        .map_err(|e| Error::io(path, e))?;
+    let mut raw: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&header)
+        .map_err(|e| Error::format(path, format!("safetensors header: {e}")))?;
     raw.remove("__metadata__");
     let mut tensors = HashMap::new();
     for (name, v) in raw {
-        let info: TensorInfo =
-            serde_json::from_value(v).map_err(|e| Error::format(path, format!("safetensors entry `{name}`: {e}")))?;
+        let info: TensorInfo = serde_json::from_value(v)
+            .map_err(|e| Error::format(path, format!("safetensors entry `{name}`: {e}")))?;
         tensors.insert(name, info);
     }
     Ok((8 + len, tensors))
@@ -89,17 +93,25 @@ impl Checkpoint {
             (single.clone(), vec![single])
         } else if index.is_file() {
             let text = std::fs::read_to_string(&index).map_err(|e| Error::io(&index, e))?;
-            let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::format(&index, e.to_string()))?;
+            let json: serde_json::Value =
+                serde_json::from_str(&text).map_err(|e| Error::format(&index, e.to_string()))?;
             let map = json
                 .get("weight_map")
                 .and_then(|m| m.as_object())
                 .ok_or_else(|| Error::format(&index, "no `weight_map` object"))?;
-            let mut files: Vec<PathBuf> = map.values().filter_map(|v| v.as_str()).map(|f| dir.join(f)).collect();
+            let mut files: Vec<PathBuf> = map
+                .values()
+                .filter_map(|v| v.as_str())
+                .map(|f| dir.join(f))
+                .collect();
             files.sort();
             files.dedup();
             (index.clone(), files)
         } else {
-            return Err(Error::format(dir, format!("neither {SAFETENSORS} nor {SAFETENSORS_INDEX} found")));
+            return Err(Error::format(
+                dir,
+                format!("neither {SAFETENSORS} nor {SAFETENSORS_INDEX} found"),
+            ));
         };
         let mut shards = Vec::new();
         let mut tensors = HashMap::new();
@@ -108,9 +120,16 @@ impl Checkpoint {
             for (name, info) in infos {
                 tensors.insert(name, (i, info));
             }
-            shards.push(Shard { path: file, data_start });
+            shards.push(Shard {
+                path: file,
+                data_start,
+            });
         }
-        Ok(Checkpoint { path, shards, tensors })
+        Ok(Checkpoint {
+            path,
+            shards,
+            tensors,
+        })
     }
 
     /// Whether the checkpoint holds `name`.
@@ -120,26 +139,40 @@ impl Checkpoint {
 
     /// The shape stored for `name`.
     pub(crate) fn shape(&self, name: &str) -> Option<&[i64]> {
-        self.tensors.get(name).map(|(_, info)| info.shape.as_slice())
+        self.tensors
+            .get(name)
+            .map(|(_, info)| info.shape.as_slice())
     }
 
     /// Reads `name` into a CPU tensor of its stored dtype.
     pub(crate) fn read(&self, name: &str) -> Result<Tensor> {
-        let missing = || Error::MissingTensor { path: self.path.display().to_string(), name: name.to_owned() };
+        let missing = || Error::MissingTensor {
+            path: self.path.display().to_string(),
+            name: name.to_owned(),
+        };
         let (shard, info) = self.tensors.get(name).ok_or_else(missing)?;
         let shard = &self.shards[*shard];
         let path = &shard.path;
-        let kind = kind_of(&info.dtype)
-            .ok_or_else(|| Error::format(path, format!("tensor `{name}` has unsupported dtype {}", info.dtype)))?;
+        let kind = kind_of(&info.dtype).ok_or_else(|| {
+            Error::format(
+                path,
+                format!("tensor `{name}` has unsupported dtype {}", info.dtype),
+            )
+        })?;
         let (start, end) = info.data_offsets;
         let numel: i64 = info.shape.iter().product();
         if end < start || (end - start) as usize != numel as usize * kind.elt_size_in_bytes() {
-            return Err(Error::format(path, format!("tensor `{name}`: data offsets {start}..{end} do not fit its shape")));
+            return Err(Error::format(
+                path,
+                format!("tensor `{name}`: data offsets {start}..{end} do not fit its shape"),
+            ));
         }
         let mut file = File::open(path).map_err(|e| Error::io(path, e))?;
-        file.seek(SeekFrom::Start(shard.data_start + start)).map_err(|e| Error::io(path, e))?;
+        file.seek(SeekFrom::Start(shard.data_start + start))
+            .map_err(|e| Error::io(path, e))?;
         let mut bytes = vec![0u8; (end - start) as usize];
-        file.read_exact(&mut bytes).map_err(|e| Error::io(path, e))?;
+        file.read_exact(&mut bytes)
+            .map_err(|e| Error::io(path, e))?;
         Ok(Tensor::f_from_data_size(&bytes, &info.shape, kind)?)
     }
 }
@@ -147,7 +180,11 @@ impl Checkpoint {
 /// Fills every variable of `vs` from `ckpt` by name, converting dtype and device. Variables the
 /// checkpoint lacks are an error unless `may_be_fresh(name)`, in which case they keep their
 /// init and their names are returned.
-pub(crate) fn load_into(vs: &VarStore, ckpt: &Checkpoint, may_be_fresh: &dyn Fn(&str) -> bool) -> Result<Vec<String>> {
+pub(crate) fn load_into(
+    vs: &VarStore,
+    ckpt: &Checkpoint,
+    may_be_fresh: &dyn Fn(&str) -> bool,
+) -> Result<Vec<String>> {
     let vars: BTreeMap<String, Tensor> = vs.variables().into_iter().collect();
     let mut fresh = Vec::new();
     for (name, var) in vars {
@@ -156,7 +193,10 @@ pub(crate) fn load_into(vs: &VarStore, ckpt: &Checkpoint, may_be_fresh: &dyn Fn(
                 fresh.push(name);
                 continue;
             }
-            return Err(Error::MissingTensor { path: ckpt.path.display().to_string(), name });
+            return Err(Error::MissingTensor {
+                path: ckpt.path.display().to_string(),
+                name,
+            });
         };
         if shape != var.size().as_slice() {
             return Err(Error::TensorShape {
@@ -166,7 +206,10 @@ pub(crate) fn load_into(vs: &VarStore, ckpt: &Checkpoint, may_be_fresh: &dyn Fn(
                 got: shape.to_vec(),
             });
         }
-        let value = ckpt.read(&name)?.f_to_kind(var.kind())?.f_to_device(var.device())?;
+        let value = ckpt
+            .read(&name)?
+            .f_to_kind(var.kind())?
+            .f_to_device(var.device())?;
         tch::no_grad(|| var.shallow_clone().f_copy_(&value))?;
     }
     Ok(fresh)
@@ -215,8 +258,12 @@ pub(crate) fn write_safetensors(tensors: &[(String, Tensor)], path: &Path) -> Re
     let mut owned = Vec::with_capacity(tensors.len());
     for (name, t) in tensors {
         let t = t.f_to_device(tch::Device::Cpu)?.f_contiguous()?;
-        let dtype = dtype_of(t.kind())
-            .ok_or_else(|| Error::format(path, format!("tensor `{name}` has unsupported dtype {:?}", t.kind())))?;
+        let dtype = dtype_of(t.kind()).ok_or_else(|| {
+            Error::format(
+                path,
+                format!("tensor `{name}` has unsupported dtype {:?}", t.kind()),
+            )
+        })?;
         let numel = t.numel();
         let mut data = vec![0u8; numel * t.kind().elt_size_in_bytes()];
         t.f_copy_data_u8(&mut data, numel)?;
@@ -225,12 +272,17 @@ pub(crate) fn write_safetensors(tensors: &[(String, Tensor)], path: &Path) -> Re
     }
     let views: Vec<(&str, &Bytes)> = owned.iter().map(|(n, b)| (n.as_str(), b)).collect();
     let metadata = HashMap::from([("format".to_owned(), "pt".to_owned())]);
-    safetensors::serialize_to_file(views, Some(metadata), path).map_err(|e| Error::format(path, e.to_string()))
+    safetensors::serialize_to_file(views, Some(metadata), path)
+        .map_err(|e| Error::format(path, e.to_string()))
 }
 
 /// Writes every variable of `vs` to `dir/model.safetensors`, by name.
 pub(crate) fn save_var_store(vs: &VarStore, dir: &Path) -> Result<()> {
-    let mut tensors: Vec<(String, Tensor)> = vs.variables().into_iter().map(|(n, t)| (n, t.detach())).collect();
+    let mut tensors: Vec<(String, Tensor)> = vs
+        .variables()
+        .into_iter()
+        .map(|(n, t)| (n, t.detach()))
+        .collect();
     tensors.sort_by(|a, b| a.0.cmp(&b.0));
     write_safetensors(&tensors, &dir.join(SAFETENSORS))
 }
@@ -245,8 +297,14 @@ mod tests {
         let a = Tensor::arange(6, (Kind::Float, tch::Device::Cpu)).view([2, 3]);
         let b = Tensor::from_slice(&[1i64, -2]).to_kind(Kind::BFloat16);
         let path = dir.path().join(SAFETENSORS);
-        write_safetensors(&[("x.weight".to_owned(), a.shallow_clone()), ("y".to_owned(), b.shallow_clone())], &path)
-            .unwrap();
+        write_safetensors(
+            &[
+                ("x.weight".to_owned(), a.shallow_clone()),
+                ("y".to_owned(), b.shallow_clone()),
+            ],
+            &path,
+        )
+        .unwrap();
         let ckpt = Checkpoint::open(dir.path()).unwrap();
         assert_eq!(ckpt.shape("x.weight"), Some(&[2i64, 3][..]));
         assert!(ckpt.read("x.weight").unwrap().equal(&a));

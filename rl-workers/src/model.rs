@@ -38,7 +38,12 @@ impl Family {
     }
 }
 
-const HEADS: [&str; 4] = ["ForCausalLM", "ForSequenceClassification", "ForTokenClassification", "Model"];
+const HEADS: [&str; 4] = [
+    "ForCausalLM",
+    "ForSequenceClassification",
+    "ForTokenClassification",
+    "Model",
+];
 
 /// A token id or a list of them (`eos_token_id` is either in Hugging Face configs).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -151,7 +156,8 @@ impl Config {
     pub fn from_file(path: impl AsRef<Path>) -> Result<Config> {
         let path = path.as_ref();
         let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-        let cfg: Config = serde_json::from_str(&text).map_err(|e| Error::format(path, e.to_string()))?;
+        let cfg: Config =
+            serde_json::from_str(&text).map_err(|e| Error::format(path, e.to_string()))?;
         cfg.family_at(path)?;
         cfg.validate()?;
         Ok(cfg)
@@ -196,23 +202,45 @@ impl Config {
         let unsupported = || {
             let supported: Vec<String> = families
                 .iter()
-                .flat_map(|f| HEADS.iter().map(move |h| format!("{}{h}", f.class_prefix())))
+                .flat_map(|f| {
+                    HEADS
+                        .iter()
+                        .map(move |h| format!("{}{h}", f.class_prefix()))
+                })
                 .collect();
-            let got =
-                if self.architectures.is_empty() { vec![self.model_type.clone()] } else { self.architectures.clone() };
-            Error::UnsupportedArchitecture { path: path.display().to_string(), got, supported: supported.join(", ") }
+            let got = if self.architectures.is_empty() {
+                vec![self.model_type.clone()]
+            } else {
+                self.architectures.clone()
+            };
+            Error::UnsupportedArchitecture {
+                path: path.display().to_string(),
+                got,
+                supported: supported.join(", "),
+            }
         };
         match self.architectures.first() {
             Some(arch) => families
                 .into_iter()
-                .find(|f| arch.strip_prefix(f.class_prefix()).is_some_and(|h| HEADS.contains(&h)))
+                .find(|f| {
+                    arch.strip_prefix(f.class_prefix())
+                        .is_some_and(|h| HEADS.contains(&h))
+                })
                 .ok_or_else(unsupported),
-            None => families.into_iter().find(|f| f.model_type() == self.model_type).ok_or_else(unsupported),
+            None => families
+                .into_iter()
+                .find(|f| f.model_type() == self.model_type)
+                .ok_or_else(unsupported),
         }
     }
 
     fn validate(&self) -> Result<()> {
-        let bad = |key: &str, reason: String| Err(Error::Config { key: key.to_owned(), reason });
+        let bad = |key: &str, reason: String| {
+            Err(Error::Config {
+                key: key.to_owned(),
+                reason,
+            })
+        };
         for (key, v) in [
             ("vocab_size", self.vocab_size),
             ("hidden_size", self.hidden_size),
@@ -229,29 +257,51 @@ impl Config {
         if self.head_dim.is_none() && self.hidden_size % self.num_attention_heads != 0 {
             return bad(
                 "num_attention_heads",
-                format!("{} does not divide hidden_size {}", self.num_attention_heads, self.hidden_size),
+                format!(
+                    "{} does not divide hidden_size {}",
+                    self.num_attention_heads, self.hidden_size
+                ),
             );
         }
         if self.num_attention_heads % self.n_kv_heads() != 0 {
             return bad(
                 "num_key_value_heads",
-                format!("{} does not divide num_attention_heads {}", self.n_kv_heads(), self.num_attention_heads),
+                format!(
+                    "{} does not divide num_attention_heads {}",
+                    self.n_kv_heads(),
+                    self.num_attention_heads
+                ),
             );
         }
         if self.head_dim() % 2 != 0 {
-            return bad("head_dim", format!("RoPE needs an even head_dim, got {}", self.head_dim()));
+            return bad(
+                "head_dim",
+                format!("RoPE needs an even head_dim, got {}", self.head_dim()),
+            );
         }
         if self.hidden_act != "silu" {
-            return bad("hidden_act", format!("only \"silu\" is supported, got {:?}", self.hidden_act));
+            return bad(
+                "hidden_act",
+                format!("only \"silu\" is supported, got {:?}", self.hidden_act),
+            );
         }
         if let Some(scaling) = &self.rope_scaling {
-            let kind = scaling.get("rope_type").or_else(|| scaling.get("type")).and_then(Value::as_str);
+            let kind = scaling
+                .get("rope_type")
+                .or_else(|| scaling.get("type"))
+                .and_then(Value::as_str);
             if !scaling.is_null() && kind != Some("default") {
-                return bad("rope_scaling", format!("only null or rope_type \"default\" is supported, got {scaling}"));
+                return bad(
+                    "rope_scaling",
+                    format!("only null or rope_type \"default\" is supported, got {scaling}"),
+                );
             }
         }
         if self.use_sliding_window {
-            return bad("use_sliding_window", "sliding-window attention is not supported".to_owned());
+            return bad(
+                "use_sliding_window",
+                "sliding-window attention is not supported".to_owned(),
+            );
         }
         Ok(())
     }
@@ -263,23 +313,34 @@ impl Config {
 
     /// Per-head width.
     pub fn head_dim(&self) -> i64 {
-        self.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
+        self.head_dim
+            .unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
     }
 
     /// `num_labels` as Hugging Face derives it from `id2label` (2 when absent).
     pub fn num_labels(&self) -> i64 {
         match self.extra.get("id2label").and_then(Value::as_object) {
             Some(map) => map.len() as i64,
-            None => self.extra.get("num_labels").and_then(Value::as_i64).unwrap_or(2),
+            None => self
+                .extra
+                .get("num_labels")
+                .and_then(Value::as_i64)
+                .unwrap_or(2),
         }
     }
 
     /// Sets `id2label`/`label2id` for `n` labels, as Hugging Face writes them.
     pub fn set_num_labels(&mut self, n: i64) {
-        let id2label: Map<String, Value> = (0..n).map(|i| (i.to_string(), Value::from(format!("LABEL_{i}")))).collect();
-        let label2id: Map<String, Value> = (0..n).map(|i| (format!("LABEL_{i}"), Value::from(i))).collect();
-        self.extra.insert("id2label".to_owned(), Value::Object(id2label));
-        self.extra.insert("label2id".to_owned(), Value::Object(label2id));
+        let id2label: Map<String, Value> = (0..n)
+            .map(|i| (i.to_string(), Value::from(format!("LABEL_{i}"))))
+            .collect();
+        let label2id: Map<String, Value> = (0..n)
+            .map(|i| (format!("LABEL_{i}"), Value::from(i)))
+            .collect();
+        self.extra
+            .insert("id2label".to_owned(), Value::Object(id2label));
+        self.extra
+            .insert("label2id".to_owned(), Value::Object(label2id));
     }
 
     fn qkv_bias(&self) -> bool {
@@ -300,7 +361,14 @@ pub(crate) struct Linear {
 
 impl Linear {
     pub(crate) fn new(p: VarPath, in_dim: i64, out_dim: i64, bias: bool, std: f64) -> Linear {
-        let weight = p.var("weight", &[out_dim, in_dim], Init::Randn { mean: 0.0, stdev: std });
+        let weight = p.var(
+            "weight",
+            &[out_dim, in_dim],
+            Init::Randn {
+                mean: 0.0,
+                stdev: std,
+            },
+        );
         let bias = bias.then(|| p.var("bias", &[out_dim], Init::Const(0.0)));
         Linear { weight, bias }
     }
@@ -319,7 +387,10 @@ struct RmsNorm {
 
 impl RmsNorm {
     fn new(p: VarPath, size: i64, eps: f64) -> RmsNorm {
-        RmsNorm { weight: p.var("weight", &[size], Init::Const(1.0)), eps }
+        RmsNorm {
+            weight: p.var("weight", &[size], Init::Const(1.0)),
+            eps,
+        }
     }
 
     fn forward(&self, xs: &Tensor) -> Tensor {
@@ -341,7 +412,12 @@ struct Mlp {
 
 impl Mlp {
     fn new(p: VarPath, cfg: &Config) -> Mlp {
-        let (h, i, b, std) = (cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.initializer_range);
+        let (h, i, b, std) = (
+            cfg.hidden_size,
+            cfg.intermediate_size,
+            cfg.mlp_bias,
+            cfg.initializer_range,
+        );
         Mlp {
             gate_proj: Linear::new(&p / "gate_proj", h, i, b, std),
             up_proj: Linear::new(&p / "up_proj", h, i, b, std),
@@ -350,7 +426,8 @@ impl Mlp {
     }
 
     fn forward(&self, xs: &Tensor) -> Tensor {
-        self.down_proj.forward(&(self.gate_proj.forward(xs).silu() * self.up_proj.forward(xs)))
+        self.down_proj
+            .forward(&(self.gate_proj.forward(xs).silu() * self.up_proj.forward(xs)))
     }
 }
 
@@ -401,25 +478,47 @@ impl Attention {
     }
 
     /// `mask`: `[batch, 1, seq_len, kv_len]` bool, true = may attend.
-    fn forward(&self, xs: &Tensor, rope: &Rope, mask: &Tensor, cache: Option<(&Tensor, &Tensor, i64)>) -> Tensor {
+    fn forward(
+        &self,
+        xs: &Tensor,
+        rope: &Rope,
+        mask: &Tensor,
+        cache: Option<(&Tensor, &Tensor, i64)>,
+    ) -> Tensor {
         let (b, s, _) = xs.size3().unwrap();
         let hd = self.head_dim;
         // [batch, seq_len, n_heads * head_dim] -> [batch, n_heads, seq_len, head_dim]
-        let q = self.q_proj.forward(xs).view([b, s, self.n_heads, hd]).transpose(1, 2);
-        let k = self.k_proj.forward(xs).view([b, s, self.n_kv_heads, hd]).transpose(1, 2);
-        let v = self.v_proj.forward(xs).view([b, s, self.n_kv_heads, hd]).transpose(1, 2);
+        let q = self
+            .q_proj
+            .forward(xs)
+            .view([b, s, self.n_heads, hd])
+            .transpose(1, 2);
+        let k = self
+            .k_proj
+            .forward(xs)
+            .view([b, s, self.n_kv_heads, hd])
+            .transpose(1, 2);
+        let v = self
+            .v_proj
+            .forward(xs)
+            .view([b, s, self.n_kv_heads, hd])
+            .transpose(1, 2);
         let (q, k) = (rope.apply(&q), rope.apply(&k));
         let (k, v) = match cache {
             Some((k_cache, v_cache, past)) => {
                 // write this step's keys/values in place; attend over [0, past + seq_len)
                 k_cache.narrow(2, past, s).copy_(&k);
                 v_cache.narrow(2, past, s).copy_(&v);
-                (k_cache.narrow(2, 0, past + s), v_cache.narrow(2, 0, past + s))
+                (
+                    k_cache.narrow(2, 0, past + s),
+                    v_cache.narrow(2, 0, past + s),
+                )
             }
             None => (k, v),
         };
         let gqa = self.n_kv_heads != self.n_heads;
-        let ys = Tensor::scaled_dot_product_attention(&q, &k, &v, Some(mask), 0.0, false, None, gqa);
+        let ys =
+            Tensor::scaled_dot_product_attention(&q, &k, &v, Some(mask), 0.0, false, None, gqa);
         // [batch, n_heads, seq_len, head_dim] -> [batch, seq_len, n_heads * head_dim]
         let ys = ys.transpose(1, 2).reshape([b, s, self.n_heads * hd]);
         self.o_proj.forward(&ys)
@@ -439,14 +538,33 @@ impl DecoderLayer {
         DecoderLayer {
             self_attn: Attention::new(&p / "self_attn", cfg),
             mlp: Mlp::new(&p / "mlp", cfg),
-            input_layernorm: RmsNorm::new(&p / "input_layernorm", cfg.hidden_size, cfg.rms_norm_eps),
-            post_attention_layernorm: RmsNorm::new(&p / "post_attention_layernorm", cfg.hidden_size, cfg.rms_norm_eps),
+            input_layernorm: RmsNorm::new(
+                &p / "input_layernorm",
+                cfg.hidden_size,
+                cfg.rms_norm_eps,
+            ),
+            post_attention_layernorm: RmsNorm::new(
+                &p / "post_attention_layernorm",
+                cfg.hidden_size,
+                cfg.rms_norm_eps,
+            ),
         }
     }
 
-    fn forward(&self, xs: &Tensor, rope: &Rope, mask: &Tensor, cache: Option<(&Tensor, &Tensor, i64)>) -> Tensor {
-        let xs = xs + self.self_attn.forward(&self.input_layernorm.forward(xs), rope, mask, cache);
-        &xs + self.mlp.forward(&self.post_attention_layernorm.forward(&xs))
+    fn forward(
+        &self,
+        xs: &Tensor,
+        rope: &Rope,
+        mask: &Tensor,
+        cache: Option<(&Tensor, &Tensor, i64)>,
+    ) -> Tensor {
+        let xs = xs
+            + self
+                .self_attn
+                .forward(&self.input_layernorm.forward(xs), rope, mask, cache);
+        &xs + self
+            .mlp
+            .forward(&self.post_attention_layernorm.forward(&xs))
     }
 }
 
@@ -465,8 +583,16 @@ impl KvCache {
     /// An empty cache for `batch` rows of up to `capacity` tokens, in the model's dtype and device.
     pub fn new(cfg: &Config, batch: i64, capacity: i64, kind: Kind, device: Device) -> KvCache {
         let shape = [batch, cfg.n_kv_heads(), capacity, cfg.head_dim()];
-        let make = || (0..cfg.num_hidden_layers).map(|_| Tensor::zeros(shape, (kind, device))).collect();
-        KvCache { keys: make(), values: make(), len: 0 }
+        let make = || {
+            (0..cfg.num_hidden_layers)
+                .map(|_| Tensor::zeros(shape, (kind, device)))
+                .collect()
+        };
+        KvCache {
+            keys: make(),
+            values: make(),
+            len: 0,
+        }
     }
 
     /// Tokens held per row (including left padding).
@@ -501,7 +627,10 @@ impl KvCache {
         if rows.numel() > 0 {
             let (lo, hi) = (rows.min().int64_value(&[]), rows.max().int64_value(&[]));
             if lo < 0 || hi >= batch {
-                return Err(Error::invalid("rows", format!("indices {lo}..={hi} outside 0..{batch}")));
+                return Err(Error::invalid(
+                    "rows",
+                    format!("indices {lo}..={hi} outside 0..{batch}"),
+                ));
             }
         }
         let rows = rows.to_device(self.keys.first().map_or(Device::Cpu, Tensor::device));
@@ -511,7 +640,9 @@ impl KvCache {
             size[0] = n;
             // positions past `len` are never read, so they may stay uninitialised
             let fresh = Tensor::empty(size, (t.kind(), t.device()));
-            fresh.narrow(2, 0, len).copy_(&t.narrow(2, 0, len).index_select(0, &rows));
+            fresh
+                .narrow(2, 0, len)
+                .copy_(&t.narrow(2, 0, len).index_select(0, &rows));
             *t = fresh;
         }
         Ok(())
@@ -539,7 +670,11 @@ fn attention_mask_4d(attention_mask: &Tensor, seq_len: i64, past: i64) -> Tensor
     let causal = k_pos.le_tensor(&q_pos);
     let own = k_pos.eq_tensor(&q_pos);
     let keys = attention_mask.ne(0).unsqueeze(1).unsqueeze(1);
-    causal.unsqueeze(0).unsqueeze(0).logical_and(&keys).logical_or(&own.unsqueeze(0).unsqueeze(0))
+    causal
+        .unsqueeze(0)
+        .unsqueeze(0)
+        .logical_and(&keys)
+        .logical_or(&own.unsqueeze(0).unsqueeze(0))
 }
 
 impl Model {
@@ -547,14 +682,30 @@ impl Model {
     pub fn new(p: VarPath, cfg: &Config) -> Result<Model> {
         cfg.validate()?;
         let std = cfg.initializer_range;
-        let embed_tokens =
-            (&p / "embed_tokens").var("weight", &[cfg.vocab_size, cfg.hidden_size], Init::Randn { mean: 0.0, stdev: std });
-        let layers = (0..cfg.num_hidden_layers).map(|i| DecoderLayer::new(&p / "layers" / i, cfg)).collect();
+        let embed_tokens = (&p / "embed_tokens").var(
+            "weight",
+            &[cfg.vocab_size, cfg.hidden_size],
+            Init::Randn {
+                mean: 0.0,
+                stdev: std,
+            },
+        );
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|i| DecoderLayer::new(&p / "layers" / i, cfg))
+            .collect();
         let norm = RmsNorm::new(&p / "norm", cfg.hidden_size, cfg.rms_norm_eps);
         let hd = cfg.head_dim();
-        let exponent = Tensor::arange_start_step(0, hd, 2, (Kind::Int64, p.device())).to_kind(Kind::Float) / hd as f64;
+        let exponent = Tensor::arange_start_step(0, hd, 2, (Kind::Int64, p.device()))
+            .to_kind(Kind::Float)
+            / hd as f64;
         let inv_freq = Tensor::pow_scalar(cfg.rope_theta, &exponent).reciprocal();
-        Ok(Model { embed_tokens, layers, norm, inv_freq, cfg: cfg.clone() })
+        Ok(Model {
+            embed_tokens,
+            layers,
+            norm,
+            inv_freq,
+            cfg: cfg.clone(),
+        })
     }
 
     /// The config the stack was built from.
@@ -571,7 +722,10 @@ impl Model {
         // [batch, seq_len, 1] * [head_dim / 2] -> [batch, seq_len, head_dim / 2]
         let freqs = position_ids.to_kind(Kind::Float).unsqueeze(-1) * &self.inv_freq;
         let emb = Tensor::cat(&[&freqs, &freqs], -1).unsqueeze(1);
-        Rope { cos: emb.cos().to_kind(kind), sin: emb.sin().to_kind(kind) }
+        Rope {
+            cos: emb.cos().to_kind(kind),
+            sin: emb.sin().to_kind(kind),
+        }
     }
 
     /// Runs the stack; with a cache, writes this call's keys/values after its `len()` tokens.
@@ -594,31 +748,54 @@ impl Model {
         expect_kind("input_ids", input_ids, &[Kind::Int64])?;
         let past = cache.as_ref().map_or(0, |c| c.len);
         let mask_doc = "[batch, past_len + seq_len]";
-        expect_dims("attention_mask", attention_mask, &[Some(b), Some(past + s)], mask_doc)?;
-        expect_kind("attention_mask", attention_mask, &[Kind::Int64, Kind::Int, Kind::Bool])?;
-        expect_dims("position_ids", position_ids, &[Some(b), Some(s)], "[batch, seq_len]")?;
+        expect_dims(
+            "attention_mask",
+            attention_mask,
+            &[Some(b), Some(past + s)],
+            mask_doc,
+        )?;
+        expect_kind(
+            "attention_mask",
+            attention_mask,
+            &[Kind::Int64, Kind::Int, Kind::Bool],
+        )?;
+        expect_dims(
+            "position_ids",
+            position_ids,
+            &[Some(b), Some(s)],
+            "[batch, seq_len]",
+        )?;
         expect_kind("position_ids", position_ids, &[Kind::Int64])?;
-        if let Some(c) = cache.as_ref() {
-            if c.batch() != b || past + s > c.capacity() || c.keys.len() != self.layers.len() {
-                return Err(Error::invalid(
-                    "cache",
-                    format!(
-                        "cache of {} rows x {} tokens ({} held) cannot take {b} rows x {s} more",
-                        c.batch(),
-                        c.capacity(),
-                        past
-                    ),
-                ));
-            }
+        if let Some(c) = cache.as_ref()
+            && (c.batch() != b || past + s > c.capacity() || c.keys.len() != self.layers.len())
+        {
+            return Err(Error::invalid(
+                "cache",
+                format!(
+                    "cache of {} rows x {} tokens ({} held) cannot take {b} rows x {s} more",
+                    c.batch(),
+                    c.capacity(),
+                    past
+                ),
+            ));
         }
         if s == 0 || b == 0 {
-            return Err(Error::invalid("input_ids", format!("needs at least one token, got {size:?}")));
+            return Err(Error::invalid(
+                "input_ids",
+                format!("needs at least one token, got {size:?}"),
+            ));
         }
-        let (lo, hi) = (input_ids.min().int64_value(&[]), input_ids.max().int64_value(&[]));
+        let (lo, hi) = (
+            input_ids.min().int64_value(&[]),
+            input_ids.max().int64_value(&[]),
+        );
         if lo < 0 || hi >= self.cfg.vocab_size {
             return Err(Error::invalid(
                 "input_ids",
-                format!("token ids {lo}..={hi} fall outside the vocab of {}", self.cfg.vocab_size),
+                format!(
+                    "token ids {lo}..={hi} fall outside the vocab of {}",
+                    self.cfg.vocab_size
+                ),
             ));
         }
         let kind = self.embed_tokens.kind();

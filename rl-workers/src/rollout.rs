@@ -42,7 +42,15 @@ pub struct RolloutConfig {
 
 impl Default for RolloutConfig {
     fn default() -> Self {
-        RolloutConfig { n: 1, temperature: 1.0, top_k: -1, top_p: 1.0, response_length: 512, do_sample: true, seed: 0 }
+        RolloutConfig {
+            n: 1,
+            temperature: 1.0,
+            top_k: -1,
+            top_p: 1.0,
+            response_length: 512,
+            do_sample: true,
+            seed: 0,
+        }
     }
 }
 
@@ -54,16 +62,25 @@ impl RolloutConfig {
             return bad("n", "must be at least 1".to_owned());
         }
         if self.response_length < 1 {
-            return bad("response_length", format!("must be at least 1, got {}", self.response_length));
+            return bad(
+                "response_length",
+                format!("must be at least 1, got {}", self.response_length),
+            );
         }
         if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
-            return bad("temperature", format!("must be >= 0, got {}", self.temperature));
+            return bad(
+                "temperature",
+                format!("must be >= 0, got {}", self.temperature),
+            );
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return bad("top_p", format!("must be in (0, 1], got {}", self.top_p));
         }
         if self.top_k < -1 {
-            return bad("top_k", format!("must be -1 (off) or >= 0, got {}", self.top_k));
+            return bad(
+                "top_k",
+                format!("must be -1 (off) or >= 0, got {}", self.top_k),
+            );
         }
         Ok(())
     }
@@ -125,9 +142,21 @@ impl<'a> GenerateOptions<'a> {
     /// Stop and pad tokens from the model's config (`eos_token_id`, `pad_token_id`, falling
     /// back to the first eos id), with seed 0 and no hook.
     pub fn from_config(cfg: &crate::model::Config) -> GenerateOptions<'a> {
-        let eos_token_ids = cfg.eos_token_id.as_ref().map(|e| e.to_vec()).unwrap_or_default();
-        let pad_token_id = cfg.pad_token_id.or(eos_token_ids.first().copied()).unwrap_or(0);
-        GenerateOptions { eos_token_ids, pad_token_id, seed: 0, progress: None }
+        let eos_token_ids = cfg
+            .eos_token_id
+            .as_ref()
+            .map(|e| e.to_vec())
+            .unwrap_or_default();
+        let pad_token_id = cfg
+            .pad_token_id
+            .or(eos_token_ids.first().copied())
+            .unwrap_or(0);
+        GenerateOptions {
+            eos_token_ids,
+            pad_token_id,
+            seed: 0,
+            progress: None,
+        }
     }
 }
 
@@ -160,7 +189,9 @@ pub struct RolloutOutput {
 fn pick(logits: &Tensor, cfg: &RolloutConfig, uniforms: Option<&Tensor>) -> (Tensor, Tensor) {
     let Some(uniforms) = uniforms.filter(|_| cfg.sampling()) else {
         let tokens = logits.argmax(-1, true);
-        let log_probs = logits.log_softmax(-1, Kind::Float).gather(1, &tokens, false);
+        let log_probs = logits
+            .log_softmax(-1, Kind::Float)
+            .gather(1, &tokens, false);
         return (tokens.squeeze_dim(1), log_probs.squeeze_dim(1));
     };
     let vocab = logits.size()[1];
@@ -181,9 +212,14 @@ fn pick(logits: &Tensor, cfg: &RolloutConfig, uniforms: Option<&Tensor>) -> (Ten
         logits = logits.masked_fill(&remove, f64::NEG_INFINITY);
     }
     let log_probs = logits.log_softmax(-1, Kind::Float);
-    let cdf = log_probs.exp().to_kind(Kind::Double).cumsum(-1, Kind::Double);
+    let cdf = log_probs
+        .exp()
+        .to_kind(Kind::Double)
+        .cumsum(-1, Kind::Double);
     let target = uniforms * cdf.narrow(1, vocab - 1, 1);
-    let tokens = target.searchsorted(&cdf, false, true, "right", None::<Tensor>).clamp_max(vocab - 1);
+    let tokens = target
+        .searchsorted(&cdf, false, true, "right", None::<Tensor>)
+        .clamp_max(vocab - 1);
     let picked = log_probs.gather(1, &tokens, false);
     (tokens.squeeze_dim(1), picked.squeeze_dim(1))
 }
@@ -207,19 +243,46 @@ pub fn generate(
     cfg: &RolloutConfig,
     opts: &mut GenerateOptions<'_>,
 ) -> Result<RolloutOutput> {
-    let size = expect_dims("input_ids", input_ids, &[None, None], "[prompts, prompt_len]")?;
+    let size = expect_dims(
+        "input_ids",
+        input_ids,
+        &[None, None],
+        "[prompts, prompt_len]",
+    )?;
     let (prompts, prompt_len) = (size[0], size[1]);
     expect_kind("input_ids", input_ids, &[Kind::Int64])?;
-    expect_dims("attention_mask", attention_mask, &[Some(prompts), Some(prompt_len)], "[prompts, prompt_len]")?;
+    expect_dims(
+        "attention_mask",
+        attention_mask,
+        &[Some(prompts), Some(prompt_len)],
+        "[prompts, prompt_len]",
+    )?;
     expect_kind("attention_mask", attention_mask, &[Kind::Int64])?;
-    expect_dims("position_ids", position_ids, &[Some(prompts), Some(prompt_len)], "[prompts, prompt_len]")?;
+    expect_dims(
+        "position_ids",
+        position_ids,
+        &[Some(prompts), Some(prompt_len)],
+        "[prompts, prompt_len]",
+    )?;
     expect_kind("position_ids", position_ids, &[Kind::Int64])?;
     cfg.validate()?;
     if prompts == 0 || prompt_len == 0 {
-        return Err(Error::invalid("input_ids", format!("needs at least one prompt token, got {size:?}")));
+        return Err(Error::invalid(
+            "input_ids",
+            format!("needs at least one prompt token, got {size:?}"),
+        ));
     }
-    if attention_mask.narrow(1, prompt_len - 1, 1).ne(1).any().int64_value(&[]) != 0 {
-        return Err(Error::invalid("attention_mask", "prompts must be left-padded (last column all 1)"));
+    if attention_mask
+        .narrow(1, prompt_len - 1, 1)
+        .ne(1)
+        .any()
+        .int64_value(&[])
+        != 0
+    {
+        return Err(Error::invalid(
+            "attention_mask",
+            "prompts must be left-padded (last column all 1)",
+        ));
     }
     tch::no_grad(|| generate_inner(lm, input_ids, attention_mask, position_ids, cfg, opts))
 }
@@ -237,18 +300,36 @@ fn generate_inner(
     let n = cfg.n as i64;
     let rows = prompts * n;
     let max_new = cfg.response_length;
-    let (input_ids, attention_mask, position_ids) =
-        (input_ids.to_device(device), attention_mask.to_device(device), position_ids.to_device(device));
+    let (input_ids, attention_mask, position_ids) = (
+        input_ids.to_device(device),
+        attention_mask.to_device(device),
+        position_ids.to_device(device),
+    );
 
     // prefill once per prompt, then repeat the cache rows for the n samples
-    let mut cache = KvCache::new(lm.config(), prompts, prompt_len + max_new, lm.kind(), device);
-    let hidden = lm.model().forward(&input_ids, &attention_mask, &position_ids, Some(&mut cache))?;
-    let mut logits = lm.logits(&hidden.narrow(1, prompt_len - 1, 1).squeeze_dim(1)).to_kind(Kind::Float);
-    let repeat = Tensor::arange(prompts, (Kind::Int64, device)).repeat_interleave_self_int(n, 0, None);
+    let mut cache = KvCache::new(
+        lm.config(),
+        prompts,
+        prompt_len + max_new,
+        lm.kind(),
+        device,
+    );
+    let hidden =
+        lm.model()
+            .forward(&input_ids, &attention_mask, &position_ids, Some(&mut cache))?;
+    let mut logits = lm
+        .logits(&hidden.narrow(1, prompt_len - 1, 1).squeeze_dim(1))
+        .to_kind(Kind::Float);
+    let repeat =
+        Tensor::arange(prompts, (Kind::Int64, device)).repeat_interleave_self_int(n, 0, None);
     let (prompt_ids, prompt_mask, prompt_pos) = if n > 1 {
         cache.select_rows(&repeat)?;
         logits = logits.index_select(0, &repeat);
-        (input_ids.index_select(0, &repeat), attention_mask.index_select(0, &repeat), position_ids.index_select(0, &repeat))
+        (
+            input_ids.index_select(0, &repeat),
+            attention_mask.index_select(0, &repeat),
+            position_ids.index_select(0, &repeat),
+        )
     } else {
         (input_ids, attention_mask, position_ids)
     };
@@ -307,7 +388,9 @@ fn generate_inner(
         let stopped = active.iter().filter(|&&r| done[r]).count();
         let mut tokens = tokens;
         if stopped > 0 && stopped * 8 >= active.len() {
-            let keep: Vec<i64> = (0..active.len() as i64).filter(|&i| !done[active[i as usize]]).collect();
+            let keep: Vec<i64> = (0..active.len() as i64)
+                .filter(|&i| !done[active[i as usize]])
+                .collect();
             let keep_t = Tensor::from_slice(&keep).to_device(device);
             cache.select_rows(&keep_t)?;
             mask = mask.index_select(0, &keep_t);
@@ -317,7 +400,9 @@ fn generate_inner(
         }
         let a = active.len() as i64;
         mask = Tensor::cat(&[&mask, &Tensor::ones([a, 1], (Kind::Int64, device))], 1);
-        let hidden = lm.model().forward(&tokens.view([a, 1]), &mask, &next_pos, Some(&mut cache))?;
+        let hidden =
+            lm.model()
+                .forward(&tokens.view([a, 1]), &mask, &next_pos, Some(&mut cache))?;
         logits = lm.logits(&hidden.squeeze_dim(1)).to_kind(Kind::Float);
         next_pos += 1;
     }
@@ -336,8 +421,12 @@ fn generate_inner(
     }
     let shape = [rows, max_new];
     let responses = Tensor::from_slice(&responses).view(shape).to_device(device);
-    let response_mask = Tensor::from_slice(&response_mask).view(shape).to_device(device);
-    let rollout_log_probs = Tensor::from_slice(&rollout_log_probs).view(shape).to_device(device);
+    let response_mask = Tensor::from_slice(&response_mask)
+        .view(shape)
+        .to_device(device);
+    let rollout_log_probs = Tensor::from_slice(&rollout_log_probs)
+        .view(shape)
+        .to_device(device);
     let delta = Tensor::arange_start(1, max_new + 1, (Kind::Int64, device)).unsqueeze(0);
     Ok(RolloutOutput {
         input_ids: Tensor::cat(&[&prompt_ids, &responses], 1),
@@ -362,10 +451,18 @@ mod tests {
     fn config_defaults_are_verl_and_unknown_keys_fail() {
         let cfg: RolloutConfig = serde_json::from_str("{}").unwrap();
         assert_eq!(cfg, RolloutConfig::default());
-        assert_eq!((cfg.n, cfg.top_k, cfg.top_p, cfg.temperature, cfg.do_sample), (1, -1, 1.0, 1.0, true));
-        let err = serde_json::from_str::<RolloutConfig>(r#"{"topk": 3}"#).unwrap_err().to_string();
+        assert_eq!(
+            (cfg.n, cfg.top_k, cfg.top_p, cfg.temperature, cfg.do_sample),
+            (1, -1, 1.0, 1.0, true)
+        );
+        let err = serde_json::from_str::<RolloutConfig>(r#"{"topk": 3}"#)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("topk"), "{err}");
-        let bad = RolloutConfig { top_p: 0.0, ..RolloutConfig::default() };
+        let bad = RolloutConfig {
+            top_p: 0.0,
+            ..RolloutConfig::default()
+        };
         assert!(bad.validate().unwrap_err().to_string().contains("top_p"));
         assert_ne!(cfg.seed_for(0), cfg.seed_for(1));
     }
@@ -373,7 +470,10 @@ mod tests {
     #[test]
     fn greedy_picks_argmax_with_raw_log_prob() {
         let logits = Tensor::from_slice(&[0.0f32, 2.0, 1.0, 5.0, 0.0, 0.0]).view([2, 3]);
-        let cfg = RolloutConfig { do_sample: false, ..RolloutConfig::default() };
+        let cfg = RolloutConfig {
+            do_sample: false,
+            ..RolloutConfig::default()
+        };
         let (tokens, lp) = pick(&logits, &cfg, None);
         assert_eq!(Vec::<i64>::try_from(&tokens).unwrap(), vec![1, 0]);
         let want = logits.log_softmax(-1, Kind::Float);
@@ -383,7 +483,10 @@ mod tests {
     #[test]
     fn top_k_one_is_greedy_with_log_prob_zero() {
         let logits = Tensor::from_slice(&[0.3f32, 2.0, 1.0, -1.0]).view([1, 4]);
-        let cfg = RolloutConfig { top_k: 1, ..RolloutConfig::default() };
+        let cfg = RolloutConfig {
+            top_k: 1,
+            ..RolloutConfig::default()
+        };
         for u in [0.0, 0.5, 0.999] {
             let (tokens, lp) = pick(&logits, &cfg, Some(&uniform(1, u)));
             assert_eq!(tokens.int64_value(&[0]), 1);
@@ -395,7 +498,10 @@ mod tests {
     fn top_p_keeps_the_nucleus_and_renormalises() {
         // probs 0.5, 0.3, 0.2: top_p 0.6 keeps {0, 1}
         let probs = Tensor::from_slice(&[0.5f32, 0.3, 0.2]).view([1, 3]);
-        let cfg = RolloutConfig { top_p: 0.6, ..RolloutConfig::default() };
+        let cfg = RolloutConfig {
+            top_p: 0.6,
+            ..RolloutConfig::default()
+        };
         let mut seen = [false; 3];
         for i in 0..50 {
             let (t, lp) = pick(&probs.log(), &cfg, Some(&uniform(1, i as f64 / 50.0)));
@@ -410,7 +516,10 @@ mod tests {
     #[test]
     fn inverse_cdf_follows_the_temperature_scaled_distribution() {
         let logits = Tensor::from_slice(&[0.0f32, 1.0]).view([1, 2]);
-        let cfg = RolloutConfig { temperature: 0.5, ..RolloutConfig::default() };
+        let cfg = RolloutConfig {
+            temperature: 0.5,
+            ..RolloutConfig::default()
+        };
         // p(1) = e^2 / (1 + e^2) = 0.8808: u below 1 - 0.8808 picks token 0
         let (t0, _) = pick(&logits, &cfg, Some(&uniform(1, 0.11)));
         let (t1, lp1) = pick(&logits, &cfg, Some(&uniform(1, 0.12)));
