@@ -433,3 +433,13 @@ pub fn load_policy(dir: &Path) -> AnyResult<SharedPolicy> {
         Kind::Float,
     )?))
 }
+
+/// Parses verl's `algorithm` group; an unknown `adv_estimator` is an error naming
+/// `algorithm.adv_estimator` and the valid names, any other bad key names itself.
+pub fn parse_algorithm(v: &Value) -> AnyResult<AlgoConfig> {
+    if let Some(name) = v.get("adv_estimator").and_then(Value::as_str) {
+        name.parse::<rl_algos::AdvEstimator>()
+            .map_err(|e| format!("algorithm.adv_estimator: {e}"))?;
+    }
+    serde_json::from_value(v.clone()).map_err(|e| format!("algorithm: {e}").into())
+}
