@@ -168,13 +168,42 @@ def main():
               "--threads", str(args.threads), "--new-tokens", str(args.new_tokens)]
     hf = json.loads(subprocess.run(hf_cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
     fl = floor(args.threads)
-    same = rust.pop("greedy_responses") == [r + [None] * 0 for r in hf.pop("greedy_responses")]
+    eos = json.load(open(os.path.join(args.model, "config.json")))["eos_token_id"]
+
+    def cut(rows):
+        out = []
+        for row in rows:
+            keep = []
+            for t in row:
+                keep.append(t)
+                if t == eos:
+                    break
+            out.append(keep)
+        return out
+
+    same = cut(rust.pop("greedy_responses")) == cut(hf.pop("greedy_responses"))
+    # the floor: FLOPs over measured matmul throughput, bytes over measured copy bandwidth
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(args.model, "model.safetensors"), "pt") as f:
+        params = sum(f.get_slice(k).get_shape()[0] * (f.get_slice(k).get_shape() + [1])[1] for k in f.keys())
+    rows, steps = len(QUESTIONS), args.new_tokens
+    gen_flops = 2 * params * rows * steps  # every row computed every step (upper bound)
+    gen_bytes = 4 * params * steps  # f32 weights streamed once per decode step
+    gen_floor = max(gen_flops / (fl["matmul_gflops_m32"] * 1e9), gen_bytes / (fl["copy_gb_per_s"] * 1e9))
+    b, t = rust["fwd_bwd_shape"]
+    fb_floor = 6 * params * b * t / (fl["matmul_gflops_m2048"] * 1e9)
     summary = {
-        "rust": rust, "transformers": hf, "floor": fl, "load_avg_before": load,
+        "rust": rust, "transformers": hf, "floor": fl, "load_avg_before": load, "load_avg_after": os.getloadavg(),
+        "params": params,
         "greedy_tokens_identical": same,
         "greedy_speedup": rust["greedy_tokens_per_s"] / hf["greedy_tokens_per_s"],
         "sampled_speedup": rust["sampled_tokens_per_s"] / hf["sampled_tokens_per_s"],
         "fwd_bwd_time_ratio": rust["fwd_bwd_seconds"] / hf["fwd_bwd_seconds"],
+        "greedy_floor_seconds": gen_floor,
+        "greedy_rust_over_floor": rust["greedy_seconds"] / gen_floor,
+        "fwd_bwd_floor_seconds": fb_floor,
+        "fwd_bwd_rust_over_floor": rust["fwd_bwd_seconds"] / fb_floor,
     }
     print(json.dumps(summary, indent=1))
 

@@ -145,6 +145,26 @@ impl CausalLm {
         Ok(self.logits(&hidden))
     }
 
+    /// Forward and backward of `loss_fn(logits)` with per-layer gradient checkpointing (see
+    /// [`Model::forward_backward_checkpointed`]); gradients accumulate into the weights as
+    /// `loss.backward()` would. Returns the loss, detached.
+    ///
+    /// # Shapes
+    /// - `input_ids`, `attention_mask`, `position_ids`: `[batch, seq_len]` i64
+    /// - `loss_fn` gets logits `[batch, seq_len, vocab]` and returns a scalar
+    pub fn forward_backward_checkpointed(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+        position_ids: &Tensor,
+        loss_fn: impl FnOnce(&Tensor) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        self.model
+            .forward_backward_checkpointed(input_ids, attention_mask, position_ids, |h| {
+                loss_fn(&self.logits(h))
+            })
+    }
+
     /// Applies `lm_head` to hidden states.
     ///
     /// # Shapes

@@ -728,25 +728,18 @@ impl Model {
         }
     }
 
-    /// Runs the stack; with a cache, writes this call's keys/values after its `len()` tokens.
-    ///
-    /// # Shapes
-    /// - `input_ids`: `[batch, seq_len]` i64
-    /// - `attention_mask`: `[batch, past_len + seq_len]` i64 or bool, 1 = real token, where
-    ///   `past_len` = `cache.len()` (0 without a cache)
-    /// - `position_ids`: `[batch, seq_len]` i64
-    /// - returns hidden states `[batch, seq_len, hidden]` after the final norm, in the model dtype
-    pub fn forward(
+    /// Checks the documented shapes, dtypes and id range of a forward's inputs; returns
+    /// `(batch, seq_len)`.
+    fn check_inputs(
         &self,
         input_ids: &Tensor,
         attention_mask: &Tensor,
         position_ids: &Tensor,
-        cache: Option<&mut KvCache>,
-    ) -> Result<Tensor> {
+        past: i64,
+    ) -> Result<(i64, i64)> {
         let size = expect_dims("input_ids", input_ids, &[None, None], "[batch, seq_len]")?;
         let (b, s) = (size[0], size[1]);
         expect_kind("input_ids", input_ids, &[Kind::Int64])?;
-        let past = cache.as_ref().map_or(0, |c| c.len);
         let mask_doc = "[batch, past_len + seq_len]";
         expect_dims(
             "attention_mask",
@@ -766,19 +759,6 @@ impl Model {
             "[batch, seq_len]",
         )?;
         expect_kind("position_ids", position_ids, &[Kind::Int64])?;
-        if let Some(c) = cache.as_ref()
-            && (c.batch() != b || past + s > c.capacity() || c.keys.len() != self.layers.len())
-        {
-            return Err(Error::invalid(
-                "cache",
-                format!(
-                    "cache of {} rows x {} tokens ({} held) cannot take {b} rows x {s} more",
-                    c.batch(),
-                    c.capacity(),
-                    past
-                ),
-            ));
-        }
         if s == 0 || b == 0 {
             return Err(Error::invalid(
                 "input_ids",
@@ -795,6 +775,98 @@ impl Model {
                 format!(
                     "token ids {lo}..={hi} fall outside the vocab of {}",
                     self.cfg.vocab_size
+                ),
+            ));
+        }
+        Ok((b, s))
+    }
+
+    /// Forward and backward with gradient checkpointing: the layers first run without a graph,
+    /// keeping only each layer's input; `head` gets the final normed hidden states with a graph
+    /// and returns a scalar loss, which is back-propagated; then each layer is recomputed from
+    /// its saved input, last first, and back-propagated with the incoming gradient. Parameter
+    /// gradients accumulate exactly as one `loss.backward()` would, holding one layer's
+    /// activations at a time. Returns the loss, detached.
+    ///
+    /// # Shapes
+    /// - `input_ids`, `attention_mask`, `position_ids`: `[batch, seq_len]` i64
+    /// - `head` gets `[batch, seq_len, hidden]` and returns a scalar
+    pub fn forward_backward_checkpointed(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+        position_ids: &Tensor,
+        head: impl FnOnce(&Tensor) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        let size = expect_dims("input_ids", input_ids, &[None, None], "[batch, seq_len]")?;
+        expect_dims(
+            "attention_mask",
+            attention_mask,
+            &[Some(size[0]), Some(size[1])],
+            "[batch, seq_len]",
+        )?;
+        // validates ids, kinds and shapes the same way as `forward`, on a cheap no-grad pass
+        let kind = self.embed_tokens.kind();
+        let rope = self.rope(position_ids, kind);
+        let mask = attention_mask_4d(attention_mask, size[1], 0);
+        let mut inputs = Vec::with_capacity(self.layers.len());
+        let last = tch::no_grad(|| -> Result<Tensor> {
+            self.check_inputs(input_ids, attention_mask, position_ids, 0)?;
+            let mut xs = Tensor::embedding(&self.embed_tokens, input_ids, -1, false, false);
+            for layer in &self.layers {
+                inputs.push(xs.shallow_clone());
+                xs = layer.forward(&xs, &rope, &mask, None);
+            }
+            Ok(xs)
+        })?;
+        let last = last.detach().set_requires_grad(true);
+        let loss = head(&self.norm.forward(&last))?;
+        if loss.numel() != 1 {
+            return Err(Error::invalid(
+                "head",
+                format!("must return a scalar loss, got {:?}", loss.size()),
+            ));
+        }
+        loss.f_backward()?;
+        let mut grad = last.grad();
+        for (layer, xs) in self.layers.iter().zip(&inputs).rev() {
+            let xs = xs.detach().set_requires_grad(true);
+            let out = layer.forward(&xs, &rope, &mask, None);
+            (out * &grad).sum(Kind::Float).f_backward()?;
+            grad = xs.grad();
+        }
+        let embedded = Tensor::embedding(&self.embed_tokens, input_ids, -1, false, false);
+        (embedded * &grad).sum(Kind::Float).f_backward()?;
+        Ok(loss.detach())
+    }
+
+    /// Runs the stack; with a cache, writes this call's keys/values after its `len()` tokens.
+    ///
+    /// # Shapes
+    /// - `input_ids`: `[batch, seq_len]` i64
+    /// - `attention_mask`: `[batch, past_len + seq_len]` i64 or bool, 1 = real token, where
+    ///   `past_len` = `cache.len()` (0 without a cache)
+    /// - `position_ids`: `[batch, seq_len]` i64
+    /// - returns hidden states `[batch, seq_len, hidden]` after the final norm, in the model dtype
+    pub fn forward(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+        position_ids: &Tensor,
+        cache: Option<&mut KvCache>,
+    ) -> Result<Tensor> {
+        let past = cache.as_ref().map_or(0, |c| c.len);
+        let (b, s) = self.check_inputs(input_ids, attention_mask, position_ids, past)?;
+        if let Some(c) = cache.as_ref()
+            && (c.batch() != b || past + s > c.capacity() || c.keys.len() != self.layers.len())
+        {
+            return Err(Error::invalid(
+                "cache",
+                format!(
+                    "cache of {} rows x {} tokens ({} held) cannot take {b} rows x {s} more",
+                    c.batch(),
+                    c.capacity(),
+                    past
                 ),
             ));
         }

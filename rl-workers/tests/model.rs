@@ -373,3 +373,45 @@ fn value_model_gets_a_fresh_head_from_an_lm_checkpoint_and_keeps_a_saved_one() {
     assert!(!back.fresh_head());
     assert!(back.forward(&ids, &mask, &pos).unwrap().equal(&values));
 }
+
+#[test]
+fn gradient_checkpointing_gives_the_same_loss_and_gradients() {
+    let (ids, mask, pos) = prompts();
+    let loss_of = |logits: &Tensor| -> rl_workers::Result<Tensor> {
+        let logp = logits.log_softmax(-1, Kind::Float).narrow(1, 0, 5);
+        let picked = logp
+            .gather(2, &ids.narrow(1, 1, 5).unsqueeze(-1), false)
+            .squeeze_dim(-1);
+        Ok(-(picked * mask.narrow(1, 1, 5).to_kind(Kind::Float)).mean(Kind::Float))
+    };
+    let grads = |lm: &CausalLm| -> Vec<(String, Tensor)> {
+        let mut v: Vec<(String, Tensor)> = lm
+            .var_store()
+            .variables()
+            .into_iter()
+            .map(|(n, t)| (n, t.grad().copy()))
+            .collect();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v
+    };
+    let plain = tiny(10);
+    // tests run in parallel and share tch's global seed, so copy the weights rather than re-seed
+    let mut ckpt = tiny(10);
+    ckpt.var_store_mut().copy(plain.var_store()).unwrap();
+    let loss = loss_of(&plain.forward(&ids, &mask, &pos, None).unwrap()).unwrap();
+    loss.backward();
+    let loss2 = ckpt
+        .forward_backward_checkpointed(&ids, &mask, &pos, loss_of)
+        .unwrap();
+    assert!((loss.double_value(&[]) - loss2.double_value(&[])).abs() < 1e-6);
+    let (a, b) = (grads(&plain), grads(&ckpt));
+    assert_eq!(a.len(), b.len());
+    for ((name, ga), (_, gb)) in a.iter().zip(&b) {
+        let err = (ga - gb).abs().max().double_value(&[]);
+        assert!(err < 1e-6, "{name}: {err}");
+        assert!(
+            ga.abs().max().double_value(&[]) > 0.0
+                || name.contains("layers.1.self_attn.o_proj.bias")
+        );
+    }
+}
