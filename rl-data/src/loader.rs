@@ -403,6 +403,54 @@ impl DataLoader {
         })
     }
 
+    /// The training loader as verl builds it from `data:`: opens `train_files` (capped by
+    /// `train_max_samples`), drops over-long prompts when `filter_overlong_prompts` is set, and
+    /// batches with `train_batch_size`, `shuffle`, `drop_last` and `seed`. A
+    /// `apply_chat_template_kwargs.chat_template` string replaces the tokenizer's template.
+    pub fn train(cfg: &DataConfig, tokenizer: Arc<Tokenizer>) -> Result<Self> {
+        cfg.validate()?;
+        Self::build(
+            RlDataset::train(cfg)?,
+            cfg,
+            tokenizer,
+            LoaderOptions::train(cfg),
+        )
+    }
+
+    /// The validation loader: `val_files`, `val_max_samples`, `val_batch_size` (default: the
+    /// whole set), `validation_shuffle`, no `drop_last`.
+    pub fn val(cfg: &DataConfig, tokenizer: Arc<Tokenizer>) -> Result<Self> {
+        cfg.validate()?;
+        let ds = RlDataset::val(cfg)?;
+        let opts = LoaderOptions::val(cfg, ds.len());
+        Self::build(ds, cfg, tokenizer, opts)
+    }
+
+    fn build(
+        mut ds: RlDataset,
+        cfg: &DataConfig,
+        mut tokenizer: Arc<Tokenizer>,
+        opts: LoaderOptions,
+    ) -> Result<Self> {
+        if let Some(t) = cfg.apply_chat_template_kwargs.get("chat_template") {
+            let src = t.as_str().ok_or_else(|| Error::Config {
+                key: "data.apply_chat_template_kwargs.chat_template".into(),
+                message: "must be a string".into(),
+            })?;
+            Arc::make_mut(&mut tokenizer).set_chat_template(src)?;
+        }
+        if cfg.filter_overlong_prompts {
+            let encoder = PromptEncoder {
+                tokenizer: &tokenizer,
+                max_prompt_length: cfg.max_prompt_length,
+                truncation: cfg.truncation,
+                template_kwargs: &opts.template_kwargs,
+            };
+            ds.filter_overlong_prompts(&encoder)?;
+        }
+        Self::new(Arc::new(ds), tokenizer, opts)
+    }
+
     /// Batches in one epoch.
     pub fn batches_per_epoch(&self) -> usize {
         self.sampler.batches_per_epoch()

@@ -74,6 +74,7 @@ pub struct SpecialTokens {
 }
 
 /// A compiled chat template.
+#[derive(Clone)]
 pub struct ChatTemplate {
     env: Environment<'static>,
     source: String,
@@ -389,6 +390,7 @@ fn py_float_repr(f: f64) -> String {
 }
 
 /// A Hugging Face fast tokenizer with its special tokens and chat template.
+#[derive(Clone)]
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     special: SpecialTokens,
@@ -406,6 +408,7 @@ pub struct Tokenizer {
 /// system prompt, encoded once per batch). Only built when that is exact: every added token is
 /// un-normalised with no strip or single-word rule, and tokenizer.json sets no truncation or
 /// padding.
+#[derive(Clone)]
 struct Segmenter {
     /// The added tokens, longest first (leftmost-longest, as tokenizers' matcher).
     re: regex::Regex,

@@ -220,3 +220,77 @@ fn bad_states_are_rejected() {
         .unwrap_err();
     assert!(e.to_string().contains("seed"), "{e}");
 }
+
+#[test]
+fn train_and_val_loaders_follow_the_data_config() {
+    let f = fixture("verl_parquet/rl.parquet");
+    let tok = Arc::new(tokenizer("smollm2"));
+    let base = DataConfig {
+        train_files: vec![f.clone()],
+        val_files: vec![f],
+        train_batch_size: 4,
+        max_prompt_length: 4096,
+        pad_to_max_prompt_length: false,
+        ..DataConfig::default()
+    };
+    let mut train = DataLoader::train(&base, tok.clone()).unwrap();
+    assert_eq!(train.batches_per_epoch(), 3);
+    let val = DataLoader::val(&base, tok.clone()).unwrap();
+    assert_eq!(val.batches_per_epoch(), 1); // val_batch_size = null: the whole set at once
+
+    // filter_overlong_prompts drops the long system-prompt rows instead of failing.
+    let lens: Vec<usize> = (0..12)
+        .map(|i| {
+            let row = train.dataset().row(i).unwrap();
+            tok.encode(&tok.apply_chat_template(&row.prompt, true).unwrap(), false)
+                .unwrap()
+                .len()
+        })
+        .collect();
+    let shortest = *lens.iter().min().unwrap();
+    let filtered = DataConfig {
+        max_prompt_length: shortest,
+        filter_overlong_prompts: true,
+        train_batch_size: 1,
+        ..base.clone()
+    };
+    let l = DataLoader::train(&filtered, tok.clone()).unwrap();
+    assert_eq!(
+        l.dataset().len(),
+        lens.iter().filter(|&&n| n <= shortest).count()
+    );
+
+    // A chat_template in apply_chat_template_kwargs replaces the tokenizer's.
+    let mut kwargs = std::collections::BTreeMap::new();
+    kwargs.insert(
+        "chat_template".to_string(),
+        serde_json::json!("{{ messages[0].content }}"),
+    );
+    let custom = DataConfig {
+        apply_chat_template_kwargs: kwargs,
+        return_full_prompt: true,
+        ..base.clone()
+    };
+    let mut l = DataLoader::train(&custom, tok.clone()).unwrap();
+    let b = l.next_batch().unwrap().unwrap();
+    let row = l.dataset().row(b.index[0]).unwrap();
+    assert_eq!(b.full_prompts.unwrap()[0], row.prompt[0].content);
+    // The caller's tokenizer keeps its own template.
+    assert!(
+        tok.apply_chat_template(&row.prompt, true)
+            .unwrap()
+            .contains("<|im_start|>")
+    );
+
+    let bad = DataConfig {
+        train_batch_size: 0,
+        ..base
+    };
+    assert!(
+        DataLoader::train(&bad, tok)
+            .unwrap_err()
+            .to_string()
+            .contains("data.train_batch_size")
+    );
+    let _ = train.next_batch().unwrap();
+}
