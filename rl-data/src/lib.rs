@@ -6,6 +6,10 @@
 //! - [`RlDataset`] reads verl-schema parquet (verl's `RLHFDataset`); [`PromptEncoder`] renders
 //!   and tokenises under `truncation`; [`DataLoader`] batches with a seeded per-epoch shuffle
 //!   and a [`LoaderState`] that resumes exactly; [`collate_left_padded`] pads.
+//!   [`DataLoader::train`] / [`DataLoader::val`] build both from a [`DataConfig`]. Batches are
+//!   padded with the pad token, or the eos token when there is none (as verl does).
+//! - [`SftDataset`] (single- and multi-turn, `loss_mask` on assistant tokens) and
+//!   [`PreferenceDataset`] (prompt, chosen, rejected) for SFT and DPO-family trainers.
 //! - [`reward`]: rule rewards chosen by `data_source` as verl's `default_compute_score` does.
 //! - [`tasks`]: the GSM8K preprocessor and seeded synthetic task generators.
 
