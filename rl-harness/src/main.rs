@@ -1,5 +1,11 @@
-//! The `harness` binary: the thin entry point over the library crates.
+//! The `harness` binary: parses the command line and runs it; failures print one line and exit 1.
+
+use clap::Parser;
 
 fn main() {
-    println!("harness: the CLI arrives with the harness issue");
+    let cli = rl_harness::Cli::parse();
+    if let Err(e) = rl_harness::run(cli) {
+        eprintln!("harness: error: {e:#}");
+        std::process::exit(1);
+    }
 }

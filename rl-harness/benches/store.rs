@@ -1,0 +1,2 @@
+//! Placeholder until the store benchmark lands.
+fn main() {}

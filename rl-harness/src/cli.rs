@@ -1,0 +1,552 @@
+//! The `harness` command line (clap) and what each subcommand does.
+
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use serde_json::Value;
+
+use crate::compare::{self, Mode};
+use crate::config::{self, Override, Sources};
+use crate::store::{RunRow, Store};
+use crate::train::Membership;
+use crate::{filter, sweep, tracker, train};
+
+/// Trains, resumes, sweeps and compares RL post-training runs; every run is recorded in a
+/// SQLite run store.
+#[derive(Debug, Parser)]
+#[command(name = "harness", version, about, long_about = None)]
+pub struct Cli {
+    /// The run store (default: `RL_TRAINER__DB`, else `runs/harness.db`; for `train`, this
+    /// overrides `trainer.db`).
+    #[arg(long, global = true, value_name = "PATH")]
+    pub db: Option<PathBuf>,
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Start a run: `harness train experiments/quickstart.toml trainer.total_training_steps=20`.
+    Train(TrainArgs),
+    /// Continue a run from its latest complete checkpoint (or from `--from-step`).
+    Resume {
+        /// Run id or name.
+        run: String,
+        /// Resume from the checkpoint at this step instead of the latest.
+        #[arg(long)]
+        from_step: Option<u64>,
+        /// `key.path=value` changes; only resume-safe keys may change.
+        overrides: Vec<String>,
+    },
+    /// Run (or continue) a sweep: finished trials are skipped, interrupted ones resumed.
+    Sweep {
+        /// A sweep file: an experiment plus a `[sweep]` table.
+        file: PathBuf,
+        /// Trials at once (bounded by cores and devices).
+        #[arg(long, default_value_t = 1)]
+        parallel: usize,
+        /// Run failed trials again.
+        #[arg(long)]
+        retry_failed: bool,
+    },
+    /// List runs.
+    Runs {
+        /// Keep runs matching an expression over config keys, final metrics and run fields:
+        /// `algorithm.adv_estimator = 'grpo' and val/test_score > 0.5`.
+        #[arg(long)]
+        filter: Option<String>,
+        /// Only this sweep's runs.
+        #[arg(long)]
+        sweep: Option<String>,
+    },
+    /// Show one run: status, config, final metrics, checkpoints, events.
+    Show {
+        /// Run id or name.
+        run: String,
+    },
+    /// Compare runs (metrics table, config differences, plots), or rank a sweep's trials.
+    Compare(CompareArgs),
+    /// Export a run's metrics.
+    Export {
+        /// Run id or name.
+        run: String,
+        /// Output format.
+        #[arg(long, value_enum)]
+        format: ExportFormat,
+        /// Write here instead of stdout.
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
+    /// Push records still pending for the remote tracker.
+    Sync {
+        /// Tracker address to use instead of the one each run recorded.
+        #[arg(long)]
+        uri: Option<String>,
+        /// Seconds for the whole sync.
+        #[arg(long, default_value_t = 120.0)]
+        timeout_s: f64,
+    },
+    /// Inspect configs.
+    #[command(subcommand)]
+    Config(ConfigCommand),
+    /// Make datasets (verl-schema parquet).
+    #[command(subcommand)]
+    Data(DataCommand),
+    /// Import models.
+    #[command(subcommand)]
+    Model(ModelCommand),
+}
+
+/// `harness train`.
+#[derive(Debug, Args)]
+pub struct TrainArgs {
+    /// The experiment TOML file.
+    pub config: PathBuf,
+    /// `key.path=value` overrides, applied last.
+    pub overrides: Vec<String>,
+    /// The sweep this run is a trial of (set by `harness sweep`).
+    #[arg(long, hide = true)]
+    pub sweep_id: Option<String>,
+    /// The trial id (set by `harness sweep`).
+    #[arg(long, hide = true)]
+    pub trial_id: Option<String>,
+}
+
+/// `harness compare`.
+#[derive(Debug, Args)]
+pub struct CompareArgs {
+    /// Run ids or names.
+    pub runs: Vec<String>,
+    /// Metrics to compare (repeatable); default: every metric all runs share.
+    #[arg(long = "metric")]
+    pub metrics: Vec<String>,
+    /// Rank this sweep's trials by the first `--metric` (default: the sweep's metric).
+    #[arg(long)]
+    pub sweep: Option<String>,
+    /// Also show each metric's value at this step.
+    #[arg(long)]
+    pub at_step: Option<i64>,
+    /// Whether larger is better.
+    #[arg(long, value_enum, default_value_t = Mode::Auto)]
+    pub mode: Mode,
+    /// Plot the metric curves to this .svg or .png file.
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
+    /// Exponential smoothing weight for the plot, in [0, 1).
+    #[arg(long, default_value_t = 0.0)]
+    pub smooth: f64,
+}
+
+/// Export formats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ExportFormat {
+    /// `run_id,step,key,value,wall_time`, one metric per line.
+    Csv,
+    /// One JSON object per step: `{"step": .., "wall_time": .., "metrics": {..}}`.
+    Jsonl,
+}
+
+/// `harness config ...`.
+#[derive(Debug, Subcommand)]
+pub enum ConfigCommand {
+    /// Print the resolved config (defaults → file → RL_ env → overrides) as TOML.
+    Show {
+        /// The experiment TOML file.
+        config: PathBuf,
+        /// `key.path=value` overrides.
+        overrides: Vec<String>,
+    },
+}
+
+/// Split sizes and seed of a generator.
+#[derive(Debug, Args)]
+pub struct GenArgs {
+    /// Output folder (train.parquet and test.parquet are written there).
+    pub out_dir: PathBuf,
+    /// Training rows.
+    #[arg(long, default_value_t = 1000)]
+    pub train: usize,
+    /// Test rows.
+    #[arg(long, default_value_t = 100)]
+    pub test: usize,
+    /// Seed.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+/// `harness data ...`.
+#[derive(Debug, Subcommand)]
+pub enum DataCommand {
+    /// Turn GSM8K's jsonl files (train.jsonl, test.jsonl in SRC_DIR) into verl-schema parquet.
+    Gsm8k {
+        /// Folder holding GSM8K's train.jsonl and test.jsonl.
+        src_dir: PathBuf,
+        /// Output folder.
+        out_dir: PathBuf,
+    },
+    /// Seeded arithmetic problems.
+    Arithmetic {
+        /// Sizes, seed, output.
+        #[command(flatten)]
+        gen_args: GenArgs,
+        /// Most digits per operand.
+        #[arg(long)]
+        digits: Option<u32>,
+        /// Operands per expression.
+        #[arg(long)]
+        operands: Option<usize>,
+    },
+    /// Seeded countdown problems (TinyZero's task).
+    Countdown {
+        /// Sizes, seed, output.
+        #[command(flatten)]
+        gen_args: GenArgs,
+    },
+    /// Seeded word problems.
+    WordProblems {
+        /// Sizes, seed, output.
+        #[command(flatten)]
+        gen_args: GenArgs,
+    },
+}
+
+/// `harness model ...`.
+#[derive(Debug, Subcommand)]
+pub enum ModelCommand {
+    /// Import a llama GGUF file into a Hugging Face folder (config.json, model.safetensors,
+    /// tokenizer.json, tokenizer_config.json).
+    ImportGguf {
+        /// The .gguf file.
+        file: PathBuf,
+        /// The output folder.
+        out_dir: PathBuf,
+    },
+}
+
+fn default_db(cli_db: &Option<PathBuf>) -> PathBuf {
+    cli_db
+        .clone()
+        .or_else(|| std::env::var_os("RL_TRAINER__DB").map(PathBuf::from))
+        .unwrap_or_else(|| PathBuf::from("runs/harness.db"))
+}
+
+fn parse_overrides(args: &[String]) -> Result<Vec<Override>> {
+    args.iter().map(|a| Override::parse(a)).collect()
+}
+
+/// Runs the parsed command line.
+pub(crate) fn run(cli: Cli) -> Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    let db = default_db(&cli.db);
+    match cli.command {
+        Command::Train(a) => {
+            let mut overrides = parse_overrides(&a.overrides)?;
+            if let Some(d) = &cli.db {
+                overrides.push(Override { key: "trainer.db".into(), value: toml::Value::String(d.display().to_string()) });
+            }
+            let cfg = config::load(&Sources { file: Some(a.config.clone()), env: true, overrides })?;
+            let id = train::train(&rt, cfg, Membership { sweep_id: a.sweep_id, trial_id: a.trial_id })?;
+            println!("run {id} finished");
+        }
+        Command::Resume { run, from_step, overrides } => {
+            let id = train::resume(&rt, &db, &run, from_step, &parse_overrides(&overrides)?)?;
+            println!("run {id} finished");
+        }
+        Command::Sweep { file, parallel, retry_failed } => {
+            let r = sweep::run(&rt, &file, parallel, retry_failed)?;
+            println!(
+                "sweep {}: {} skipped (already finished), {} started, {} resumed; {} finished, {} failed",
+                r.id, r.skipped, r.started, r.resumed, r.finished, r.failed
+            );
+            if r.failed > 0 {
+                eprintln!("harness: see `harness compare --sweep {}` and `harness show RUN` for the failures", r.id);
+            }
+        }
+        Command::Runs { filter, sweep } => rt.block_on(list_runs(&db, filter.as_deref(), sweep.as_deref()))?,
+        Command::Show { run } => rt.block_on(show(&db, &run))?,
+        Command::Compare(a) => rt.block_on(compare_cmd(&db, a))?,
+        Command::Export { run, format, out } => rt.block_on(export(&db, &run, format, out.as_deref()))?,
+        Command::Sync { uri, timeout_s } => {
+            let store = rt.block_on(Store::open(&db))?;
+            let done = rt.block_on(tracker::sync_all(
+                &store,
+                uri.as_deref(),
+                Duration::from_secs(10),
+                Duration::from_secs_f64(timeout_s.max(0.0)),
+            ))?;
+            if done.is_empty() {
+                println!("nothing pending");
+            }
+            for (run, p) in done {
+                println!("run {run}: pushed {} records and {} metrics", p.records, p.metrics);
+            }
+        }
+        Command::Config(ConfigCommand::Show { config: file, overrides }) => {
+            let cfg = config::load(&Sources { file: Some(file), env: true, overrides: parse_overrides(&overrides)? })?;
+            print!("{}", config::to_toml(&cfg)?);
+        }
+        Command::Data(d) => data(d)?,
+        Command::Model(ModelCommand::ImportGguf { file, out_dir }) => {
+            let r = rl_workers::gguf::import(&file, &out_dir)
+                .with_context(|| format!("importing {} into {}", file.display(), out_dir.display()))?;
+            println!(
+                "{}: {} tensors, vocab {}, {} (tied embeddings: {})",
+                r.out_dir.display(),
+                r.tensors,
+                r.vocab_size,
+                r.architecture,
+                r.tie_word_embeddings
+            );
+        }
+    }
+    Ok(())
+}
+
+fn data(d: DataCommand) -> Result<()> {
+    use rl_data::tasks::{self, SplitSizes};
+    let files = match d {
+        DataCommand::Gsm8k { src_dir, out_dir } => tasks::preprocess_gsm8k_dir(&src_dir, &out_dir)
+            .with_context(|| format!("preprocessing GSM8K from {}", src_dir.display()))?,
+        DataCommand::Arithmetic { gen_args: g, digits, operands } => {
+            let mut cfg = tasks::ArithmeticConfig::default();
+            if let Some(d) = digits {
+                cfg.digits = d;
+            }
+            if let Some(o) = operands {
+                cfg.operands = o;
+            }
+            mkdir(&g.out_dir)?;
+            tasks::generate_arithmetic(&g.out_dir, &cfg, SplitSizes { train: g.train, test: g.test }, g.seed)
+                .with_context(|| format!("writing arithmetic data to {}", g.out_dir.display()))?
+        }
+        DataCommand::Countdown { gen_args: g } => {
+            mkdir(&g.out_dir)?;
+            tasks::generate_countdown(&g.out_dir, &Default::default(), SplitSizes { train: g.train, test: g.test }, g.seed)
+                .with_context(|| format!("writing countdown data to {}", g.out_dir.display()))?
+        }
+        DataCommand::WordProblems { gen_args: g } => {
+            mkdir(&g.out_dir)?;
+            tasks::generate_word_problems(&g.out_dir, &Default::default(), SplitSizes { train: g.train, test: g.test }, g.seed)
+                .with_context(|| format!("writing word problems to {}", g.out_dir.display()))?
+        }
+    };
+    println!("wrote {} and {}", files.train.display(), files.test.display());
+    Ok(())
+}
+
+fn mkdir(dir: &Path) -> Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))
+}
+
+async fn open_existing(db: &Path) -> Result<Store> {
+    if !db.exists() {
+        bail!("no run store at {} (train a run first, or pass --db)", db.display());
+    }
+    Store::open(db).await
+}
+
+fn fmt_time(t: Option<f64>) -> String {
+    t.map(|t| {
+        let secs = t as i64;
+        let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+        // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+        let z = days + 719_468;
+        let era = z.div_euclid(146_097);
+        let doe = z.rem_euclid(146_097);
+        let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+        let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+        let mp = (5 * doy + 2) / 153;
+        let d = doy - (153 * mp + 2) / 5 + 1;
+        let m = if mp < 10 { mp + 3 } else { mp - 9 };
+        let y = yoe + era * 400 + i64::from(m <= 2);
+        format!("{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02}", rem / 3600, rem % 3600 / 60, rem % 60)
+    })
+    .unwrap_or_else(|| "-".into())
+}
+
+async fn lookup_table(store: &Store, r: &RunRow) -> Result<std::collections::BTreeMap<String, Value>> {
+    let cfg: Value = serde_json::from_str(&r.config).with_context(|| format!("the stored config of run {}", r.id))?;
+    let mut m = config::flatten(&cfg);
+    for (k, (_, v)) in store.final_metrics(r.id).await? {
+        m.insert(k, serde_json::json!(v));
+    }
+    m.insert("id".into(), r.id.into());
+    m.insert("name".into(), r.name.clone().into());
+    m.insert("status".into(), r.effective_status().into());
+    m.insert("project".into(), r.project.clone().into());
+    m.insert("seed".into(), r.seed.into());
+    m.insert("sweep".into(), r.sweep_id.clone().map(Value::String).unwrap_or(Value::Null));
+    Ok(m)
+}
+
+async fn list_runs(db: &Path, filter: Option<&str>, sweep: Option<&str>) -> Result<()> {
+    let expr = filter.map(filter::parse).transpose()?;
+    let store = open_existing(db).await?;
+    let runs = store.runs(sweep).await?;
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{:>5}  {:<24} {:<9} {:>7}  {:<19}  {:<16} score", "id", "name", "status", "step", "created", "sweep")?;
+    for r in runs {
+        let table = lookup_table(&store, &r).await?;
+        if let Some(e) = &expr
+            && !e.eval(&|k| table.get(k).cloned())
+        {
+            continue;
+        }
+        let step = store
+            .final_metrics(r.id)
+            .await?
+            .values()
+            .map(|(s, _)| *s)
+            .max()
+            .unwrap_or(0);
+        let score = table.get("val/test_score").and_then(Value::as_f64).map(|v| format!("{v:.4}")).unwrap_or_else(|| "-".into());
+        writeln!(
+            out,
+            "{:>5}  {:<24} {:<9} {:>7}  {:<19}  {:<16} {score}",
+            r.id,
+            r.name,
+            r.effective_status(),
+            step,
+            fmt_time(Some(r.created)),
+            r.sweep_id.as_deref().unwrap_or("-"),
+        )?;
+    }
+    Ok(())
+}
+
+async fn show(db: &Path, spec: &str) -> Result<()> {
+    let store = open_existing(db).await?;
+    let r = store.resolve_run(spec).await?;
+    let mut out = String::new();
+    use std::fmt::Write as _;
+    let _ = writeln!(out, "run {} ({}), project {}", r.id, r.name, r.project);
+    let _ = writeln!(out, "status      {}{}", r.effective_status(), if r.effective_status() == "dead" { " (stored as running; no heartbeat)" } else { "" });
+    let _ = writeln!(out, "run dir     {}", r.run_dir);
+    let _ = writeln!(out, "git         {} {}", r.git_commit.as_deref().unwrap_or("-"), match r.git_dirty { Some(true) => "(dirty)", Some(false) => "(clean)", None => "" });
+    let _ = writeln!(out, "host / pid  {} / {}", r.host, r.pid.unwrap_or(-1));
+    let _ = writeln!(out, "seed        {}", r.seed);
+    let _ = writeln!(out, "created     {}", fmt_time(Some(r.created)));
+    let _ = writeln!(out, "started     {}", fmt_time(r.started));
+    let _ = writeln!(out, "ended       {}", fmt_time(r.ended));
+    let _ = writeln!(out, "heartbeat   {}", fmt_time(r.heartbeat));
+    if let Some(s) = &r.sweep_id {
+        let _ = writeln!(out, "sweep       {s} trial {}", r.trial_id.as_deref().unwrap_or("-"));
+    }
+    if let Some(s) = r.resumed_from {
+        let _ = writeln!(out, "resumed     from step {s}");
+    }
+    if let Some(e) = &r.error {
+        let _ = writeln!(out, "error       {e}");
+    }
+    let _ = writeln!(out, "\nfinal metrics:");
+    for (k, (step, v)) in store.final_metrics(r.id).await? {
+        let _ = writeln!(out, "  {k:<32} {v:>14.6}  (step {step})");
+    }
+    let _ = writeln!(out, "\ncheckpoints:");
+    for c in store.checkpoints(r.id).await? {
+        let _ = writeln!(out, "  step {:>6}  {}", c.step, c.path);
+    }
+    let events = store.events(r.id).await?;
+    if !events.is_empty() {
+        let _ = writeln!(out, "\nevents:");
+        for e in events {
+            let _ = writeln!(out, "  {}  {:<14} {}", fmt_time(Some(e.time)), e.kind, e.message);
+        }
+    }
+    let cfg: config::ExperimentConfig = config::from_stored(&r.config, &[]).with_context(|| format!("the stored config of run {}", r.id))?;
+    let _ = writeln!(out, "\nconfig:\n{}", config::to_toml(&cfg)?);
+    print!("{out}");
+    Ok(())
+}
+
+async fn compare_cmd(db: &Path, a: CompareArgs) -> Result<()> {
+    let store = open_existing(db).await?;
+    if let Some(sweep_id) = &a.sweep {
+        let metric = match a.metrics.first() {
+            Some(m) => m.clone(),
+            None => {
+                let file = sweep::sweep_file(&store, sweep_id).await?;
+                file.and_then(|f| sweep::read_spec(&f).ok()).map(|s| s.metric).unwrap_or_else(|| "val/test_score".into())
+            }
+        };
+        print!("{}", compare::rank_sweep(&store, sweep_id, &metric, a.mode).await?);
+        if a.runs.is_empty() && a.plot.is_none() {
+            return Ok(());
+        }
+    }
+    let mut runs = Vec::new();
+    for spec in &a.runs {
+        runs.push(store.resolve_run(spec).await?);
+    }
+    if runs.is_empty() {
+        if let Some(s) = &a.sweep {
+            runs = store.runs(Some(s)).await?;
+        } else {
+            bail!("name at least one run to compare (or --sweep ID)");
+        }
+    }
+    let metrics = if a.metrics.is_empty() { compare::common_metrics(&store, &runs).await? } else { a.metrics.clone() };
+    print!("{}", compare::report(&store, &runs, &metrics, a.mode, a.at_step).await?);
+    if let Some(file) = &a.plot {
+        if !(0.0..1.0).contains(&a.smooth) {
+            bail!("--smooth must be in [0, 1), got {}", a.smooth);
+        }
+        let mut curves = Vec::new();
+        for m in &metrics {
+            let mut per_run = Vec::new();
+            for r in &runs {
+                per_run.push((format!("{} {}", r.id, r.name), store.series(r.id, m).await?));
+            }
+            curves.push((m.clone(), per_run));
+        }
+        compare::plot(file, &curves, a.smooth)?;
+        println!("plot written to {}", file.display());
+    }
+    Ok(())
+}
+
+async fn export(db: &Path, spec: &str, format: ExportFormat, out: Option<&Path>) -> Result<()> {
+    let store = open_existing(db).await?;
+    let r = store.resolve_run(spec).await?;
+    let rows = store.all_metrics(r.id).await?;
+    let mut text = String::new();
+    use std::fmt::Write as _;
+    match format {
+        ExportFormat::Csv => {
+            text.push_str("run_id,step,key,value,wall_time\n");
+            for (step, key, value, wall) in rows {
+                let key = if key.contains([',', '"']) { format!("\"{}\"", key.replace('"', "\"\"")) } else { key };
+                let _ = writeln!(text, "{},{step},{key},{value},{wall:.3}", r.id);
+            }
+        }
+        ExportFormat::Jsonl => {
+            let mut i = 0;
+            while i < rows.len() {
+                let step = rows[i].0;
+                let mut metrics = serde_json::Map::new();
+                let mut wall = rows[i].3;
+                while i < rows.len() && rows[i].0 == step {
+                    let v = rows[i].2;
+                    metrics.insert(rows[i].1.clone(), if v.is_finite() { serde_json::json!(v) } else { Value::String(v.to_string()) });
+                    wall = wall.max(rows[i].3);
+                    i += 1;
+                }
+                let _ = writeln!(text, "{}", serde_json::json!({"run_id": r.id, "step": step, "wall_time": wall, "metrics": metrics}));
+            }
+        }
+    }
+    match out {
+        Some(p) => std::fs::write(p, text).with_context(|| format!("writing {}", p.display()))?,
+        None => std::io::stdout().lock().write_all(text.as_bytes())?,
+    }
+    Ok(())
+}

@@ -1,0 +1,321 @@
+//! `harness compare`: a table of chosen metrics per run (last, best, at a step), the config keys
+//! that differ between the runs, sweep rankings, and metric-curve plots (plotters, SVG or PNG).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt::Write as _;
+use std::path::Path;
+
+use anyhow::{Context, Result, bail};
+use serde_json::Value;
+
+use crate::config;
+use crate::store::{RunRow, Store};
+
+/// Whether larger values of a metric are better.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Mode {
+    /// Losses, KL, entropy and timings are minimised; everything else maximised.
+    Auto,
+    /// Larger is better.
+    Max,
+    /// Smaller is better.
+    Min,
+}
+
+impl Mode {
+    /// Whether `key` is maximised under this mode.
+    pub fn maximise(self, key: &str) -> bool {
+        match self {
+            Mode::Max => true,
+            Mode::Min => false,
+            Mode::Auto => !["loss", "kl", "timing", "grad_norm"]
+                .iter()
+                .any(|w| key.contains(w)),
+        }
+    }
+}
+
+/// One metric's summary for one run.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Summary {
+    /// The last value (at the largest step).
+    pub last: f64,
+    /// The best value under the mode, with its step.
+    pub best: (i64, f64),
+    /// The value at the asked step (the last at or before it).
+    pub at: Option<f64>,
+}
+
+/// Summarises a series.
+pub fn summarise(series: &[(i64, f64)], maximise: bool, at_step: Option<i64>) -> Option<Summary> {
+    let last = series.last()?.1;
+    let mut best = series[0];
+    for &(s, v) in series {
+        let better = if maximise { v > best.1 } else { v < best.1 };
+        if better || best.1.is_nan() {
+            best = (s, v);
+        }
+    }
+    let at = at_step.and_then(|n| series.iter().rev().find(|(s, _)| *s <= n).map(|p| p.1));
+    Some(Summary { last, best, at })
+}
+
+fn fmt(v: f64) -> String {
+    if v.is_nan() {
+        "nan".into()
+    } else if v != 0.0 && (v.abs() < 1e-3 || v.abs() >= 1e5) {
+        format!("{v:.4e}")
+    } else {
+        format!("{v:.4}")
+    }
+}
+
+/// The metrics every run has (timings left out), for a compare without `--metric`.
+pub async fn common_metrics(store: &Store, runs: &[RunRow]) -> Result<Vec<String>> {
+    let mut common: Option<BTreeSet<String>> = None;
+    for r in runs {
+        let keys: BTreeSet<String> = store.final_metrics(r.id).await?.into_keys().collect();
+        common = Some(match common {
+            None => keys,
+            Some(c) => c.intersection(&keys).cloned().collect(),
+        });
+    }
+    Ok(common
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|k| !k.starts_with("timing_s/"))
+        .collect())
+}
+
+/// The compare report: metric table, then config differences.
+pub async fn report(
+    store: &Store,
+    runs: &[RunRow],
+    metrics: &[String],
+    mode: Mode,
+    at_step: Option<i64>,
+) -> Result<String> {
+    let mut out = String::new();
+    let width = runs.iter().map(|r| r.name.len() + 8).max().unwrap_or(8).max(12);
+    let _ = write!(out, "{:<width$} {:<10}", "run", "status");
+    for m in metrics {
+        let _ = write!(out, " | {m}: last / best@step");
+        if let Some(n) = at_step {
+            let _ = write!(out, " / @{n}");
+        }
+    }
+    out.push('\n');
+    for r in runs {
+        let _ = write!(out, "{:<width$} {:<10}", format!("{} {}", r.id, r.name), r.effective_status());
+        for m in metrics {
+            let series = store.series(r.id, m).await?;
+            match summarise(&series, mode.maximise(m), at_step) {
+                Some(s) => {
+                    let _ = write!(out, " | {} / {}@{}", fmt(s.last), fmt(s.best.1), s.best.0);
+                    if at_step.is_some() {
+                        let _ = write!(out, " / {}", s.at.map(fmt).unwrap_or_else(|| "-".into()));
+                    }
+                }
+                None => out.push_str(" | -"),
+            }
+        }
+        out.push('\n');
+    }
+    let diffs = config_differences(runs)?;
+    if diffs.is_empty() {
+        out.push_str("\nconfigs: identical\n");
+    } else {
+        out.push_str("\nconfig differences:\n");
+        for (key, values) in diffs {
+            let vals: Vec<String> = runs
+                .iter()
+                .zip(values)
+                .map(|(r, v)| format!("{}={}", r.id, v.map(|v| v.to_string()).unwrap_or_else(|| "-".into())))
+                .collect();
+            let _ = writeln!(out, "  {key}: {}", vals.join("  "));
+        }
+    }
+    Ok(out)
+}
+
+/// Config keys whose values are not the same in every run, with each run's value.
+pub fn config_differences(runs: &[RunRow]) -> Result<BTreeMap<String, Vec<Option<Value>>>> {
+    let flats: Vec<BTreeMap<String, Value>> = runs
+        .iter()
+        .map(|r| {
+            serde_json::from_str::<Value>(&r.config)
+                .map(|v| config::flatten(&v))
+                .with_context(|| format!("the stored config of run {}", r.id))
+        })
+        .collect::<Result<_>>()?;
+    let keys: BTreeSet<&String> = flats.iter().flat_map(|f| f.keys()).collect();
+    let mut out = BTreeMap::new();
+    for k in keys {
+        let vals: Vec<Option<Value>> = flats.iter().map(|f| f.get(k).cloned()).collect();
+        if vals.iter().any(|v| v != &vals[0]) {
+            out.insert(k.clone(), vals);
+        }
+    }
+    Ok(out)
+}
+
+/// A sweep's trials ranked by `metric` (best value under the mode), with their parameters.
+pub async fn rank_sweep(store: &Store, sweep: &str, metric: &str, mode: Mode) -> Result<String> {
+    let trials = crate::sweep::trials(store, sweep).await?;
+    if trials.is_empty() {
+        bail!("no sweep {sweep:?} (or it has no trials) in {}", store.path().display());
+    }
+    let maximise = mode.maximise(metric);
+    let mut rows: Vec<(Option<f64>, String)> = Vec::new();
+    for t in &trials {
+        let value = match t.run_id {
+            Some(id) => summarise(&store.series(id, metric).await?, maximise, None).map(|s| s.best.1),
+            None => None,
+        };
+        let params: Vec<String> = t.params.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        rows.push((
+            value,
+            format!(
+                "{:<16} {:<9} {:>6} {:>12}  {}",
+                t.trial_id,
+                t.state,
+                t.run_id.map(|i| i.to_string()).unwrap_or_else(|| "-".into()),
+                value.map(fmt).unwrap_or_else(|| "-".into()),
+                params.join(" ")
+            ),
+        ));
+    }
+    rows.sort_by(|a, b| match (a.0, b.0) {
+        (Some(x), Some(y)) => {
+            let o = x.partial_cmp(&y).unwrap_or(std::cmp::Ordering::Equal);
+            if maximise { o.reverse() } else { o }
+        }
+        (Some(_), None) => std::cmp::Ordering::Less,
+        (None, Some(_)) => std::cmp::Ordering::Greater,
+        (None, None) => std::cmp::Ordering::Equal,
+    });
+    let mut out = format!(
+        "sweep {sweep}: trials ranked by best {metric} ({})\n{:<4} {:<16} {:<9} {:>6} {:>12}  params\n",
+        if maximise { "max" } else { "min" },
+        "rank",
+        "trial",
+        "state",
+        "run",
+        metric
+    );
+    for (i, (_, line)) in rows.iter().enumerate() {
+        let _ = writeln!(out, "{:<4} {line}", i + 1);
+    }
+    Ok(out)
+}
+
+/// Exponential moving average with TensorBoard's weighting (0 = none, < 1).
+pub fn smooth(series: &[(i64, f64)], weight: f64) -> Vec<(i64, f64)> {
+    if weight <= 0.0 {
+        return series.to_vec();
+    }
+    let mut acc = None;
+    series
+        .iter()
+        .map(|&(s, v)| {
+            let next = match acc {
+                None => v,
+                Some(a) => weight * a + (1.0 - weight) * v,
+            };
+            acc = Some(next);
+            (s, next)
+        })
+        .collect()
+}
+
+/// Candidate TrueType fonts for plot text (Debian's fonts-dejavu-core and similar).
+const FONT_PATHS: &[&str] = &[
+    "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
+    "/usr/share/fonts/TTF/DejaVuSans.ttf",
+    "/usr/share/fonts/dejavu/DejaVuSans.ttf",
+    "/usr/share/fonts/truetype/liberation/LiberationSans-Regular.ttf",
+    "/System/Library/Fonts/Supplemental/Arial.ttf",
+];
+
+fn register_font() -> Result<()> {
+    static DONE: std::sync::OnceLock<Result<(), String>> = std::sync::OnceLock::new();
+    DONE.get_or_init(|| {
+        let env = std::env::var("HARNESS_PLOT_FONT").ok();
+        let paths = env.iter().map(String::as_str).chain(FONT_PATHS.iter().copied());
+        for p in paths {
+            if let Ok(bytes) = std::fs::read(p) {
+                let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
+                if plotters::style::register_font("sans-serif", plotters::style::FontStyle::Normal, bytes).is_ok() {
+                    return Ok(());
+                }
+            }
+        }
+        Err(format!(
+            "no TrueType font found for plot text (looked in {}); install Debian's fonts-dejavu-core or set HARNESS_PLOT_FONT",
+            FONT_PATHS.join(", ")
+        ))
+    })
+    .clone()
+    .map_err(anyhow::Error::msg)
+}
+
+/// Plots each metric's curves across runs (one panel per metric) to `file`: `.svg` or `.png`.
+pub fn plot(file: &Path, curves: &[(String, Vec<(String, Vec<(i64, f64)>)>)], smoothing: f64) -> Result<()> {
+    use plotters::prelude::*;
+    register_font()?;
+    let ext = file.extension().and_then(|e| e.to_str()).unwrap_or("").to_ascii_lowercase();
+    let size = (900u32, 320 * curves.len().max(1) as u32);
+    match ext.as_str() {
+        "svg" => draw(SVGBackend::new(file, size).into_drawing_area(), curves, smoothing),
+        "png" => draw(BitMapBackend::new(file, size).into_drawing_area(), curves, smoothing),
+        _ => bail!("plot file {} must end in .svg or .png", file.display()),
+    }
+    .with_context(|| format!("drawing {}", file.display()))
+}
+
+fn draw<DB: plotters::prelude::DrawingBackend>(
+    root: plotters::prelude::DrawingArea<DB, plotters::coord::Shift>,
+    curves: &[(String, Vec<(String, Vec<(i64, f64)>)>)],
+    smoothing: f64,
+) -> Result<()>
+where
+    DB::ErrorType: 'static,
+{
+    use plotters::prelude::*;
+    let e = |e: DrawingAreaErrorKind<DB::ErrorType>| anyhow::anyhow!("{e:?}");
+    root.fill(&WHITE).map_err(e)?;
+    let panels = root.split_evenly((curves.len().max(1), 1));
+    for ((metric, runs), area) in curves.iter().zip(panels.iter()) {
+        let points: Vec<(i64, f64)> = runs.iter().flat_map(|(_, s)| s.iter().copied()).filter(|p| p.1.is_finite()).collect();
+        let (x0, x1) = points.iter().fold((i64::MAX, i64::MIN), |(a, b), p| (a.min(p.0), b.max(p.0)));
+        let (y0, y1) = points.iter().fold((f64::MAX, f64::MIN), |(a, b), p| (a.min(p.1), b.max(p.1)));
+        let (x0, x1) = if points.is_empty() { (0, 1) } else { (x0, x1.max(x0 + 1)) };
+        let (y0, y1) = if points.is_empty() { (0.0, 1.0) } else if y1 > y0 { (y0, y1) } else { (y0 - 0.5, y1 + 0.5) };
+        let pad = (y1 - y0) * 0.05;
+        let mut chart = ChartBuilder::on(area)
+            .caption(metric, ("sans-serif", 20))
+            .margin(12)
+            .x_label_area_size(32)
+            .y_label_area_size(60)
+            .build_cartesian_2d(x0..x1, (y0 - pad)..(y1 + pad))
+            .map_err(e)?;
+        chart.configure_mesh().x_desc("step").draw().map_err(e)?;
+        for (i, (label, series)) in runs.iter().enumerate() {
+            let color = Palette99::pick(i).to_rgba();
+            let data: Vec<(i64, f64)> = smooth(series, smoothing).into_iter().filter(|p| p.1.is_finite()).collect();
+            chart
+                .draw_series(LineSeries::new(data, color.stroke_width(2)))
+                .map_err(e)?
+                .label(label.clone())
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2)));
+        }
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .draw()
+            .map_err(e)?;
+    }
+    root.present().map_err(e)?;
+    Ok(())
+}

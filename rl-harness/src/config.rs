@@ -1,0 +1,514 @@
+//! The experiment config: the crates' own config groups composed under verl's names, layered
+//! (defaults → TOML file → `RL_` environment → `key.path=value` overrides) with figment, with
+//! unknown keys reported by name and the nearest valid key suggested.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, anyhow, bail};
+use figment::Figment;
+use figment::providers::{Env, Format, Serialized, Toml};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::bandit::BanditConfig;
+
+/// Which trainer drives the run (`trainer.algorithm`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TrainerKind {
+    /// The harness's own small deterministic contextual-bandit policy-gradient trainer
+    /// (`[bandit]` group): seconds on CPU, used by the harness's tests and the quickstart.
+    #[default]
+    Bandit,
+}
+
+/// Remote tracker kinds (`trainer.tracker.kind`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TrackerKind {
+    /// Runs stay in the local SQLite store only.
+    #[default]
+    None,
+    /// Mirror runs, params and metrics to an MLflow-compatible REST server.
+    Mlflow,
+}
+
+/// `trainer.tracker`: the remote mirror of the run store.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrackerConfig {
+    /// `none` or `mlflow`. Default `none`.
+    pub kind: TrackerKind,
+    /// Base URL of the tracking server, e.g. `http://127.0.0.1:5000`.
+    pub uri: String,
+    /// Remote experiment name; default: `trainer.project_name`.
+    pub experiment: Option<String>,
+    /// Timeout of one HTTP request, seconds (> 0). Default 5.
+    pub timeout_s: f64,
+    /// Seconds between pushes of pending records while training (> 0). Default 2.
+    pub interval_s: f64,
+    /// At the end of a run, how long to keep pushing before leaving the rest to `harness sync`,
+    /// seconds (>= 0). Default 10.
+    pub flush_timeout_s: f64,
+}
+
+impl Default for TrackerConfig {
+    fn default() -> Self {
+        TrackerConfig {
+            kind: TrackerKind::None,
+            uri: "http://127.0.0.1:5000".into(),
+            experiment: None,
+            timeout_s: 5.0,
+            interval_s: 2.0,
+            flush_timeout_s: 10.0,
+        }
+    }
+}
+
+/// The harness's `trainer` group (verl's names where verl has them).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HarnessConfig {
+    /// The trainer to drive. Default `bandit`.
+    pub algorithm: TrainerKind,
+    /// Project (groups experiments; the remote tracker's experiment). Default `rl-posttrain`.
+    pub project_name: String,
+    /// The run's name. Default `default`.
+    pub experiment_name: String,
+    /// Training steps; absent means `total_epochs` epochs of the data.
+    pub total_training_steps: Option<u64>,
+    /// Epochs over the training data when `total_training_steps` is absent (>= 1). Default 1.
+    pub total_epochs: u64,
+    /// Checkpoint every this many steps (and at the last step); <= 0 = never. Default -1.
+    pub save_freq: i64,
+    /// Validate every this many steps (and at the last step); <= 0 = never. Default -1.
+    pub test_freq: i64,
+    /// Validate before the first step. Default true.
+    pub val_before_train: bool,
+    /// Keep at most this many checkpoints (oldest deleted first); absent = keep all.
+    pub max_ckpt_to_keep: Option<u64>,
+    /// `cpu`, `cuda` or `cuda:N`. Default `cpu`.
+    pub device: String,
+    /// The run's seed (the trainer derives every RNG stream from it). Default 1.
+    pub seed: u64,
+    /// Folder of run directories. Default `runs`.
+    pub runs_dir: PathBuf,
+    /// The SQLite run store; absent = `<runs_dir>/harness.db`.
+    pub db: Option<PathBuf>,
+    /// Seconds between heartbeats (> 0); a run silent for 3 heartbeats is shown as dead.
+    /// Default 5.
+    pub heartbeat_s: f64,
+    /// The remote tracker.
+    pub tracker: TrackerConfig,
+}
+
+impl Default for HarnessConfig {
+    fn default() -> Self {
+        HarnessConfig {
+            algorithm: TrainerKind::Bandit,
+            project_name: "rl-posttrain".into(),
+            experiment_name: "default".into(),
+            total_training_steps: None,
+            total_epochs: 1,
+            save_freq: -1,
+            test_freq: -1,
+            val_before_train: true,
+            max_ckpt_to_keep: None,
+            device: "cpu".into(),
+            seed: 1,
+            runs_dir: PathBuf::from("runs"),
+            db: None,
+            heartbeat_s: 5.0,
+            tracker: TrackerConfig::default(),
+        }
+    }
+}
+
+impl HarnessConfig {
+    /// The run store's path.
+    pub fn db_path(&self) -> PathBuf {
+        self.db
+            .clone()
+            .unwrap_or_else(|| self.runs_dir.join("harness.db"))
+    }
+}
+
+/// verl's `actor_rollout_ref` group.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ActorRolloutRefConfig {
+    /// The actor's policy-loss keys (`clip_ratio`, `loss_agg_mode`, `policy_loss.loss_mode`, ...).
+    pub actor: rl_algos::PolicyLossConfig,
+    /// Sampling settings of the rollout.
+    pub rollout: rl_workers::RolloutConfig,
+}
+
+/// One experiment: every config group, as the TOML file spells it.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ExperimentConfig {
+    /// The harness's group: names, schedule, checkpoints, store, tracker.
+    pub trainer: HarnessConfig,
+    /// verl's `data` group.
+    pub data: rl_data::DataConfig,
+    /// verl's `actor_rollout_ref` group.
+    pub actor_rollout_ref: ActorRolloutRefConfig,
+    /// verl's `algorithm` group.
+    pub algorithm: rl_algos::AlgoConfig,
+    /// The bandit trainer's group.
+    pub bandit: BanditConfig,
+}
+
+/// Keys that may change when a run is resumed (their change is recorded as an event);
+/// a prefix ending in `.` covers a whole group.
+pub const RESUME_SAFE_KEYS: &[&str] = &[
+    "trainer.total_training_steps",
+    "trainer.total_epochs",
+    "trainer.save_freq",
+    "trainer.test_freq",
+    "trainer.val_before_train",
+    "trainer.max_ckpt_to_keep",
+    "trainer.heartbeat_s",
+    "trainer.experiment_name",
+    "trainer.tracker.",
+    "bandit.step_delay_ms",
+];
+
+/// Whether `key` may change on resume.
+pub fn resume_safe(key: &str) -> bool {
+    RESUME_SAFE_KEYS.iter().any(|safe| {
+        if safe.ends_with('.') {
+            key.starts_with(safe)
+        } else {
+            key == *safe
+        }
+    })
+}
+
+/// A `key.path=value` override from the command line.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Override {
+    /// The dotted key path.
+    pub key: String,
+    /// The value, parsed as a TOML value (a bare word is a string).
+    pub value: toml::Value,
+}
+
+impl Override {
+    /// Parses `key.path=value`; the value is read as TOML (`3`, `0.1`, `true`, `'grpo'`,
+    /// `[1, 2]`), and anything that is not TOML is taken as a plain string.
+    pub fn parse(arg: &str) -> Result<Override> {
+        let (key, raw) = arg
+            .split_once('=')
+            .with_context(|| format!("override `{arg}` is not of the form key.path=value"))?;
+        let key = key.trim();
+        if key.is_empty() || key.split('.').any(str::is_empty) {
+            bail!("override `{arg}`: empty key path");
+        }
+        let raw = raw.trim();
+        let value = match toml::from_str::<toml::Table>(&format!("v = {raw}")) {
+            Ok(mut t) => t.remove("v").unwrap_or(toml::Value::String(raw.into())),
+            Err(_) => toml::Value::String(raw.into()),
+        };
+        Ok(Override {
+            key: key.into(),
+            value,
+        })
+    }
+}
+
+/// Where the layers of a config come from.
+#[derive(Debug, Clone, Default)]
+pub struct Sources {
+    /// The TOML file (None: defaults only).
+    pub file: Option<PathBuf>,
+    /// Read `RL_` environment variables (`RL_TRAINER__SAVE_FREQ=5` sets `trainer.save_freq`).
+    pub env: bool,
+    /// Command-line overrides, applied last.
+    pub overrides: Vec<Override>,
+}
+
+/// A provider under a name that errors report (a file path, `override trainer.seed`).
+struct Named<P> {
+    inner: P,
+    name: String,
+}
+
+impl<P> Named<P> {
+    fn new(inner: P, name: String) -> Self {
+        Named { inner, name }
+    }
+}
+
+impl<P: figment::Provider> figment::Provider for Named<P> {
+    fn metadata(&self) -> figment::Metadata {
+        figment::Metadata::named(self.name.clone())
+    }
+
+    fn data(&self) -> Result<figment::value::Map<figment::Profile, figment::value::Dict>, figment::Error> {
+        self.inner.data()
+    }
+
+    fn profile(&self) -> Option<figment::Profile> {
+        self.inner.profile()
+    }
+}
+
+/// Resolves the layers into an [`ExperimentConfig`], checked.
+pub fn load(sources: &Sources) -> Result<ExperimentConfig> {
+    let mut fig = Figment::from(Serialized::defaults(ExperimentConfig::default()));
+    if let Some(file) = &sources.file {
+        let text = std::fs::read_to_string(file)
+            .with_context(|| format!("reading config file {}", file.display()))?;
+        // A sweep file's `[sweep]` table describes the search, not the experiment.
+        let mut table: toml::Table = toml::from_str(&text)
+            .with_context(|| format!("parsing config file {}", file.display()))?;
+        table.remove("sweep");
+        fig = fig.merge(Named::new(Toml::string(&toml::to_string(&table)?), file.display().to_string()));
+    }
+    if sources.env {
+        fig = fig.merge(Env::prefixed("RL_").split("__"));
+    }
+    for o in &sources.overrides {
+        fig = fig.merge(
+            Named::new(Serialized::default(&o.key, o.value.clone()), format!("override {}", o.key)),
+        );
+    }
+    let cfg: ExperimentConfig = fig.extract().map_err(explain)?;
+    validate(&cfg)?;
+    Ok(cfg)
+}
+
+/// Parses a config stored with a run or a checkpoint (JSON), applying overrides.
+pub fn from_stored(json: &str, overrides: &[Override]) -> Result<ExperimentConfig> {
+    let mut fig = Figment::from(Serialized::defaults(ExperimentConfig::default()));
+    let stored: Value = serde_json::from_str(json).context("parsing the stored config")?;
+    fig = fig.merge(Named::new(Serialized::defaults(stored), "the stored config".into()));
+    for o in overrides {
+        fig = fig.merge(
+            Named::new(Serialized::default(&o.key, o.value.clone()), format!("override {}", o.key)),
+        );
+    }
+    let cfg: ExperimentConfig = fig.extract().map_err(explain)?;
+    validate(&cfg)?;
+    Ok(cfg)
+}
+
+/// Cross-field and range checks of every group.
+pub fn validate(cfg: &ExperimentConfig) -> Result<()> {
+    let t = &cfg.trainer;
+    if t.total_training_steps == Some(0) {
+        bail!("config key `trainer.total_training_steps`: must be at least 1 (or absent)");
+    }
+    if t.total_epochs == 0 {
+        bail!("config key `trainer.total_epochs`: must be at least 1");
+    }
+    if t.max_ckpt_to_keep == Some(0) {
+        bail!("config key `trainer.max_ckpt_to_keep`: must be at least 1 (or absent)");
+    }
+    if !(t.heartbeat_s > 0.0 && t.heartbeat_s.is_finite()) {
+        bail!(
+            "config key `trainer.heartbeat_s`: must be positive, got {}",
+            t.heartbeat_s
+        );
+    }
+    for (k, v) in [
+        ("trainer.tracker.timeout_s", t.tracker.timeout_s),
+        ("trainer.tracker.interval_s", t.tracker.interval_s),
+    ] {
+        if !(v > 0.0 && v.is_finite()) {
+            bail!("config key `{k}`: must be positive, got {v}");
+        }
+    }
+    if !(t.tracker.flush_timeout_s >= 0.0 && t.tracker.flush_timeout_s.is_finite()) {
+        bail!(
+            "config key `trainer.tracker.flush_timeout_s`: must be >= 0, got {}",
+            t.tracker.flush_timeout_s
+        );
+    }
+    if t.tracker.kind == TrackerKind::Mlflow
+        && !(t.tracker.uri.starts_with("http://") || t.tracker.uri.starts_with("https://"))
+    {
+        bail!(
+            "config key `trainer.tracker.uri`: must start with http:// or https://, got {:?}",
+            t.tracker.uri
+        );
+    }
+    crate::device::parse(&t.device).context("config key `trainer.device`")?;
+    cfg.data.validate().context("config group `data`")?;
+    cfg.algorithm
+        .validate()
+        .map_err(|e| anyhow!("config group `algorithm`: {e}"))?;
+    cfg.actor_rollout_ref
+        .actor
+        .validate()
+        .map_err(|e| anyhow!("config group `actor_rollout_ref.actor`: {e}"))?;
+    cfg.actor_rollout_ref
+        .rollout
+        .validate()
+        .map_err(|e| anyhow!("config group `actor_rollout_ref.rollout`: {e}"))?;
+    cfg.bandit.validate()?;
+    Ok(())
+}
+
+/// Every key path of the config (leaves and groups), from the serialised defaults.
+pub fn known_keys() -> Vec<String> {
+    let value = serde_json::to_value(ExperimentConfig::default()).unwrap_or(Value::Null);
+    let mut out = Vec::new();
+    fn walk(prefix: &str, v: &Value, out: &mut Vec<String>) {
+        if let Value::Object(map) = v {
+            for (k, child) in map {
+                let path = if prefix.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{prefix}.{k}")
+                };
+                out.push(path.clone());
+                walk(&path, child, out);
+            }
+        }
+    }
+    walk("", &value, &mut out);
+    out
+}
+
+/// The known key nearest to `key` by edit distance, if it is plausibly a typo.
+pub fn nearest_key(key: &str, known: &[String]) -> Option<String> {
+    let parent = key.rsplit_once('.').map(|(p, _)| p).unwrap_or("");
+    known
+        .iter()
+        .map(|k| {
+            // Prefer siblings: a key in the same group costs less than one elsewhere.
+            let kp = k.rsplit_once('.').map(|(p, _)| p).unwrap_or("");
+            let penalty = usize::from(kp != parent);
+            (levenshtein(key, k) + penalty, k)
+        })
+        .min()
+        .filter(|(d, _)| *d <= key.len().max(4) / 2 + 1)
+        .map(|(_, k)| k.clone())
+}
+
+/// Levenshtein edit distance over chars.
+pub fn levenshtein(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut prev: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut cur = vec![i + 1; b.len() + 1];
+        for (j, cb) in b.iter().enumerate() {
+            let sub = prev[j] + usize::from(ca != *cb);
+            cur[j + 1] = sub.min(prev[j + 1] + 1).min(cur[j] + 1);
+        }
+        prev = cur;
+    }
+    prev[b.len()]
+}
+
+/// Turns figment's errors into one-line causes naming the key, its source and, for an
+/// unknown key, the nearest valid one.
+fn explain(err: figment::Error) -> anyhow::Error {
+    use figment::error::Kind;
+    let known = known_keys();
+    let mut lines = Vec::new();
+    for e in err {
+        let source = e
+            .metadata
+            .as_ref()
+            .map(|m| match &m.source {
+                Some(figment::Source::File(p)) => p.display().to_string(),
+                _ if m.name.contains("environment") => {
+                    format!("environment variable {}", m.interpolate(&e.profile.clone().unwrap_or_default(), &e.path).to_uppercase())
+                }
+                _ => m.name.to_string(),
+            })
+            .unwrap_or_else(|| "config".into());
+        let path = e.path.join(".");
+        let line = match &e.kind {
+            Kind::UnknownField(field, _) => {
+                // figment's path already ends with the field; older versions stop at the parent.
+                let key = if e.path.last() == Some(field) || path.is_empty() {
+                    if path.is_empty() { field.clone() } else { path.clone() }
+                } else {
+                    format!("{path}.{field}")
+                };
+                match nearest_key(&key, &known) {
+                    Some(s) => format!("unknown config key `{key}` (in {source}); did you mean `{s}`?"),
+                    None => format!("unknown config key `{key}` (in {source})"),
+                }
+            }
+            Kind::InvalidType(actual, expected) => {
+                format!("config key `{path}` (in {source}): expected {expected}, found {actual}")
+            }
+            Kind::InvalidValue(actual, expected) => {
+                format!("config key `{path}` (in {source}): expected {expected}, found {actual}")
+            }
+            Kind::UnknownVariant(v, expected) => format!(
+                "config key `{path}` (in {source}): unknown value `{v}`, expected one of {}",
+                expected.join(", ")
+            ),
+            other => format!("config key `{path}` (in {source}): {other}"),
+        };
+        lines.push(line);
+    }
+    anyhow!(lines.join("; "))
+}
+
+/// The config flattened to `key.path -> value` (leaves only), for diffs, filters and params.
+pub fn flatten(cfg: &Value) -> BTreeMap<String, Value> {
+    let mut out = BTreeMap::new();
+    fn walk(prefix: &str, v: &Value, out: &mut BTreeMap<String, Value>) {
+        match v {
+            Value::Object(map) if !map.is_empty() => {
+                for (k, child) in map {
+                    let path = if prefix.is_empty() {
+                        k.clone()
+                    } else {
+                        format!("{prefix}.{k}")
+                    };
+                    walk(&path, child, out);
+                }
+            }
+            other => {
+                out.insert(prefix.to_string(), other.clone());
+            }
+        }
+    }
+    walk("", cfg, &mut out);
+    out
+}
+
+/// The resolved config as TOML text (absent optional keys are left out).
+pub fn to_toml(cfg: &ExperimentConfig) -> Result<String> {
+    toml::to_string(cfg).context("serialising the resolved config as TOML")
+}
+
+/// The resolved config as JSON (the form stored in the run store).
+pub fn to_json(cfg: &ExperimentConfig) -> Result<String> {
+    serde_json::to_string(cfg).context("serialising the resolved config as JSON")
+}
+
+/// Keys whose values differ between two configs (`key`, old, new).
+pub fn diff(old: &ExperimentConfig, new: &ExperimentConfig) -> Vec<(String, Value, Value)> {
+    let a = flatten(&serde_json::to_value(old).unwrap_or(Value::Null));
+    let b = flatten(&serde_json::to_value(new).unwrap_or(Value::Null));
+    let mut keys: Vec<&String> = a.keys().chain(b.keys()).collect();
+    keys.sort();
+    keys.dedup();
+    keys.into_iter()
+        .filter_map(|k| {
+            let (x, y) = (
+                a.get(k).cloned().unwrap_or(Value::Null),
+                b.get(k).cloned().unwrap_or(Value::Null),
+            );
+            (x != y).then(|| (k.clone(), x, y))
+        })
+        .collect()
+}
+
+/// Reads a TOML experiment file's text for storing next to the run.
+pub fn read_file(path: &Path) -> Result<String> {
+    std::fs::read_to_string(path).with_context(|| format!("reading config file {}", path.display()))
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,29 @@
+//! The `harness` library: the CLI ([`Cli`], [`run`]), the layered experiment config
+//! ([`config`]), the SQLite run store ([`Store`]), the training loop with exact
+//! checkpoint/resume ([`train`]), sweeps ([`sweep`]), comparisons and plots ([`compare`]), the
+//! `runs --filter` language ([`filter`]), the MLflow tracker ([`tracker`]) and a small
+//! deterministic trainer of its own ([`bandit`]) for fast tests and the quickstart.
+//!
+//! This crate is the only one that knows the CLI, figment, SQLite, the run directory and
+//! wall-clock time. `main.rs` only parses the command line and prints errors.
+
+pub mod bandit;
+mod cli;
+pub mod compare;
+pub mod config;
+pub mod device;
+pub mod filter;
+mod logging;
+mod store;
+pub mod sweep;
+pub mod tracker;
+pub mod train;
+
+pub use cli::{Cli, Command};
+pub use store::{BoxFuture, CheckpointRow, EventRow, RunRow, Store, WriteFn, hostname, now, pid_alive};
+
+/// Runs a parsed command line (installs logging first).
+pub fn run(cli: Cli) -> anyhow::Result<()> {
+    logging::init();
+    cli::run(cli)
+}

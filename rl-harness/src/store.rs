@@ -1,0 +1,548 @@
+//! The SQLite run store (sqlx): WAL, a busy timeout, migrations serialised by a file lock, and
+//! one writer task per process that applies writes in order, batching metrics, heartbeats and
+//! events into one `BEGIN IMMEDIATE` transaction per drain.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use anyhow::{Context, Result, anyhow};
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
+    SqliteSynchronous,
+};
+use sqlx::{Connection, QueryBuilder, Row, Sqlite};
+use tokio::sync::{mpsc, oneshot};
+
+/// A boxed future borrowing the writer's connection.
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// A write run by the writer task in its own transaction; returns an integer (an id, a count).
+pub type WriteFn =
+    Box<dyn for<'c> FnOnce(&'c mut SqliteConnection) -> BoxFuture<'c, Result<i64>> + Send>;
+
+enum Op {
+    Metrics {
+        run: i64,
+        step: i64,
+        wall: f64,
+        values: Vec<(String, f64)>,
+    },
+    Heartbeat {
+        run: i64,
+        time: f64,
+    },
+    Event {
+        run: Option<i64>,
+        kind: String,
+        message: String,
+    },
+    Write(WriteFn, oneshot::Sender<Result<i64>>),
+    Flush(oneshot::Sender<Result<()>>),
+}
+
+/// Now, as Unix seconds.
+pub fn now() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
+}
+
+/// Rows of metrics per INSERT statement (5 binds each, well under SQLite's bind limit).
+const ROWS_PER_INSERT: usize = 150;
+
+/// A handle on the run store. Cheap to clone; all clones share one writer task.
+#[derive(Clone)]
+pub struct Store {
+    pool: SqlitePool,
+    tx: mpsc::UnboundedSender<Op>,
+    path: PathBuf,
+}
+
+/// One row of `runs`.
+#[derive(Debug, Clone)]
+pub struct RunRow {
+    /// Run id.
+    pub id: i64,
+    /// `trainer.experiment_name`.
+    pub name: String,
+    /// `trainer.project_name`.
+    pub project: String,
+    /// Stored status (see [`RunRow::effective_status`] for dead detection).
+    pub status: String,
+    /// Resolved config, JSON.
+    pub config: String,
+    /// `git rev-parse HEAD` where the run started.
+    pub git_commit: Option<String>,
+    /// Whether the work tree had uncommitted changes.
+    pub git_dirty: Option<bool>,
+    /// Host name.
+    pub host: String,
+    /// Process id of the process driving it.
+    pub pid: Option<i64>,
+    /// `trainer.seed`.
+    pub seed: i64,
+    /// The run directory.
+    pub run_dir: String,
+    /// Times (Unix seconds).
+    pub created: f64,
+    /// When training started (last start, on resume).
+    pub started: Option<f64>,
+    /// When it ended.
+    pub ended: Option<f64>,
+    /// Last heartbeat.
+    pub heartbeat: Option<f64>,
+    /// Heartbeat interval.
+    pub heartbeat_s: f64,
+    /// Parent sweep.
+    pub sweep_id: Option<String>,
+    /// Trial id within the sweep.
+    pub trial_id: Option<String>,
+    /// Checkpoint step of the latest resume.
+    pub resumed_from: Option<i64>,
+    /// The one-line cause of a failure.
+    pub error: Option<String>,
+}
+
+impl RunRow {
+    fn from_row(r: &sqlx::sqlite::SqliteRow) -> RunRow {
+        RunRow {
+            id: r.get("id"),
+            name: r.get("name"),
+            project: r.get("project"),
+            status: r.get("status"),
+            config: r.get("config"),
+            git_commit: r.get("git_commit"),
+            git_dirty: r.get::<Option<i64>, _>("git_dirty").map(|d| d != 0),
+            host: r.get("host"),
+            pid: r.get("pid"),
+            seed: r.get("seed"),
+            run_dir: r.get("run_dir"),
+            created: r.get("created"),
+            started: r.get("started"),
+            ended: r.get("ended"),
+            heartbeat: r.get("heartbeat"),
+            heartbeat_s: r.get("heartbeat_s"),
+            sweep_id: r.get("sweep_id"),
+            trial_id: r.get("trial_id"),
+            resumed_from: r.get("resumed_from"),
+            error: r.get("error"),
+        }
+    }
+
+    /// `dead` for a run stored as running whose process is gone (same host) or whose heartbeat
+    /// is older than three intervals; the stored status otherwise.
+    pub fn effective_status(&self) -> &str {
+        if self.status != "running" {
+            return &self.status;
+        }
+        if self.host == hostname()
+            && let Some(pid) = self.pid
+            && !pid_alive(pid)
+        {
+            return "dead";
+        }
+        let last = self.heartbeat.or(self.started).unwrap_or(self.created);
+        if now() - last > 3.0 * self.heartbeat_s + 1.0 {
+            "dead"
+        } else {
+            "running"
+        }
+    }
+}
+
+/// This machine's host name.
+pub fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .or_else(|_| std::env::var("HOSTNAME"))
+        .unwrap_or_else(|_| "unknown".into())
+}
+
+/// Whether a process lives (and is not a zombie) on this host.
+pub fn pid_alive(pid: i64) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state follows the parenthesised command name.
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .map(|(_, rest)| !matches!(rest.trim_start().chars().next(), Some('Z' | 'X')))
+            .unwrap_or(false),
+        Err(_) => false,
+    }
+}
+
+/// One recorded checkpoint.
+#[derive(Debug, Clone)]
+pub struct CheckpointRow {
+    /// Step.
+    pub step: i64,
+    /// Folder.
+    pub path: String,
+    /// When recorded.
+    pub created: f64,
+}
+
+/// One event.
+#[derive(Debug, Clone)]
+pub struct EventRow {
+    /// When.
+    pub time: f64,
+    /// Kind (`error`, `resume`, `config_change`, `tracker`, `signal`, ...).
+    pub kind: String,
+    /// What happened.
+    pub message: String,
+}
+
+impl Store {
+    /// Opens (creating if needed) the store at `path` and starts its writer task; must be
+    /// called inside a tokio runtime.
+    pub async fn open(path: &Path) -> Result<Store> {
+        if let Some(dir) = path.parent()
+            && !dir.as_os_str().is_empty()
+        {
+            std::fs::create_dir_all(dir)
+                .with_context(|| format!("creating the run store's folder {}", dir.display()))?;
+        }
+        let opts = SqliteConnectOptions::new()
+            .filename(path)
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .synchronous(SqliteSynchronous::Normal)
+            .busy_timeout(Duration::from_secs(60))
+            .foreign_keys(false);
+        migrate(path, &opts)
+            .await
+            .with_context(|| format!("migrating the run store {}", path.display()))?;
+        let pool = SqlitePoolOptions::new()
+            .max_connections(4)
+            .connect_with(opts.clone())
+            .await
+            .with_context(|| format!("opening the run store {}", path.display()))?;
+        let conn = SqliteConnection::connect_with(&opts)
+            .await
+            .with_context(|| format!("opening the run store {}", path.display()))?;
+        let (tx, rx) = mpsc::unbounded_channel();
+        tokio::spawn(writer(conn, rx));
+        Ok(Store {
+            pool,
+            tx,
+            path: path.to_path_buf(),
+        })
+    }
+
+    /// The database file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The read pool.
+    pub fn pool(&self) -> &SqlitePool {
+        &self.pool
+    }
+
+    fn send(&self, op: Op) -> Result<()> {
+        self.tx
+            .send(op)
+            .map_err(|_| anyhow!("the run store's writer task has stopped"))
+    }
+
+    /// Queues one step's metrics (returns at once; the writer batches them).
+    pub fn log_metrics<'a>(
+        &self,
+        run: i64,
+        step: u64,
+        metrics: impl IntoIterator<Item = (&'a String, &'a f64)>,
+    ) -> Result<()> {
+        let values: Vec<(String, f64)> = metrics.into_iter().map(|(k, v)| (k.clone(), *v)).collect();
+        self.send(Op::Metrics {
+            run,
+            step: step as i64,
+            wall: now(),
+            values,
+        })
+    }
+
+    /// Queues a heartbeat.
+    pub fn heartbeat(&self, run: i64) -> Result<()> {
+        self.send(Op::Heartbeat { run, time: now() })
+    }
+
+    /// Queues an event.
+    pub fn event(&self, run: Option<i64>, kind: &str, message: impl Into<String>) -> Result<()> {
+        self.send(Op::Event {
+            run,
+            kind: kind.into(),
+            message: message.into(),
+        })
+    }
+
+    /// Runs `f` in its own transaction on the writer, after everything queued before it.
+    pub async fn write<F>(&self, f: F) -> Result<i64>
+    where
+        F: for<'c> FnOnce(&'c mut SqliteConnection) -> BoxFuture<'c, Result<i64>> + Send + 'static,
+    {
+        let (done, wait) = oneshot::channel();
+        self.send(Op::Write(Box::new(f), done))?;
+        wait.await
+            .map_err(|_| anyhow!("the run store's writer task stopped during a write"))?
+    }
+
+    /// Waits until everything queued so far is committed.
+    pub async fn flush(&self) -> Result<()> {
+        let (done, wait) = oneshot::channel();
+        self.send(Op::Flush(done))?;
+        wait.await
+            .map_err(|_| anyhow!("the run store's writer task stopped during a flush"))?
+    }
+
+    /// The run `spec` names: a run id, or the latest run with that name.
+    pub async fn resolve_run(&self, spec: &str) -> Result<RunRow> {
+        if let Ok(id) = spec.parse::<i64>() {
+            return self
+                .run(id)
+                .await?
+                .with_context(|| format!("no run {id} in {}", self.path.display()));
+        }
+        let row = sqlx::query("SELECT * FROM runs WHERE name = ? ORDER BY id DESC LIMIT 1")
+            .bind(spec)
+            .fetch_optional(&self.pool)
+            .await?;
+        row.map(|r| RunRow::from_row(&r))
+            .with_context(|| format!("no run with id or name {spec:?} in {}", self.path.display()))
+    }
+
+    /// One run.
+    pub async fn run(&self, id: i64) -> Result<Option<RunRow>> {
+        let row = sqlx::query("SELECT * FROM runs WHERE id = ?")
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await
+            .with_context(|| format!("reading run {id}"))?;
+        Ok(row.map(|r| RunRow::from_row(&r)))
+    }
+
+    /// All runs (optionally of one sweep), oldest first.
+    pub async fn runs(&self, sweep: Option<&str>) -> Result<Vec<RunRow>> {
+        let rows = match sweep {
+            Some(s) => {
+                sqlx::query("SELECT * FROM runs WHERE sweep_id = ? ORDER BY id")
+                    .bind(s)
+                    .fetch_all(&self.pool)
+                    .await?
+            }
+            None => sqlx::query("SELECT * FROM runs ORDER BY id").fetch_all(&self.pool).await?,
+        };
+        Ok(rows.iter().map(RunRow::from_row).collect())
+    }
+
+    /// The last value of every metric of a run: key → (step, value).
+    pub async fn final_metrics(&self, run: i64) -> Result<BTreeMap<String, (i64, f64)>> {
+        let rows = sqlx::query(
+            "SELECT key, step, value FROM metrics m WHERE run_id = ?1 AND step = \
+             (SELECT MAX(step) FROM metrics WHERE run_id = ?1 AND key = m.key) ORDER BY key",
+        )
+        .bind(run)
+        .fetch_all(&self.pool)
+        .await
+        .with_context(|| format!("reading the metrics of run {run}"))?;
+        Ok(rows
+            .iter()
+            .map(|r| {
+                let v: Option<f64> = r.get("value");
+                (r.get("key"), (r.get("step"), v.unwrap_or(f64::NAN)))
+            })
+            .collect())
+    }
+
+    /// One metric's history: (step, value), by step.
+    pub async fn series(&self, run: i64, key: &str) -> Result<Vec<(i64, f64)>> {
+        let rows = sqlx::query(
+            "SELECT step, value FROM metrics WHERE run_id = ? AND key = ? ORDER BY step, id",
+        )
+        .bind(run)
+        .bind(key)
+        .fetch_all(&self.pool)
+        .await
+        .with_context(|| format!("reading metric {key} of run {run}"))?;
+        Ok(rows
+            .iter()
+            .map(|r| {
+                let v: Option<f64> = r.get(1);
+                (r.get(0), v.unwrap_or(f64::NAN))
+            })
+            .collect())
+    }
+
+    /// Every metric row of a run: (step, key, value, wall_time), by step then key.
+    pub async fn all_metrics(&self, run: i64) -> Result<Vec<(i64, String, f64, f64)>> {
+        let rows = sqlx::query(
+            "SELECT step, key, value, wall_time FROM metrics WHERE run_id = ? ORDER BY step, key, id",
+        )
+        .bind(run)
+        .fetch_all(&self.pool)
+        .await
+        .with_context(|| format!("reading the metrics of run {run}"))?;
+        Ok(rows
+            .iter()
+            .map(|r| {
+                let v: Option<f64> = r.get(2);
+                (r.get(0), r.get(1), v.unwrap_or(f64::NAN), r.get(3))
+            })
+            .collect())
+    }
+
+    /// The recorded checkpoints of a run, by step.
+    pub async fn checkpoints(&self, run: i64) -> Result<Vec<CheckpointRow>> {
+        let rows = sqlx::query("SELECT step, path, created FROM checkpoints WHERE run_id = ? ORDER BY step")
+            .bind(run)
+            .fetch_all(&self.pool)
+            .await?;
+        Ok(rows
+            .iter()
+            .map(|r| CheckpointRow {
+                step: r.get(0),
+                path: r.get(1),
+                created: r.get(2),
+            })
+            .collect())
+    }
+
+    /// The events of a run, oldest first.
+    pub async fn events(&self, run: i64) -> Result<Vec<EventRow>> {
+        let rows = sqlx::query("SELECT time, kind, message FROM events WHERE run_id = ? ORDER BY id")
+            .bind(run)
+            .fetch_all(&self.pool)
+            .await?;
+        Ok(rows
+            .iter()
+            .map(|r| EventRow {
+                time: r.get(0),
+                kind: r.get(1),
+                message: r.get(2),
+            })
+            .collect())
+    }
+}
+
+/// Applies the checked-in migrations, holding an exclusive lock on `<db>.migrate.lock` so two
+/// processes opening a new store at once cannot race.
+async fn migrate(path: &Path, opts: &SqliteConnectOptions) -> Result<()> {
+    let lock_path = PathBuf::from(format!("{}.migrate.lock", path.display()));
+    let lock = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lock_path)
+        .with_context(|| format!("opening {}", lock_path.display()))?;
+    let lock = tokio::task::spawn_blocking(move || lock.lock().map(|()| lock))
+        .await?
+        .with_context(|| format!("locking {}", lock_path.display()))?;
+    let mut conn = SqliteConnection::connect_with(opts).await?;
+    let result = sqlx::migrate!("./migrations").run(&mut conn).await;
+    conn.close().await.ok();
+    drop(lock);
+    result.map_err(Into::into)
+}
+
+async fn writer(mut conn: SqliteConnection, mut rx: mpsc::UnboundedReceiver<Op>) {
+    let mut queue: Vec<Op> = Vec::new();
+    while let Some(op) = rx.recv().await {
+        queue.push(op);
+        while let Ok(op) = rx.try_recv() {
+            queue.push(op);
+            if queue.len() >= 4096 {
+                break;
+            }
+        }
+        let mut batch: Vec<Op> = Vec::new();
+        for op in queue.drain(..) {
+            match op {
+                Op::Write(f, done) => {
+                    let r = commit_batch(&mut conn, std::mem::take(&mut batch)).await;
+                    if let Err(e) = r {
+                        tracing::error!("run store: writing a batch of metrics failed: {e:#}");
+                    }
+                    let _ = done.send(transaction(&mut conn, f).await);
+                }
+                Op::Flush(done) => {
+                    let r = commit_batch(&mut conn, std::mem::take(&mut batch)).await;
+                    let _ = done.send(r);
+                }
+                other => batch.push(other),
+            }
+        }
+        if let Err(e) = commit_batch(&mut conn, batch).await {
+            tracing::error!("run store: writing a batch of metrics failed: {e:#}");
+        }
+    }
+    conn.close().await.ok();
+}
+
+async fn transaction(conn: &mut SqliteConnection, f: WriteFn) -> Result<i64> {
+    sqlx::query("BEGIN IMMEDIATE").execute(&mut *conn).await?;
+    match f(conn).await {
+        Ok(v) => {
+            sqlx::query("COMMIT").execute(&mut *conn).await?;
+            Ok(v)
+        }
+        Err(e) => {
+            sqlx::query("ROLLBACK").execute(&mut *conn).await.ok();
+            Err(e)
+        }
+    }
+}
+
+async fn commit_batch(conn: &mut SqliteConnection, batch: Vec<Op>) -> Result<()> {
+    if batch.is_empty() {
+        return Ok(());
+    }
+    let f: WriteFn = Box::new(move |c| Box::pin(apply_batch(c, batch)));
+    transaction(conn, f).await.map(|_| ())
+}
+
+async fn apply_batch(conn: &mut SqliteConnection, batch: Vec<Op>) -> Result<i64> {
+    let mut rows: Vec<(i64, i64, String, f64, f64)> = Vec::new();
+    for op in batch {
+        match op {
+            Op::Metrics {
+                run,
+                step,
+                wall,
+                values,
+            } => rows.extend(values.into_iter().map(|(k, v)| (run, step, k, v, wall))),
+            Op::Heartbeat { run, time } => {
+                sqlx::query("UPDATE runs SET heartbeat = ? WHERE id = ?")
+                    .bind(time)
+                    .bind(run)
+                    .execute(&mut *conn)
+                    .await?;
+            }
+            Op::Event { run, kind, message } => {
+                sqlx::query("INSERT INTO events (run_id, time, kind, message) VALUES (?, ?, ?, ?)")
+                    .bind(run)
+                    .bind(now())
+                    .bind(kind)
+                    .bind(message)
+                    .execute(&mut *conn)
+                    .await?;
+            }
+            Op::Write(..) | Op::Flush(_) => {}
+        }
+    }
+    for chunk in rows.chunks(ROWS_PER_INSERT) {
+        let mut qb: QueryBuilder<Sqlite> =
+            QueryBuilder::new("INSERT INTO metrics (run_id, step, key, value, wall_time) ");
+        qb.push_values(chunk, |mut b, (run, step, key, value, wall)| {
+            b.push_bind(*run)
+                .push_bind(*step)
+                .push_bind(key.clone())
+                .push_bind(if value.is_nan() { None } else { Some(*value) })
+                .push_bind(*wall);
+        });
+        qb.build().persistent(true).execute(&mut *conn).await?;
+    }
+    Ok(rows.len() as i64)
+}

@@ -1,0 +1,526 @@
+//! `harness train` and `harness resume`: the training loop the harness owns (validation,
+//! metrics, checkpoints, heartbeat, signals, status) around a [`Trainer`].
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use indicatif::{ProgressBar, ProgressStyle};
+use rl_core::{StepMetrics, Trainer};
+use serde::{Deserialize, Serialize};
+use tokio::runtime::Runtime;
+
+use crate::config::{self, ExperimentConfig, Override, TrainerKind};
+use crate::store::{self, Store, now};
+use crate::{logging, tracker};
+
+/// Where a run belongs when a sweep starts it.
+#[derive(Debug, Clone, Default)]
+pub struct Membership {
+    /// The sweep's id.
+    pub sweep_id: Option<String>,
+    /// The trial's id.
+    pub trial_id: Option<String>,
+}
+
+/// What the harness writes next to the trainer's state in a checkpoint (`harness.json`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CheckpointMeta {
+    /// The run.
+    pub run_id: i64,
+    /// The step the checkpoint was taken after.
+    pub step: u64,
+    /// Unix seconds.
+    pub created: f64,
+    /// The trainer kind.
+    pub algorithm: TrainerKind,
+}
+
+/// How a drive ended.
+enum Outcome {
+    Finished,
+    Killed,
+}
+
+/// Builds the trainer the config selects.
+pub fn build_trainer(cfg: &ExperimentConfig) -> Result<Box<dyn Trainer>> {
+    let device = crate::device::open(&cfg.trainer.device)?;
+    match cfg.trainer.algorithm {
+        TrainerKind::Bandit => {
+            let total = cfg
+                .trainer
+                .total_training_steps
+                .unwrap_or(cfg.trainer.total_epochs * cfg.bandit.steps_per_epoch);
+            Ok(Box::new(crate::bandit::BanditTrainer::new(
+                &cfg.bandit,
+                cfg.trainer.seed,
+                total,
+                cfg.algorithm.kl_ctrl.kl_coef,
+                device,
+            )?))
+        }
+    }
+}
+
+fn git_info() -> (Option<String>, Option<bool>) {
+    let out = |args: &[&str]| {
+        std::process::Command::new("git")
+            .args(args)
+            .stderr(std::process::Stdio::null())
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+    };
+    let commit = out(&["rev-parse", "HEAD"]);
+    let dirty = commit
+        .as_ref()
+        .and_then(|_| out(&["status", "--porcelain", "--untracked-files=no"]))
+        .map(|s| !s.is_empty());
+    (commit, dirty)
+}
+
+fn sanitize(name: &str) -> String {
+    name.chars()
+        .map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' })
+        .collect()
+}
+
+/// Starts a new run: records it, makes its directory, trains it to the end.
+/// Returns the run id.
+pub fn train(rt: &Runtime, cfg: ExperimentConfig, member: Membership) -> Result<i64> {
+    let store = rt.block_on(Store::open(&cfg.trainer.db_path()))?;
+    let config_json = config::to_json(&cfg)?;
+    let (commit, dirty) = git_info();
+    let name = cfg.trainer.experiment_name.clone();
+    let project = cfg.trainer.project_name.clone();
+    let runs_dir = cfg.trainer.runs_dir.clone();
+    let seed = cfg.trainer.seed as i64;
+    let heartbeat_s = cfg.trainer.heartbeat_s;
+    let tracker_on = cfg.trainer.tracker.kind != config::TrackerKind::None;
+    let tracked = cfg.clone();
+    let run_id = rt.block_on(store.write(move |c| {
+        Box::pin(async move {
+            let t = now();
+            let id: i64 = sqlx::query_scalar(
+                "INSERT INTO runs (name, project, status, config, git_commit, git_dirty, host, pid, \
+                 seed, run_dir, created, started, heartbeat, heartbeat_s, sweep_id, trial_id) \
+                 VALUES (?, ?, 'running', ?, ?, ?, ?, ?, ?, '', ?, ?, ?, ?, ?, ?) RETURNING id",
+            )
+            .bind(&name)
+            .bind(&project)
+            .bind(&config_json)
+            .bind(commit)
+            .bind(dirty.map(i64::from))
+            .bind(store::hostname())
+            .bind(i64::from(std::process::id()))
+            .bind(seed)
+            .bind(t)
+            .bind(t)
+            .bind(t)
+            .bind(heartbeat_s)
+            .bind(member.sweep_id)
+            .bind(member.trial_id)
+            .fetch_one(&mut *c)
+            .await?;
+            let dir = runs_dir.join(format!("{id}-{}", sanitize(&name)));
+            sqlx::query("UPDATE runs SET run_dir = ? WHERE id = ?")
+                .bind(dir.display().to_string())
+                .bind(id)
+                .execute(&mut *c)
+                .await?;
+            if tracker_on {
+                tracker::enqueue_start(c, id, &tracked).await?;
+            }
+            Ok(id)
+        })
+    }))
+    .context("recording the new run")?;
+    let run = rt
+        .block_on(store.run(run_id))?
+        .with_context(|| format!("run {run_id} vanished from the store"))?;
+    let run_dir = PathBuf::from(&run.run_dir);
+    std::fs::create_dir_all(run_dir.join("checkpoints"))
+        .with_context(|| format!("creating run directory {}", run_dir.display()))?;
+    std::fs::write(run_dir.join("config.toml"), config::to_toml(&cfg)?)
+        .with_context(|| format!("writing {}/config.toml", run_dir.display()))?;
+    logging::to_file(&run_dir.join("harness.log"));
+    tracing::info!(run = run_id, dir = %run_dir.display(), "run started");
+    eprintln!("harness: run {run_id} ({}) in {}", run.name, run_dir.display());
+    let result = build_trainer(&cfg).and_then(|trainer| drive(rt, &store, run_id, &run_dir, &cfg, trainer, true));
+    finish(rt, &store, run_id, &cfg, result)
+}
+
+/// Resumes `spec` (an id or name) from its latest complete checkpoint, or from `from_step`.
+pub fn resume(
+    rt: &Runtime,
+    db: &Path,
+    spec: &str,
+    from_step: Option<u64>,
+    overrides: &[Override],
+) -> Result<i64> {
+    let store = rt.block_on(Store::open(db))?;
+    let run = rt.block_on(store.resolve_run(spec))?;
+    let id = run.id;
+    if run.effective_status() == "running" {
+        bail!(
+            "run {id} is still running (pid {} on {}, heartbeat {:.0} s ago)",
+            run.pid.unwrap_or(-1),
+            run.host,
+            now() - run.heartbeat.unwrap_or(run.created)
+        );
+    }
+    let ckpts = rt.block_on(store.checkpoints(id))?;
+    let chosen = ckpts
+        .iter()
+        .rev()
+        .filter(|c| from_step.is_none_or(|s| c.step as u64 == s))
+        .find(|c| Path::new(&c.path).join("harness.json").is_file())
+        .cloned();
+    let Some(ckpt) = chosen else {
+        match from_step {
+            Some(s) => bail!(
+                "run {id} has no complete checkpoint at step {s} (recorded: {:?})",
+                ckpts.iter().map(|c| c.step).collect::<Vec<_>>()
+            ),
+            None => bail!("run {id} has no complete checkpoint to resume from"),
+        }
+    };
+    let ckpt_dir = PathBuf::from(&ckpt.path);
+    let stored = std::fs::read_to_string(ckpt_dir.join("config.json"))
+        .with_context(|| format!("reading {}/config.json", ckpt_dir.display()))?;
+    let old = config::from_stored(&stored, &[])
+        .with_context(|| format!("the config stored in {}", ckpt_dir.display()))?;
+    let cfg = config::from_stored(&stored, overrides)?;
+    let changes = config::diff(&old, &cfg);
+    if let Some((key, a, b)) = changes.iter().find(|(k, _, _)| !config::resume_safe(k)) {
+        bail!(
+            "resuming run {id}: config key `{key}` cannot change on resume ({a} -> {b}); \
+             keys that may: {}",
+            config::RESUME_SAFE_KEYS.join(", ")
+        );
+    }
+    let step = ckpt.step;
+    let config_json = config::to_json(&cfg)?;
+    let change_msgs: Vec<String> = changes.iter().map(|(k, a, b)| format!("{k}: {a} -> {b}")).collect();
+    let removed: Vec<String> = ckpts.iter().filter(|c| c.step > step).map(|c| c.path.clone()).collect();
+    let dropped = rt
+        .block_on(store.write(move |c| {
+            Box::pin(async move {
+                let t = now();
+                let dropped = sqlx::query("DELETE FROM metrics WHERE run_id = ? AND step > ?")
+                    .bind(id)
+                    .bind(step)
+                    .execute(&mut *c)
+                    .await?
+                    .rows_affected();
+                sqlx::query("DELETE FROM checkpoints WHERE run_id = ? AND step > ?")
+                    .bind(id)
+                    .bind(step)
+                    .execute(&mut *c)
+                    .await?;
+                sqlx::query(
+                    "UPDATE runs SET status = 'running', pid = ?, host = ?, started = ?, heartbeat = ?, \
+                     ended = NULL, error = NULL, resumed_from = ?, config = ? WHERE id = ?",
+                )
+                .bind(i64::from(std::process::id()))
+                .bind(store::hostname())
+                .bind(t)
+                .bind(t)
+                .bind(step)
+                .bind(&config_json)
+                .bind(id)
+                .execute(&mut *c)
+                .await?;
+                let mut events = vec![(
+                    "resume",
+                    format!("resumed from step {step}; {dropped} metric rows past it dropped"),
+                )];
+                events.extend(change_msgs.into_iter().map(|m| ("config_change", m)));
+                for (kind, msg) in events {
+                    sqlx::query("INSERT INTO events (run_id, time, kind, message) VALUES (?, ?, ?, ?)")
+                        .bind(id)
+                        .bind(t)
+                        .bind(kind)
+                        .bind(msg)
+                        .execute(&mut *c)
+                        .await?;
+                }
+                tracker::enqueue_status(c, id, "running", None).await?;
+                Ok(dropped as i64)
+            })
+        }))
+        .with_context(|| format!("resuming run {id} from step {step}"))?;
+    for path in removed {
+        std::fs::remove_dir_all(&path).ok();
+    }
+    let run_dir = PathBuf::from(&run.run_dir);
+    logging::to_file(&run_dir.join("harness.log"));
+    tracing::info!(run = id, step, dropped, "resuming from {}", ckpt_dir.display());
+    eprintln!("harness: resuming run {id} from {}", ckpt_dir.display());
+    let result = build_trainer(&cfg).and_then(|mut trainer| {
+        trainer
+            .load_checkpoint(&ckpt_dir.join("trainer"))
+            .with_context(|| format!("resuming run {id} from {}", ckpt_dir.display()))?;
+        if trainer.global_step() != step as u64 {
+            bail!(
+                "checkpoint {} holds step {} but is recorded as step {step}",
+                ckpt_dir.display(),
+                trainer.global_step()
+            );
+        }
+        drive(rt, &store, id, &run_dir, &cfg, trainer, false)
+    });
+    finish(rt, &store, id, &cfg, result)
+}
+
+/// Records how a drive ended and turns a kill into an error for the exit code.
+fn finish(
+    rt: &Runtime,
+    store: &Store,
+    id: i64,
+    cfg: &ExperimentConfig,
+    result: Result<Outcome>,
+) -> Result<i64> {
+    let (status, error) = match &result {
+        Ok(Outcome::Finished) => ("finished", None),
+        Ok(Outcome::Killed) => ("killed", None),
+        Err(e) => ("failed", Some(format!("{e:#}"))),
+    };
+    let err2 = error.clone();
+    let recorded = rt.block_on(store.write(move |c| {
+        Box::pin(async move {
+            let t = now();
+            sqlx::query("UPDATE runs SET status = ?, ended = ?, heartbeat = ?, error = ? WHERE id = ?")
+                .bind(status)
+                .bind(t)
+                .bind(t)
+                .bind(&err2)
+                .bind(id)
+                .execute(&mut *c)
+                .await?;
+            if let Some(e) = &err2 {
+                sqlx::query("INSERT INTO events (run_id, time, kind, message) VALUES (?, ?, 'error', ?)")
+                    .bind(id)
+                    .bind(t)
+                    .bind(e)
+                    .execute(&mut *c)
+                    .await?;
+            }
+            tracker::enqueue_status(c, id, status, Some(t)).await?;
+            Ok(0)
+        })
+    }));
+    if let Err(e) = recorded {
+        tracing::error!("recording the end of run {id}: {e:#}");
+    }
+    if cfg.trainer.tracker.kind != config::TrackerKind::None {
+        let budget = Duration::from_secs_f64(cfg.trainer.tracker.flush_timeout_s);
+        rt.block_on(tracker::flush_run(store, id, &cfg.trainer.tracker, budget));
+    }
+    tracing::info!(run = id, status, "run ended");
+    match result {
+        Ok(Outcome::Finished) => Ok(id),
+        Ok(Outcome::Killed) => bail!("run {id} stopped by a signal; `harness resume {id}` continues it"),
+        Err(e) => Err(e.context(format!("run {id} failed"))),
+    }
+}
+
+fn is_due(freq: i64, step: u64, total: u64) -> bool {
+    freq > 0 && (step % freq as u64 == 0 || step == total)
+}
+
+/// The loop: validation, steps, metrics, checkpoints, heartbeat, signals.
+fn drive(
+    rt: &Runtime,
+    store: &Store,
+    run_id: i64,
+    run_dir: &Path,
+    cfg: &ExperimentConfig,
+    mut trainer: Box<dyn Trainer>,
+    fresh: bool,
+) -> Result<Outcome> {
+    let t = &cfg.trainer;
+    let total = trainer.total_steps();
+    let stop = Arc::new(AtomicBool::new(false));
+    let _guard = rt.enter();
+    let heartbeat = {
+        let store = store.clone();
+        let period = Duration::from_secs_f64(t.heartbeat_s);
+        rt.spawn(async move {
+            let mut tick = tokio::time::interval(period);
+            loop {
+                tick.tick().await;
+                if store.heartbeat(run_id).is_err() {
+                    break;
+                }
+            }
+        })
+    };
+    let signals = {
+        let stop = stop.clone();
+        rt.spawn(async move {
+            use tokio::signal::unix::{SignalKind, signal};
+            let (Ok(mut int), Ok(mut term)) = (signal(SignalKind::interrupt()), signal(SignalKind::terminate()))
+            else {
+                return;
+            };
+            tokio::select! {
+                _ = int.recv() => {},
+                _ = term.recv() => {},
+            }
+            stop.store(true, Ordering::SeqCst);
+        })
+    };
+    let pump = (t.tracker.kind != config::TrackerKind::None)
+        .then(|| rt.spawn(tracker::pump(store.clone(), run_id, t.tracker.clone())));
+    let bar = ProgressBar::new(total).with_position(trainer.global_step());
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} step {pos}/{len} [{bar:30}] {elapsed} eta {eta} {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let result = (|| -> Result<Outcome> {
+        if fresh && t.val_before_train {
+            let (m, _) = trainer.validate().context("validation before training")?;
+            store.log_metrics(run_id, trainer.global_step(), &m)?;
+            tracing::info!(step = trainer.global_step(), ?m, "validation");
+        }
+        let mut last_ckpt = trainer.global_step();
+        while trainer.global_step() < total {
+            if stop.load(Ordering::SeqCst) {
+                let step = trainer.global_step();
+                if step > last_ckpt {
+                    save_checkpoint(rt, store, run_id, run_dir, cfg, trainer.as_ref())?;
+                }
+                store.event(Some(run_id), "signal", format!("stopped by a signal after step {step}"))?;
+                return Ok(Outcome::Killed);
+            }
+            let started = Instant::now();
+            let before = trainer.global_step();
+            let mut m: StepMetrics = trainer
+                .step()
+                .with_context(|| format!("training step {}", before + 1))?;
+            let step = trainer.global_step();
+            m.insert("timing_s/step".into(), started.elapsed().as_secs_f64());
+            if is_due(t.test_freq, step, total) {
+                let (v, _) = trainer.validate().with_context(|| format!("validation at step {step}"))?;
+                tracing::info!(step, ?v, "validation");
+                m.extend(v);
+            }
+            store.log_metrics(run_id, step, &m)?;
+            if is_due(t.save_freq, step, total) {
+                save_checkpoint(rt, store, run_id, run_dir, cfg, trainer.as_ref())?;
+                last_ckpt = step;
+            }
+            bar.set_position(step);
+            if let Some(score) = m.get("critic/score/mean") {
+                bar.set_message(format!("score {score:.3}"));
+            }
+        }
+        rt.block_on(store.flush())?;
+        Ok(Outcome::Finished)
+    })();
+    bar.finish_and_clear();
+    heartbeat.abort();
+    signals.abort();
+    if let Some(p) = pump {
+        p.abort();
+    }
+    result
+}
+
+/// Writes a checkpoint: temp dir → trainer state + resolved config + harness state → fsync →
+/// rename → record in the store → prune beyond `max_ckpt_to_keep`.
+fn save_checkpoint(
+    rt: &Runtime,
+    store: &Store,
+    run_id: i64,
+    run_dir: &Path,
+    cfg: &ExperimentConfig,
+    trainer: &dyn Trainer,
+) -> Result<()> {
+    let step = trainer.global_step();
+    let ckpts = run_dir.join("checkpoints");
+    let final_dir = ckpts.join(format!("global_step_{step}"));
+    let tmp = ckpts.join(format!(".tmp-global_step_{step}-{}", std::process::id()));
+    let ctx = || format!("writing checkpoint {} of run {run_id}", final_dir.display());
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).with_context(ctx)?;
+    }
+    std::fs::create_dir_all(tmp.join("trainer")).with_context(ctx)?;
+    trainer.save_checkpoint(&tmp.join("trainer")).with_context(ctx)?;
+    std::fs::write(tmp.join("config.json"), config::to_json(cfg)?).with_context(ctx)?;
+    std::fs::write(tmp.join("config.toml"), config::to_toml(cfg)?).with_context(ctx)?;
+    let meta = CheckpointMeta {
+        run_id,
+        step,
+        created: now(),
+        algorithm: cfg.trainer.algorithm,
+    };
+    // harness.json is written last: its presence marks a complete checkpoint.
+    std::fs::write(tmp.join("harness.json"), serde_json::to_vec_pretty(&meta)?).with_context(ctx)?;
+    fsync_tree(&tmp).with_context(ctx)?;
+    if final_dir.exists() {
+        std::fs::remove_dir_all(&final_dir).with_context(ctx)?;
+    }
+    std::fs::rename(&tmp, &final_dir).with_context(ctx)?;
+    fsync_dir(&ckpts).with_context(ctx)?;
+    let path = final_dir.display().to_string();
+    let keep = cfg.trainer.max_ckpt_to_keep;
+    rt.block_on(store.write(move |c| {
+            Box::pin(async move {
+                sqlx::query("INSERT OR REPLACE INTO checkpoints (run_id, step, path, created) VALUES (?, ?, ?, ?)")
+                    .bind(run_id)
+                    .bind(step as i64)
+                    .bind(&path)
+                    .bind(now())
+                    .execute(&mut *c)
+                    .await?;
+                Ok(0)
+            })
+        }))
+        .with_context(ctx)?;
+    if let Some(keep) = keep {
+        let all = rt.block_on(store.checkpoints(run_id))?;
+        if all.len() as u64 > keep {
+            let old: Vec<store::CheckpointRow> = all[..all.len() - keep as usize].to_vec();
+            let steps: Vec<i64> = old.iter().map(|c| c.step).collect();
+            rt.block_on(store.write(move |c| {
+                Box::pin(async move {
+                    for s in steps {
+                        sqlx::query("DELETE FROM checkpoints WHERE run_id = ? AND step = ?")
+                            .bind(run_id)
+                            .bind(s)
+                            .execute(&mut *c)
+                            .await?;
+                    }
+                    Ok(0)
+                })
+            }))?;
+            for c in old {
+                std::fs::remove_dir_all(&c.path).ok();
+            }
+        }
+    }
+    tracing::info!(run = run_id, step, "checkpoint {}", final_dir.display());
+    Ok(())
+}
+
+fn fsync_tree(dir: &Path) -> std::io::Result<()> {
+    for entry in std::fs::read_dir(dir)? {
+        let entry = entry?;
+        let path = entry.path();
+        if entry.file_type()?.is_dir() {
+            fsync_tree(&path)?;
+        } else {
+            std::fs::File::open(&path)?.sync_all()?;
+        }
+    }
+    fsync_dir(dir)
+}
+
+fn fsync_dir(dir: &Path) -> std::io::Result<()> {
+    std::fs::File::open(dir)?.sync_all()
+}

@@ -1,0 +1,108 @@
+//! Helpers shared by the harness's integration tests: run the `harness` binary in a temporary
+//! folder, read its run store, wait for conditions with bounded time.
+#![allow(dead_code, unreachable_pub, missing_docs)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+pub struct Env {
+    pub dir: tempfile::TempDir,
+}
+
+impl Env {
+    pub fn new() -> Env {
+        Env { dir: tempfile::tempdir().unwrap() }
+    }
+
+    pub fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    pub fn db(&self) -> PathBuf {
+        self.path().join("runs/harness.db")
+    }
+
+    /// Writes a file under the temp folder and returns its path.
+    pub fn file(&self, name: &str, text: &str) -> PathBuf {
+        let p = self.path().join(name);
+        std::fs::write(&p, text).unwrap();
+        p
+    }
+
+    pub fn cmd(&self) -> Command {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_harness"));
+        c.current_dir(self.path()).env("RUST_LOG", "warn").env_remove("RL_TRAINER__DB");
+        c
+    }
+
+    /// Runs harness with `args`, returning the output.
+    pub fn run(&self, args: &[&str]) -> Output {
+        self.cmd().args(args).output().unwrap()
+    }
+
+    /// Runs harness and asserts success; returns stdout.
+    pub fn ok(&self, args: &[&str]) -> String {
+        let out = self.run(args);
+        assert!(
+            out.status.success(),
+            "harness {args:?} failed:\nstdout: {}\nstderr: {}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// Runs harness, asserts failure; returns stderr.
+    pub fn fails(&self, args: &[&str]) -> String {
+        let out = self.run(args);
+        assert!(!out.status.success(), "harness {args:?} should have failed");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    }
+
+    pub fn spawn(&self, args: &[&str]) -> Child {
+        self.cmd().args(args).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap()
+    }
+
+    /// Opens the run store with a runtime for reading.
+    pub fn store(&self) -> (tokio::runtime::Runtime, rl_harness::Store) {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        let store = rt.block_on(rl_harness::Store::open(&self.db())).unwrap();
+        (rt, store)
+    }
+}
+
+/// Polls `f` every 50 ms until it returns true or `limit` passes (then panics with `what`).
+pub fn wait_for(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !f() {
+        assert!(start.elapsed() < limit, "timed out after {limit:?} waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Every recorded metric of a run except timings: (step, key, value bits).
+pub fn metrics_of(rt: &tokio::runtime::Runtime, store: &rl_harness::Store, run: i64) -> Vec<(i64, String, u64)> {
+    rt.block_on(store.all_metrics(run))
+        .unwrap()
+        .into_iter()
+        .filter(|(_, k, _, _)| !k.starts_with("timing_s/"))
+        .map(|(s, k, v, _)| (s, k, v.to_bits()))
+        .collect()
+}
+
+/// A small bandit experiment.
+pub const BANDIT: &str = r#"
+[trainer]
+algorithm = "bandit"
+project_name = "test"
+experiment_name = "base"
+total_training_steps = 20
+save_freq = 5
+test_freq = 5
+heartbeat_s = 0.5
+seed = 7
+
+[bandit]
+batch_size = 32
+"#;
