@@ -195,6 +195,11 @@ char* rl_c10d_barrier(rl_c10d_group* group, int64_t timeout_ms) {
   });
 }
 
+char* rl_c10d_set_timeout(rl_c10d_group* group, int64_t timeout_ms) {
+  // A virtual call through `Backend`: libtorch's own `ProcessGroupGloo::setTimeout` runs.
+  return guarded([&] { group->backend->setTimeout(std::chrono::milliseconds(timeout_ms)); });
+}
+
 void rl_c10d_free_error(char* error) {
   std::free(error);
 }

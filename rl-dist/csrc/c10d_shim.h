@@ -45,6 +45,8 @@ char* rl_c10d_all_gather(
     void* input,
     int64_t timeout_ms);
 char* rl_c10d_barrier(rl_c10d_group* group, int64_t timeout_ms);
+// Changes the backend's bound on every later collective.
+char* rl_c10d_set_timeout(rl_c10d_group* group, int64_t timeout_ms);
 
 void rl_c10d_free_error(char* error);
 

@@ -52,6 +52,7 @@ unsafe extern "C" {
         timeout_ms: i64,
     ) -> *mut c_char;
     fn rl_c10d_barrier(group: *mut RawGroup, timeout_ms: i64) -> *mut c_char;
+    fn rl_c10d_set_timeout(group: *mut RawGroup, timeout_ms: i64) -> *mut c_char;
     fn rl_c10d_free_error(error: *mut c_char);
 }
 
@@ -191,6 +192,13 @@ impl Group {
     pub(crate) fn barrier(&mut self, timeout: Duration) -> Result<(), String> {
         // SAFETY: `self.0` is a live group.
         status(unsafe { rl_c10d_barrier(self.0.as_ptr(), millis(timeout)) })
+    }
+}
+
+impl Group {
+    pub(crate) fn set_timeout(&mut self, timeout: Duration) -> Result<(), String> {
+        // SAFETY: `self.0` is a live group.
+        status(unsafe { rl_c10d_set_timeout(self.0.as_ptr(), millis(timeout)) })
     }
 }
 

@@ -298,6 +298,23 @@ impl ProcessGroup {
         self.timeout
     }
 
+    /// Changes the bound on every later collective (rendezvous often needs a longer one than a
+    /// training step's all-reduce).
+    pub fn set_timeout(&mut self, timeout: Duration) -> Result<()> {
+        if timeout.is_zero() {
+            return Err(Error::InvalidArgument {
+                rank: self.rank,
+                op: "set_timeout",
+                reason: "timeout must be positive".to_owned(),
+            });
+        }
+        self.raw
+            .set_timeout(timeout)
+            .map_err(self.failed("set_timeout"))?;
+        self.timeout = timeout;
+        Ok(())
+    }
+
     fn failed(&self, op: &'static str) -> impl FnOnce(String) -> Error {
         let (rank, world_size) = (self.rank, self.world_size);
         move |cause| Error::Collective {
