@@ -96,7 +96,9 @@ pub fn train(rt: &Runtime, cfg: ExperimentConfig, member: Membership) -> Result<
     let (commit, dirty) = git_info();
     let name = cfg.trainer.experiment_name.clone();
     let project = cfg.trainer.project_name.clone();
-    let runs_dir = cfg.trainer.runs_dir.clone();
+    // Absolute, so that `resume`, `show` and sweeps work from any working directory.
+    let runs_dir = std::path::absolute(&cfg.trainer.runs_dir)
+        .with_context(|| format!("resolving trainer.runs_dir {}", cfg.trainer.runs_dir.display()))?;
     let seed = cfg.trainer.seed as i64;
     let heartbeat_s = cfg.trainer.heartbeat_s;
     let tracker_on = cfg.trainer.tracker.kind != config::TrackerKind::None;

@@ -33,10 +33,12 @@ fn an_interrupted_sweep_rerun_completes_only_the_missing_trials() {
             && rt.block_on(store.checkpoints(runs[2].id)).map(|c| !c.is_empty()).unwrap_or(false)
     });
     let pgid = child.id();
-    std::process::Command::new("kill").args(["-KILL", &format!("-{pgid}")]).status().unwrap();
+    std::process::Command::new("kill").args(["-KILL", "--", &format!("-{pgid}")]).status().unwrap();
     child.wait().unwrap();
     wait_for("the trial process to die", Duration::from_secs(10), || {
-        rt.block_on(store.run(3)).unwrap().unwrap().effective_status() == "dead"
+        let r = rt.block_on(store.run(3)).unwrap().unwrap();
+        eprintln!("run 3: {} pid {:?} alive {:?}", r.effective_status(), r.pid, r.pid.map(rl_harness::pid_alive));
+        r.effective_status() == "dead"
     });
 
     let out = env.ok(&["sweep", &file]);
