@@ -453,11 +453,12 @@ impl ProcessGroup {
                     reason: format!("ReduceOp::Avg needs floating-point tensors, got {kind:?}"),
                 });
             }
-            if let [i] = bucket[..] {
-                if tensors[i].is_contiguous() {
-                    self.all_reduce(&mut tensors[i], op)?;
-                    continue;
-                }
+            if let [i] = bucket[..]
+                && tensors[i].is_contiguous()
+            {
+                self.all_reduce(&mut tensors[i], op)
+                    .map_err(|e| relabel(e, OP))?;
+                continue;
             }
             let flat = tch::no_grad(|| {
                 let parts = bucket
@@ -467,20 +468,7 @@ impl ProcessGroup {
                 Tensor::f_cat(&parts, 0)
             });
             let mut flat = flat.map_err(self.tensor_err(OP))?;
-            self.all_reduce(&mut flat, op).map_err(|e| match e {
-                Error::Collective {
-                    rank,
-                    world_size,
-                    cause,
-                    ..
-                } => Error::Collective {
-                    rank,
-                    world_size,
-                    op: OP,
-                    cause,
-                },
-                other => other,
-            })?;
+            self.all_reduce(&mut flat, op).map_err(|e| relabel(e, OP))?;
             let mut offset = 0i64;
             for &i in &bucket {
                 let t = &mut tensors[i];
@@ -496,6 +484,26 @@ impl ProcessGroup {
             }
         }
         Ok(())
+    }
+}
+
+/// Reports a failure inside `all_reduce_many` under its own name.
+fn relabel(e: Error, op: &'static str) -> Error {
+    match e {
+        Error::Collective {
+            rank,
+            world_size,
+            cause,
+            ..
+        } => Error::Collective {
+            rank,
+            world_size,
+            op,
+            cause,
+        },
+        Error::InvalidArgument { rank, reason, .. } => Error::InvalidArgument { rank, op, reason },
+        Error::Tensor { rank, source, .. } => Error::Tensor { rank, op, source },
+        other => other,
     }
 }
 
@@ -525,4 +533,156 @@ fn plan_buckets(tensors: &[Tensor], bucket_bytes: usize) -> Vec<(Kind, tch::Devi
     }
     done.extend(open.into_iter().map(|(k, d, idx, _)| (k, d, idx)));
     done
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use super::*;
+
+    fn torchrun_env() -> HashMap<&'static str, String> {
+        [
+            ("RANK", "1"),
+            ("WORLD_SIZE", "4"),
+            ("LOCAL_RANK", "1"),
+            ("MASTER_ADDR", "10.0.0.7"),
+        ]
+        .into_iter()
+        .chain([("MASTER_PORT", "29500")])
+        .map(|(k, v)| (k, v.to_owned()))
+        .collect()
+    }
+
+    fn parse(env: &HashMap<&'static str, String>) -> Result<InitOptions> {
+        InitOptions::from_lookup(|var| env.get(var).cloned(), Duration::from_secs(1))
+    }
+
+    #[test]
+    fn torchrun_variables_become_init_options() {
+        let opts = parse(&torchrun_env()).unwrap();
+        assert_eq!((opts.rank, opts.world_size, opts.local_rank), (1, 4, 1));
+        assert_eq!(
+            (opts.master_addr.as_str(), opts.master_port),
+            ("10.0.0.7", 29500)
+        );
+        let mut env = torchrun_env();
+        env.remove("LOCAL_RANK");
+        assert_eq!(
+            parse(&env).unwrap().local_rank,
+            1,
+            "LOCAL_RANK defaults to RANK"
+        );
+    }
+
+    #[test]
+    fn each_missing_variable_is_named() {
+        for var in ["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"] {
+            let mut env = torchrun_env();
+            env.remove(var);
+            let err = parse(&env).unwrap_err();
+            assert!(
+                matches!(err, Error::MissingEnv { var: v } if v == var),
+                "{err:?}"
+            );
+            assert!(err.to_string().contains(var), "{err}");
+        }
+    }
+
+    #[test]
+    fn malformed_variables_are_named() {
+        for (var, value) in [
+            ("RANK", "one"),
+            ("RANK", "4"),
+            ("WORLD_SIZE", "0"),
+            ("LOCAL_RANK", "-1"),
+            ("MASTER_PORT", "70000"),
+            ("MASTER_PORT", "http"),
+            ("MASTER_ADDR", " "),
+        ] {
+            let mut env = torchrun_env();
+            env.insert(var, value.to_owned());
+            let err = parse(&env).unwrap_err();
+            assert!(
+                matches!(err, Error::InvalidEnv { var: v, .. } if v == var),
+                "{var}={value}: {err:?}"
+            );
+            assert!(err.to_string().contains(var), "{err}");
+        }
+    }
+
+    #[test]
+    fn nccl_on_a_cpu_only_build_is_a_clear_error() {
+        if Backend::Nccl.is_available() {
+            return;
+        }
+        let opts = InitOptions {
+            rank: 0,
+            world_size: 1,
+            local_rank: 0,
+            master_addr: "127.0.0.1".to_owned(),
+            master_port: 1,
+            backend: Backend::Nccl,
+            timeout: Duration::from_secs(1),
+        };
+        let err = ProcessGroup::init(opts).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::InvalidArgument {
+                    rank: 0,
+                    op: "init",
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("nccl"), "{err}");
+    }
+
+    #[test]
+    fn rank_outside_the_world_is_rejected_before_any_network() {
+        let opts = InitOptions {
+            rank: 2,
+            world_size: 2,
+            local_rank: 0,
+            master_addr: "127.0.0.1".to_owned(),
+            master_port: 1,
+            backend: Backend::Gloo,
+            timeout: Duration::from_secs(1),
+        };
+        assert!(matches!(
+            ProcessGroup::init(opts),
+            Err(Error::InvalidArgument {
+                rank: 2,
+                op: "init",
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn buckets_keep_order_split_by_dtype_and_respect_the_cap() {
+        let f = |n: i64, k: Kind| Tensor::zeros([n], (k, tch::Device::Cpu));
+        let ts = [
+            f(10, Kind::Float),  // 40 B
+            f(3, Kind::Int64),   // 24 B
+            f(10, Kind::Float),  // 40 B -> fits with the first (80 <= 100)
+            f(10, Kind::Float),  // 40 B -> new float bucket
+            f(100, Kind::Float), // 400 B, oversized: its own bucket
+            f(2, Kind::Int64),
+        ];
+        let plan: Vec<Vec<usize>> = plan_buckets(&ts, 100)
+            .into_iter()
+            .map(|(_, _, idx)| idx)
+            .collect();
+        assert_eq!(plan, vec![vec![0, 2], vec![3], vec![4], vec![1, 5]]);
+        let mut all: Vec<usize> = plan.concat();
+        all.sort_unstable();
+        assert_eq!(
+            all,
+            (0..ts.len()).collect::<Vec<_>>(),
+            "every tensor exactly once"
+        );
+    }
 }

@@ -37,10 +37,41 @@ fn free_port() -> u16 {
 
 /// Runs `role` as `world_size` ranks of this test binary and returns each rank's output.
 fn spawn_group(role: &str, world_size: usize, env_without: Option<&str>) -> Vec<Output> {
+    spawn_ranks(role, world_size, world_size, env_without)
+}
+
+/// Runs ranks `0..started` of a world of `world_size` (fewer than all models a missing rank).
+fn spawn_ranks(
+    role: &str,
+    world_size: usize,
+    started: usize,
+    env_without: Option<&str>,
+) -> Vec<Output> {
+    // The port is free when picked but another process may take it before rank 0 binds it:
+    // that (and only that) is retried with a fresh port.
+    for _ in 0..3 {
+        let outputs = spawn_once(role, world_size, started, env_without);
+        let port_taken = outputs.iter().any(|o| {
+            let err = String::from_utf8_lossy(&o.stderr);
+            err.contains("address already in use") || err.contains("Address already in use")
+        });
+        if !port_taken {
+            return outputs;
+        }
+    }
+    panic!("{role}: no free port for the store after 3 tries");
+}
+
+fn spawn_once(
+    role: &str,
+    world_size: usize,
+    started: usize,
+    env_without: Option<&str>,
+) -> Vec<Output> {
     let exe = std::env::current_exe().expect("test binary path");
     let port = free_port().to_string();
     let mut ranks = Ranks(Vec::new());
-    for rank in 0..world_size {
+    for rank in 0..started {
         let mut cmd = Command::new(&exe);
         cmd.args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
             .env(ROLE, role)
@@ -108,6 +139,7 @@ fn child_entry() {
         "early_exit" => early_exit(),
         "stalled_peer" => stalled_peer(),
         "missing_port" => missing_port(),
+        "lonely" => lonely(),
         other => panic!("unknown role {other}"),
     }
     println!("{role} ok");
@@ -291,6 +323,28 @@ fn expect_timely_failure(pg: &mut ProcessGroup, at_least: Duration) {
     );
 }
 
+fn lonely() {
+    let start = Instant::now();
+    let err = ProcessGroup::from_env(SHORT_TIMEOUT).expect_err("rank 1 never comes");
+    let waited = start.elapsed();
+    eprintln!("rank 0 gave up joining after {waited:?}: {err}");
+    assert!(
+        matches!(
+            err,
+            Error::Collective {
+                rank: 0,
+                op: "init",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert!(
+        waited < SHORT_TIMEOUT * 2 + Duration::from_secs(20),
+        "waited {waited:?}"
+    );
+}
+
 fn missing_port() {
     let err = ProcessGroup::from_env(SLOW_OK).expect_err("MASTER_PORT is missing");
     assert!(
@@ -329,4 +383,10 @@ fn a_rank_that_exits_early_fails_the_next_collective_instead_of_hanging() {
 fn a_stalled_rank_fails_the_next_collective_after_the_timeout() {
     let outputs = spawn_group("stalled_peer", 2, None);
     assert_all_ok("stalled_peer", &outputs[..1]);
+}
+
+#[test]
+fn rendezvous_without_the_other_ranks_times_out() {
+    let outputs = spawn_ranks("lonely", 2, 1, None);
+    assert_all_ok("lonely", &outputs);
 }
