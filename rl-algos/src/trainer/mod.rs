@@ -8,6 +8,7 @@ mod on_policy;
 mod preference;
 mod sft;
 mod source;
+mod spin;
 
 pub use config::{ActorLossConfig, CriticLossConfig, OnPolicyConfig, TrainerSection};
 pub use objective::{PolicyLoss, SftLoss, ValueLoss};
@@ -19,3 +20,4 @@ pub use preference::{
 };
 pub use sft::{SftConfig, SftTrainer};
 pub use source::{BatchSource, JsonlSink, MemorySink, MetricsSink, RunOptions, run};
+pub use spin::{RefInit, ReferenceFactory, SpinTrainer, interleave_pairs};
