@@ -53,7 +53,7 @@ fn spawn_ranks(
         let outputs = spawn_once(role, world_size, started, env_without);
         let port_taken = outputs.iter().any(|o| {
             let err = String::from_utf8_lossy(&o.stderr);
-            err.contains("address already in use") || err.contains("Address already in use")
+            err.contains("EADDRINUSE") || err.to_lowercase().contains("address already in use")
         });
         if !port_taken {
             return outputs;
