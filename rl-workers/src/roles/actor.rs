@@ -143,7 +143,7 @@ pub(crate) fn update_loop(
 ) -> rl_core::Result<Metrics> {
     let rows = cfg.ppo_mini_batch_size * rollout_n;
     let len = batch.len();
-    if rows == 0 || len % rows != 0 {
+    if rows == 0 || !len.is_multiple_of(rows) {
         return Err(rl_core::Error::UnevenMiniBatch { len, size: rows });
     }
     let lr = optim.current_lr();

@@ -77,7 +77,7 @@ impl OptimConfig {
                 format!("each must be in [0, 1), got {:?}", self.betas),
             );
         }
-        if !(self.eps > 0.0) {
+        if self.eps.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater) {
             return bad("eps", format!("must be positive, got {}", self.eps));
         }
         if !(self.weight_decay >= 0.0 && self.weight_decay.is_finite()) {
@@ -233,7 +233,7 @@ impl ActorConfig {
         if self.use_dynamic_bsz && self.ppo_max_token_len_per_gpu == 0 {
             return bad("ppo_max_token_len_per_gpu", "must be at least 1".into());
         }
-        if !(self.grad_clip > 0.0) {
+        if self.grad_clip.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater) {
             return bad(
                 "grad_clip",
                 format!("must be positive, got {}", self.grad_clip),

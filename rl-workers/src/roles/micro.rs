@@ -226,7 +226,7 @@ pub(crate) fn log_probs(
     let hidden = hidden.narrow(1, tr.first, tr.keep);
     let mut logits = lm.logits(&hidden).to_kind(Kind::Float);
     if temperature != 1.0 {
-        logits = logits / temperature;
+        logits /= temperature;
     }
     let log_softmax = logits.log_softmax(-1, Kind::Float);
     let lp = log_softmax

@@ -154,7 +154,7 @@ impl AdamW {
             let update = (&*m / denom) * (lr / bc1);
             let mut pf = p.to_kind(Kind::Float);
             if self.cfg.weight_decay != 0.0 {
-                pf = pf * (1.0 - lr * self.cfg.weight_decay);
+                pf *= 1.0 - lr * self.cfg.weight_decay;
             }
             let new = (pf - update).to_kind(p.kind());
             p.copy_(&new);
