@@ -244,12 +244,8 @@ impl BatchSource for SftSource {
 pub fn tiny_llama_config(vocab: i64) -> Config {
     let mut cfg = Config::tiny();
     cfg.vocab_size = vocab;
-    let hidden: i64 = std::env::var("TINY_HIDDEN")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(64);
-    cfg.hidden_size = hidden;
-    cfg.intermediate_size = 3 * hidden;
+    cfg.hidden_size = 64;
+    cfg.intermediate_size = 192;
     cfg.num_hidden_layers = 2;
     cfg.num_attention_heads = 4;
     cfg.num_key_value_heads = Some(4);
@@ -278,12 +274,27 @@ pub struct TinyTask {
 
 /// Writes the tiny tokenizer and an addition task with operands up to `max_operand`.
 pub fn tiny_task(max_operand: i64, train: usize, test: usize, seed: u64) -> AnyResult<TinyTask> {
+    let task = rl_data::tasks::tiny_vocab::TinyAddition {
+        max_operand,
+        no_carry: false,
+        zero_pad: false,
+    };
+    tiny_task_with(task, train, test, seed)
+}
+
+/// [`tiny_task`] with every option of the addition task.
+pub fn tiny_task_with(
+    addition: rl_data::tasks::tiny_vocab::TinyAddition,
+    train: usize,
+    test: usize,
+    seed: u64,
+) -> AnyResult<TinyTask> {
     let root = tempfile::tempdir()?;
     let model_dir = root.path().join("model");
     rl_data::tasks::tiny_vocab::write_tiny_tokenizer(&model_dir)?;
     let files = rl_data::tasks::tiny_vocab::generate_tiny_addition(
         &root.path().join("data"),
-        max_operand,
+        addition,
         rl_data::tasks::SplitSizes { train, test },
         seed,
     )?;

@@ -268,7 +268,7 @@ impl OnPolicyConfig {
                 "`remax` needs a greedy baseline rollout, which this trainer does not run",
             ));
         }
-        if !(self.temperature > 0.0) {
+        if self.temperature.is_nan() || self.temperature <= 0.0 {
             return Err(bad(
                 "actor_rollout_ref.rollout.temperature",
                 format!("must be positive for training, got {}", self.temperature),
@@ -277,10 +277,10 @@ impl OnPolicyConfig {
         if self.max_response_length < 1 {
             return Err(bad("data.max_response_length", "must be at least 1"));
         }
-        if !(self.actor.kl_loss_coef >= 0.0) {
+        if self.actor.kl_loss_coef.is_nan() || self.actor.kl_loss_coef < 0.0 {
             return Err(bad("actor_rollout_ref.actor.kl_loss_coef", "must be >= 0"));
         }
-        if !(self.critic.cliprange_value >= 0.0) {
+        if self.critic.cliprange_value.is_nan() || self.critic.cliprange_value < 0.0 {
             return Err(bad("critic.cliprange_value", "must be >= 0"));
         }
         let ob = &self.overlong_buffer;

@@ -82,7 +82,7 @@ impl PolicyObjective for PolicyLoss {
                 })?;
             let ent = agg::aggregate(entropy, mask, self.cfg.loss_agg_mode, &norm).map_err(wrap)?;
             metrics.push("actor/entropy_loss", item(&ent));
-            total = total - ent * self.cfg.entropy_coeff;
+            total -= ent * self.cfg.entropy_coeff;
         }
         if self.cfg.use_kl_loss {
             let reference = micro.get(keys::REF_LOG_PROB)?;
@@ -91,7 +91,7 @@ impl PolicyObjective for PolicyLoss {
                 agg::aggregate(&kld, mask, self.cfg.loss_agg_mode, &norm).map_err(wrap)?;
             metrics.push("actor/kl_loss", item(&kl_loss));
             metrics.push("actor/kl_coef", self.cfg.kl_loss_coef);
-            total = total + kl_loss * self.cfg.kl_loss_coef;
+            total += kl_loss * self.cfg.kl_loss_coef;
         }
         Ok((total, metrics))
     }

@@ -82,21 +82,53 @@ pub fn write_tiny_tokenizer(dir: &Path) -> Result<usize> {
     Ok(vocab.len())
 }
 
-/// Writes `dir/{train,test}.parquet` of `a+b=` prompts with `a`, `b` in `0..=max_operand`
-/// (`data_source = "arithmetic"`, ground truth the sum as a string, `extra_info.answer` too, for
-/// SFT targets). Test prompts never repeat a train prompt.
+/// Options of [`generate_tiny_addition`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TinyAddition {
+    /// Operands are drawn from `0..=max_operand`; at least 1.
+    pub max_operand: i64,
+    /// Draw only pairs whose digit-wise sums stay below 10, so each answer digit depends on one
+    /// digit pair.
+    pub no_carry: bool,
+    /// Write operands and answers zero-padded to the width of `max_operand` (`03+45=48`), so
+    /// the digits to add sit at fixed distances from the answer (a tiny model learns and
+    /// generalises that quickly). The ground truth stays the plain integer.
+    pub zero_pad: bool,
+}
+
+/// Writes `dir/{train,test}.parquet` of `a+b=` prompts (`data_source = "arithmetic"`, ground
+/// truth the sum as a string, `extra_info.answer` the SFT target as written). Test prompts never
+/// repeat a train prompt.
 pub fn generate_tiny_addition(
     dir: &Path,
-    max_operand: i64,
+    task: TinyAddition,
     sizes: SplitSizes,
     seed: u64,
 ) -> Result<GeneratedFiles> {
+    let max_operand = task.max_operand;
     if max_operand < 1 {
         return Err(Error::Config {
             key: "tiny_addition.max_operand".into(),
             message: "must be at least 1".into(),
         });
     }
+    let width = if task.zero_pad {
+        max_operand.to_string().len()
+    } else {
+        0
+    };
+    let answer_width = if task.zero_pad {
+        (if task.no_carry {
+            max_operand
+        } else {
+            2 * max_operand
+        })
+        .to_string()
+        .len()
+    } else {
+        0
+    };
+    let no_carry = task.no_carry;
     generate_splits(
         dir,
         sizes,
@@ -105,21 +137,36 @@ pub fn generate_tiny_addition(
         |rng: &mut TaskRng, split, index| {
             let a = rng.range(0, max_operand);
             let b = rng.range(0, max_operand);
-            let answer = (a + b).to_string();
+            if no_carry && carries(a, b) {
+                return None;
+            }
+            let answer = format!("{:0answer_width$}", a + b);
             let mut extra = Map::new();
             extra.insert("split".into(), split.into());
             extra.insert("index".into(), index.into());
             extra.insert("answer".into(), answer.clone().into());
             Some(RlRecord {
                 data_source: "arithmetic".into(),
-                prompt: vec![Message::user(format!("{a}+{b}="))],
+                prompt: vec![Message::user(format!("{a:0width$}+{b:0width$}="))],
                 ability: "math".into(),
                 style: "rule".into(),
-                ground_truth: Value::String(answer),
+                ground_truth: Value::String((a + b).to_string()),
                 extra_info: extra,
             })
         },
     )
+}
+
+/// Whether adding `a` and `b` (non-negative) carries at any digit.
+fn carries(mut a: i64, mut b: i64) -> bool {
+    while a > 0 || b > 0 {
+        if a % 10 + b % 10 >= 10 {
+            return true;
+        }
+        a /= 10;
+        b /= 10;
+    }
+    false
 }
 
 #[cfg(test)]
@@ -146,5 +193,6 @@ mod tests {
         assert_eq!(tok.decode(&ids, true).unwrap(), "user\n12+3=\nassistant\n");
         assert_eq!(tok.eos_token_id(), Some(3));
         assert_eq!(tok.pad_token_id(), Some(0));
+        assert!(carries(15, 5) && carries(50, 60) && !carries(23, 45) && !carries(0, 0));
     }
 }
