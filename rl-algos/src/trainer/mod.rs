@@ -1,10 +1,12 @@
 //! The trainer loops, written against the role traits of rl-core: [`OnPolicyTrainer`] (PPO,
-//! GRPO, Dr. GRPO, RLOO, REINFORCE++, GSPO, DAPO) and [`SftTrainer`], the objectives they
-//! hand to the actor and critic, their config, and a small metrics-sink interface.
+//! GRPO, Dr. GRPO, RLOO, REINFORCE++, GSPO, DAPO), [`SftTrainer`], the preference trainers
+//! ([`DpoTrainer`], [`OnlineDpoTrainer`], [`SpinTrainer`]), the objectives they hand to the
+//! actor and critic, their config, and a small metrics-sink interface.
 
 mod config;
 mod objective;
 mod on_policy;
+mod online_dpo;
 mod preference;
 mod sft;
 mod source;
@@ -15,6 +17,7 @@ pub use objective::{PolicyLoss, SftLoss, ValueLoss};
 pub use on_policy::{
     ACC_COLUMN, OnPolicyTrainer, PROMPT_TEXT_COLUMN, RESPONSE_TEXT_COLUMN, Roles, SCORE_COLUMN,
 };
+pub use online_dpo::{OnlineDpoTrainer, best_worst_pairs};
 pub use preference::{
     DpoLoss, DpoTrainer, DpoTrainerConfig, PAIR_INDEX, REF_SEQ_LOG_PROB, mark_pairs,
 };
