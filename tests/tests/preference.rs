@@ -4,14 +4,24 @@
 //! is ln 2.
 
 use std::path::PathBuf;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
-use rl_algos::trainer::{BatchSource, DpoTrainer, DpoTrainerConfig, MemorySink, RunOptions, run};
-use rl_core::{Batch, Trainer};
+use rl_algos::trainer::{
+    BatchSource, DpoTrainer, DpoTrainerConfig, MemorySink, OnlineDpoTrainer, RefInit,
+    ReferenceFactory, RunOptions, SpinTrainer, run,
+};
+use rl_core::roles::Reference;
+use rl_core::{Batch, Trainer, keys};
+use rl_data::reward::RewardRegistry;
+use rl_data::reward::role::RuleReward;
 use rl_data::{DataConfig, RlDataset, Tokenizer};
 use rl_e2e::*;
-use rl_workers::roles::{ActorConfig, ActorWorker, OptimConfig, ReferenceWorker, SharedPolicy};
+use rl_workers::RolloutConfig;
+use rl_workers::roles::{
+    ActorConfig, ActorWorker, OptimConfig, ReferenceWorker, RolloutWorker, SharedPolicy, ValKwargs,
+};
 use serde_json::Value;
+use tch::{Device, Kind, Tensor};
 
 const MAX_OPERAND: i64 = 19;
 const SEED: u64 = 11;
@@ -83,14 +93,16 @@ fn wrong_answer(answer: i64, row: usize) -> i64 {
 /// wrong one), interleaved in the rollout layout.
 fn pair_batch(dataset: &RlDataset, tok: &Tokenizer, idx: &[usize]) -> AnyResult<Batch> {
     let (mut prompts, mut responses) = (Vec::new(), Vec::new());
-    for &i in idx {
+    for &k in idx {
+        // index k past the dataset's end reuses row k % len with another wrong answer
+        let i = k % dataset.len();
         let row = dataset.row(i)?;
         let answer = row
             .extra_info
             .get("answer")
             .and_then(Value::as_str)
             .ok_or("row lacks extra_info.answer")?;
-        let wrong = wrong_answer(answer.parse()?, i).to_string();
+        let wrong = wrong_answer(answer.parse()?, k).to_string();
         for resp in [answer, wrong.as_str()] {
             let ex = rl_data::tokenize_prompt_response(tok, &row.prompt, resp)?;
             let split = ex.loss_mask.iter().position(|&m| m == 1).unwrap_or(0);
@@ -127,7 +139,9 @@ fn pair_sources(w: &Warm, pairs: usize) -> AnyResult<(Cycle, Vec<Batch>)> {
     let tok = &w.task.tokenizer;
     let train = RlDataset::train(&w.data)?;
     let val = RlDataset::val(&w.data)?;
-    let idx: Vec<usize> = (0..train.len()).collect();
+    // two epochs of pairs, each prompt with a different wrong answer per epoch
+    let n = train.len();
+    let idx: Vec<usize> = (0..2 * n).collect();
     let batches = idx
         .chunks_exact(pairs)
         .map(|c| pair_batch(&train, tok, c))
@@ -231,4 +245,196 @@ fn offline_dpo_raises_held_out_preference_accuracy() {
     assert!(after["val/loss"] < before["val/loss"]);
     // the cache: one reference forward per training batch, none once the data cycles
     assert!(ref_steps < steps as usize, "{ref_steps}");
+}
+
+/// The SPIN trainer from the SFT checkpoint: ground truth vs one generation per prompt.
+fn build_spin(cfg: DpoTrainerConfig, prompts: usize, lr: f64) -> AnyResult<SpinTrainer> {
+    let w = warm();
+    let tok = w.task.tokenizer.clone();
+    let policy = load_policy(&w.ckpt)?;
+    let exp = ExperimentConfig {
+        data: tiny_data_config(&w.task, prompts, SEED),
+        ..ExperimentConfig::default()
+    };
+    let (_, val) = loaders(&exp, &tok)?;
+    let train = SftSource::new(
+        Arc::new(RlDataset::train(&w.data)?),
+        tok.clone(),
+        prompts,
+        SEED,
+    )?;
+    let eos = tok.eos_token_id().ok_or("no eos")? as i64;
+    let rollout = RolloutWorker::new(
+        policy.clone(),
+        RolloutConfig {
+            n: 1,
+            response_length: 4,
+            temperature: 1.0,
+            seed: SEED,
+            ..RolloutConfig::default()
+        },
+        ValKwargs::default(),
+        vec![eos],
+        tok.pad_id_or_eos()? as i64,
+    )?;
+    let actor = dpo_actor(policy.clone(), prompts, lr)?;
+    let ckpt = w.ckpt.clone();
+    let make_reference: ReferenceFactory = Box::new(move |init| {
+        Ok(Box::new(match init {
+            RefInit::Initial => {
+                ReferenceWorker::from_pretrained(&ckpt, Device::Cpu, Kind::Float, None)?
+            }
+            RefInit::Policy => ReferenceWorker::from_policy(&policy, None)?,
+        }) as Box<dyn Reference>)
+    });
+    let reward = RuleReward::new(tok, RewardRegistry::verl_default());
+    Ok(SpinTrainer::new(
+        cfg,
+        Box::new(actor),
+        Box::new(rollout),
+        make_reference,
+        Box::new(reward),
+        Box::new(train),
+        val,
+    )?)
+}
+
+fn probe_log_probs(t: &mut SpinTrainer, probe: &Batch) -> (Tensor, Tensor) {
+    let a = t.actor_mut().compute_log_prob(probe, false).unwrap();
+    let r = t.reference_mut().compute_ref_log_prob(probe).unwrap();
+    (
+        a.get(keys::OLD_LOG_PROBS).unwrap().shallow_clone(),
+        r.get(keys::REF_LOG_PROB).unwrap().shallow_clone(),
+    )
+}
+
+#[test]
+fn spin_reference_is_the_policy_after_each_update_and_frozen_between() {
+    let cfg = DpoTrainerConfig {
+        ref_update_freq: 2,
+        total_training_steps: 4,
+        ..DpoTrainerConfig::default()
+    };
+    let mut t = build_spin(cfg, 8, 1e-3).unwrap();
+    let w = warm();
+    let sft = SftSource::new(
+        Arc::new(RlDataset::val(&w.data).unwrap()),
+        w.task.tokenizer.clone(),
+        8,
+        SEED,
+    )
+    .unwrap();
+    let probe = sft.batch(&(0..8).collect::<Vec<_>>()).unwrap();
+    let (_, ref0) = probe_log_probs(&mut t, &probe);
+    let mut prev_ref = ref0;
+    for step in 1..=4u64 {
+        let m = t.step().unwrap();
+        let (actor, reference) = probe_log_probs(&mut t, &probe);
+        let diff = |a: &Tensor, b: &Tensor| (a - b).abs().max().double_value(&[]);
+        let (to_actor, to_prev) = (diff(&actor, &reference), diff(&reference, &prev_ref));
+        println!(
+            "spin step {step}: |ref - actor| {to_actor:.2e}, |ref - previous ref| {to_prev:.2e}"
+        );
+        if step % 2 == 0 {
+            assert_eq!(m["spin/ref_updated"], 1.0);
+            assert_eq!(to_actor, 0.0, "step {step}: reference is not the policy");
+            assert!(to_prev > 0.0, "step {step}: reference did not move");
+        } else {
+            assert_eq!(m["spin/ref_updated"], 0.0);
+            assert_eq!(to_prev, 0.0, "step {step}: reference moved between updates");
+            assert!(to_actor > 0.0, "step {step}: the policy did not train");
+        }
+        prev_ref = reference;
+    }
+}
+
+#[test]
+fn spin_raises_held_out_accuracy() {
+    let steps = env_or("SPIN_STEPS", 20);
+    let cfg = DpoTrainerConfig {
+        beta: 0.1,
+        ref_update_freq: env_or("SPIN_REF_FREQ", 10),
+        total_training_steps: steps,
+        ..DpoTrainerConfig::default()
+    };
+    let mut t = build_spin(cfg, 16, env_or("SPIN_LR_E4", 10) as f64 * 1e-4).unwrap();
+    let key = "val/test_score/arithmetic";
+    let (before, _) = t.validate().unwrap();
+    while t.global_step() < t.total_steps() {
+        t.step().unwrap();
+    }
+    let (after, _) = t.validate().unwrap();
+    println!(
+        "spin: held-out accuracy {:.1}% -> {:.1}% over {steps} steps",
+        before[key] * 100.0,
+        after[key] * 100.0
+    );
+    assert!(after[key] >= before[key] + 0.05, "{before:?} -> {after:?}");
+}
+
+#[test]
+fn online_dpo_raises_held_out_accuracy() {
+    let w = warm();
+    let tok = w.task.tokenizer.clone();
+    let steps = env_or("ONLINE_DPO_STEPS", 20);
+    let n = env_or("ONLINE_DPO_N", 4) as usize;
+    let pairs = 4;
+    let cfg = DpoTrainerConfig {
+        beta: 0.1,
+        n,
+        total_training_steps: steps,
+        ..DpoTrainerConfig::default()
+    };
+    let policy = load_policy(&w.ckpt).unwrap();
+    let exp = ExperimentConfig {
+        data: tiny_data_config(&w.task, 16, SEED),
+        ..ExperimentConfig::default()
+    };
+    let (train, val) = loaders(&exp, &tok).unwrap();
+    let rollout = RolloutWorker::new(
+        policy.clone(),
+        RolloutConfig {
+            n,
+            response_length: 4,
+            temperature: 1.0,
+            seed: SEED,
+            ..RolloutConfig::default()
+        },
+        ValKwargs::default(),
+        vec![tok.eos_token_id().unwrap() as i64],
+        tok.pad_id_or_eos().unwrap() as i64,
+    )
+    .unwrap();
+    let reference = ReferenceWorker::from_policy(&policy, None).unwrap();
+    let lr = env_or("ONLINE_DPO_LR_E4", 10) as f64 * 1e-4;
+    let actor = dpo_actor(policy, pairs, lr).unwrap();
+    let reward = RuleReward::new(tok, RewardRegistry::verl_default());
+    let mut t = OnlineDpoTrainer::new(
+        cfg,
+        Box::new(actor),
+        Box::new(rollout),
+        Some(Box::new(reference)),
+        Box::new(reward),
+        Box::new(train),
+        val,
+        pairs,
+    )
+    .unwrap();
+    let key = "val/test_score/arithmetic";
+    let (before, _) = t.validate().unwrap();
+    let (mut used, mut ties) = (0.0, 0.0);
+    while t.global_step() < t.total_steps() {
+        let m = t.step().unwrap();
+        used += m["online_dpo/pairs"];
+        ties += m["online_dpo/ties"];
+    }
+    let (after, _) = t.validate().unwrap();
+    println!(
+        "online dpo: held-out accuracy {:.1}% -> {:.1}% over {steps} steps ({used} pairs trained, \
+         {ties} tied groups skipped)",
+        before[key] * 100.0,
+        after[key] * 100.0
+    );
+    assert!(used > 0.0 && ties > 0.0);
+    assert!(after[key] >= before[key] + 0.05, "{before:?} -> {after:?}");
 }
