@@ -65,13 +65,41 @@ impl BanditConfig {
     pub fn validate(&self) -> Result<()> {
         let checks: [(&str, bool, String); 8] = [
             ("bandit.arms", self.arms >= 2, self.arms.to_string()),
-            ("bandit.features", self.features >= 1, self.features.to_string()),
-            ("bandit.batch_size", self.batch_size >= 1, self.batch_size.to_string()),
-            ("bandit.lr", self.lr > 0.0 && self.lr.is_finite(), self.lr.to_string()),
-            ("bandit.weight_decay", self.weight_decay >= 0.0, self.weight_decay.to_string()),
-            ("bandit.beta1", (0.0..1.0).contains(&self.beta1), self.beta1.to_string()),
-            ("bandit.beta2", (0.0..1.0).contains(&self.beta2), self.beta2.to_string()),
-            ("bandit.val_size", self.val_size >= 1, self.val_size.to_string()),
+            (
+                "bandit.features",
+                self.features >= 1,
+                self.features.to_string(),
+            ),
+            (
+                "bandit.batch_size",
+                self.batch_size >= 1,
+                self.batch_size.to_string(),
+            ),
+            (
+                "bandit.lr",
+                self.lr > 0.0 && self.lr.is_finite(),
+                self.lr.to_string(),
+            ),
+            (
+                "bandit.weight_decay",
+                self.weight_decay >= 0.0,
+                self.weight_decay.to_string(),
+            ),
+            (
+                "bandit.beta1",
+                (0.0..1.0).contains(&self.beta1),
+                self.beta1.to_string(),
+            ),
+            (
+                "bandit.beta2",
+                (0.0..1.0).contains(&self.beta2),
+                self.beta2.to_string(),
+            ),
+            (
+                "bandit.val_size",
+                self.val_size >= 1,
+                self.val_size.to_string(),
+            ),
         ];
         for (key, ok, got) in checks {
             if !ok {
@@ -152,7 +180,13 @@ struct State {
 impl BanditTrainer {
     /// A fresh trainer for `total` steps, every stream derived from `seed`; `kl_coef` weighs a
     /// KL penalty towards the initial policy.
-    pub fn new(cfg: &BanditConfig, seed: u64, total: u64, kl_coef: f64, device: Device) -> Result<Self> {
+    pub fn new(
+        cfg: &BanditConfig,
+        seed: u64,
+        total: u64,
+        kl_coef: f64,
+        device: Device,
+    ) -> Result<Self> {
         cfg.validate()?;
         let (f, a) = (cfg.features, cfg.arms);
         let mut env_rng = stream(seed, 1);
@@ -214,8 +248,9 @@ impl Trainer for BanditTrainer {
             .view([b, f])
             .to_device(self.device);
         let logp = x.mm(&self.w).log_softmax(-1, Kind::Float);
-        let probs: Vec<f32> = Vec::<f32>::try_from(logp.exp().detach().to_device(Device::Cpu).view([-1]))
-            .map_err(|e| role_err(format!("reading probabilities: {e}")))?;
+        let probs: Vec<f32> =
+            Vec::<f32>::try_from(logp.exp().detach().to_device(Device::Cpu).view([-1]))
+                .map_err(|e| role_err(format!("reading probabilities: {e}")))?;
         // Inverse-CDF sampling with the stream's uniforms.
         let actions: Vec<i64> = probs
             .chunks(a as usize)
@@ -238,10 +273,14 @@ impl Trainer for BanditTrainer {
         let adv = &reward - self.baseline;
         let chosen = logp.gather(1, &actions.unsqueeze(1), false).squeeze_dim(1);
         let ref_logp = x.mm(&self.w_ref).log_softmax(-1, Kind::Float);
-        let kl = (logp.exp() * (&logp - ref_logp)).sum_dim_intlist(-1, false, Kind::Float).mean(Kind::Float);
+        let kl = (logp.exp() * (&logp - ref_logp))
+            .sum_dim_intlist(-1, false, Kind::Float)
+            .mean(Kind::Float);
         let pg_loss = -(adv * &chosen).mean(Kind::Float);
         let loss = &pg_loss + &kl * self.kl_coef;
-        let entropy = -(logp.exp() * &logp).sum_dim_intlist(-1, false, Kind::Float).mean(Kind::Float);
+        let entropy = -(logp.exp() * &logp)
+            .sum_dim_intlist(-1, false, Kind::Float)
+            .mean(Kind::Float);
         self.w.zero_grad();
         loss.backward();
         let grad = self.w.grad();
@@ -273,7 +312,11 @@ impl Trainer for BanditTrainer {
     fn validate(&mut self) -> rl_core::Result<(StepMetrics, Vec<Sample>)> {
         let greedy = tch::no_grad(|| self.val_x.mm(&self.w).argmax(-1, false));
         let best = self.val_x.mm(&self.truth).argmax(-1, false);
-        let score = greedy.eq_tensor(&best).to_kind(Kind::Float).mean(Kind::Float).double_value(&[]);
+        let score = greedy
+            .eq_tensor(&best)
+            .to_kind(Kind::Float)
+            .mean(Kind::Float)
+            .double_value(&[]);
         let mut m = StepMetrics::new();
         m.insert("val/test_score".into(), score);
         let samples = (0..3.min(self.cfg.val_size))
@@ -311,7 +354,11 @@ impl Trainer for BanditTrainer {
                 "w" => &mut self.w,
                 "m" => &mut self.m,
                 "v" => &mut self.v,
-                other => return Err(role_err(format!("unexpected tensor `{other}` in checkpoint"))),
+                other => {
+                    return Err(role_err(format!(
+                        "unexpected tensor `{other}` in checkpoint"
+                    )));
+                }
             };
             if t.size() != target.size() {
                 return Err(rl_core::Error::Shape {

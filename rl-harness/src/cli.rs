@@ -251,30 +251,59 @@ pub(crate) fn run(cli: Cli) -> Result<()> {
         Command::Train(a) => {
             let mut overrides = parse_overrides(&a.overrides)?;
             if let Some(d) = &cli.db {
-                overrides.push(Override { key: "trainer.db".into(), value: toml::Value::String(d.display().to_string()) });
+                overrides.push(Override {
+                    key: "trainer.db".into(),
+                    value: toml::Value::String(d.display().to_string()),
+                });
             }
-            let cfg = config::load(&Sources { file: Some(a.config.clone()), env: true, overrides })?;
-            let id = train::train(&rt, cfg, Membership { sweep_id: a.sweep_id, trial_id: a.trial_id })?;
+            let cfg = config::load(&Sources {
+                file: Some(a.config.clone()),
+                env: true,
+                overrides,
+            })?;
+            let id = train::train(
+                &rt,
+                cfg,
+                Membership {
+                    sweep_id: a.sweep_id,
+                    trial_id: a.trial_id,
+                },
+            )?;
             println!("run {id} finished");
         }
-        Command::Resume { run, from_step, overrides } => {
+        Command::Resume {
+            run,
+            from_step,
+            overrides,
+        } => {
             let id = train::resume(&rt, &db, &run, from_step, &parse_overrides(&overrides)?)?;
             println!("run {id} finished");
         }
-        Command::Sweep { file, parallel, retry_failed } => {
+        Command::Sweep {
+            file,
+            parallel,
+            retry_failed,
+        } => {
             let r = sweep::run(&rt, &file, parallel, retry_failed)?;
             println!(
                 "sweep {}: {} skipped (already finished), {} started, {} resumed; {} finished, {} failed",
                 r.id, r.skipped, r.started, r.resumed, r.finished, r.failed
             );
             if r.failed > 0 {
-                eprintln!("harness: see `harness compare --sweep {}` and `harness show RUN` for the failures", r.id);
+                eprintln!(
+                    "harness: see `harness compare --sweep {}` and `harness show RUN` for the failures",
+                    r.id
+                );
             }
         }
-        Command::Runs { filter, sweep } => rt.block_on(list_runs(&db, filter.as_deref(), sweep.as_deref()))?,
+        Command::Runs { filter, sweep } => {
+            rt.block_on(list_runs(&db, filter.as_deref(), sweep.as_deref()))?
+        }
         Command::Show { run } => rt.block_on(show(&db, &run))?,
         Command::Compare(a) => rt.block_on(compare_cmd(&db, a))?,
-        Command::Export { run, format, out } => rt.block_on(export(&db, &run, format, out.as_deref()))?,
+        Command::Export { run, format, out } => {
+            rt.block_on(export(&db, &run, format, out.as_deref()))?
+        }
         Command::Sync { uri, timeout_s } => {
             let store = rt.block_on(Store::open(&db))?;
             let done = rt.block_on(tracker::sync_all(
@@ -287,17 +316,28 @@ pub(crate) fn run(cli: Cli) -> Result<()> {
                 println!("nothing pending");
             }
             for (run, p) in done {
-                println!("run {run}: pushed {} records and {} metrics", p.records, p.metrics);
+                println!(
+                    "run {run}: pushed {} records and {} metrics",
+                    p.records, p.metrics
+                );
             }
         }
-        Command::Config(ConfigCommand::Show { config: file, overrides }) => {
-            let cfg = config::load(&Sources { file: Some(file), env: true, overrides: parse_overrides(&overrides)? })?;
+        Command::Config(ConfigCommand::Show {
+            config: file,
+            overrides,
+        }) => {
+            let cfg = config::load(&Sources {
+                file: Some(file),
+                env: true,
+                overrides: parse_overrides(&overrides)?,
+            })?;
             print!("{}", config::to_toml(&cfg)?);
         }
         Command::Data(d) => data(d)?,
         Command::Model(ModelCommand::ImportGguf { file, out_dir }) => {
-            let r = rl_workers::gguf::import(&file, &out_dir)
-                .with_context(|| format!("importing {} into {}", file.display(), out_dir.display()))?;
+            let r = rl_workers::gguf::import(&file, &out_dir).with_context(|| {
+                format!("importing {} into {}", file.display(), out_dir.display())
+            })?;
             println!(
                 "{}: {} tensors, vocab {}, {} (tied embeddings: {})",
                 r.out_dir.display(),
@@ -316,7 +356,11 @@ fn data(d: DataCommand) -> Result<()> {
     let files = match d {
         DataCommand::Gsm8k { src_dir, out_dir } => tasks::preprocess_gsm8k_dir(&src_dir, &out_dir)
             .with_context(|| format!("preprocessing GSM8K from {}", src_dir.display()))?,
-        DataCommand::Arithmetic { gen_args: g, digits, operands } => {
+        DataCommand::Arithmetic {
+            gen_args: g,
+            digits,
+            operands,
+        } => {
             let mut cfg = tasks::ArithmeticConfig::default();
             if let Some(d) = digits {
                 cfg.digits = d;
@@ -325,21 +369,49 @@ fn data(d: DataCommand) -> Result<()> {
                 cfg.operands = o;
             }
             mkdir(&g.out_dir)?;
-            tasks::generate_arithmetic(&g.out_dir, &cfg, SplitSizes { train: g.train, test: g.test }, g.seed)
-                .with_context(|| format!("writing arithmetic data to {}", g.out_dir.display()))?
+            tasks::generate_arithmetic(
+                &g.out_dir,
+                &cfg,
+                SplitSizes {
+                    train: g.train,
+                    test: g.test,
+                },
+                g.seed,
+            )
+            .with_context(|| format!("writing arithmetic data to {}", g.out_dir.display()))?
         }
         DataCommand::Countdown { gen_args: g } => {
             mkdir(&g.out_dir)?;
-            tasks::generate_countdown(&g.out_dir, &Default::default(), SplitSizes { train: g.train, test: g.test }, g.seed)
-                .with_context(|| format!("writing countdown data to {}", g.out_dir.display()))?
+            tasks::generate_countdown(
+                &g.out_dir,
+                &Default::default(),
+                SplitSizes {
+                    train: g.train,
+                    test: g.test,
+                },
+                g.seed,
+            )
+            .with_context(|| format!("writing countdown data to {}", g.out_dir.display()))?
         }
         DataCommand::WordProblems { gen_args: g } => {
             mkdir(&g.out_dir)?;
-            tasks::generate_word_problems(&g.out_dir, &Default::default(), SplitSizes { train: g.train, test: g.test }, g.seed)
-                .with_context(|| format!("writing word problems to {}", g.out_dir.display()))?
+            tasks::generate_word_problems(
+                &g.out_dir,
+                &Default::default(),
+                SplitSizes {
+                    train: g.train,
+                    test: g.test,
+                },
+                g.seed,
+            )
+            .with_context(|| format!("writing word problems to {}", g.out_dir.display()))?
         }
     };
-    println!("wrote {} and {}", files.train.display(), files.test.display());
+    println!(
+        "wrote {} and {}",
+        files.train.display(),
+        files.test.display()
+    );
     Ok(())
 }
 
@@ -349,7 +421,10 @@ fn mkdir(dir: &Path) -> Result<()> {
 
 async fn open_existing(db: &Path) -> Result<Store> {
     if !db.exists() {
-        bail!("no run store at {} (train a run first, or pass --db)", db.display());
+        bail!(
+            "no run store at {} (train a run first, or pass --db)",
+            db.display()
+        );
     }
     Store::open(db).await
 }
@@ -368,13 +443,22 @@ fn fmt_time(t: Option<f64>) -> String {
         let d = doy - (153 * mp + 2) / 5 + 1;
         let m = if mp < 10 { mp + 3 } else { mp - 9 };
         let y = yoe + era * 400 + i64::from(m <= 2);
-        format!("{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02}", rem / 3600, rem % 3600 / 60, rem % 60)
+        format!(
+            "{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02}",
+            rem / 3600,
+            rem % 3600 / 60,
+            rem % 60
+        )
     })
     .unwrap_or_else(|| "-".into())
 }
 
-async fn lookup_table(store: &Store, r: &RunRow) -> Result<std::collections::BTreeMap<String, Value>> {
-    let cfg: Value = serde_json::from_str(&r.config).with_context(|| format!("the stored config of run {}", r.id))?;
+async fn lookup_table(
+    store: &Store,
+    r: &RunRow,
+) -> Result<std::collections::BTreeMap<String, Value>> {
+    let cfg: Value = serde_json::from_str(&r.config)
+        .with_context(|| format!("the stored config of run {}", r.id))?;
     let mut m = config::flatten(&cfg);
     for (k, (_, v)) in store.final_metrics(r.id).await? {
         m.insert(k, serde_json::json!(v));
@@ -384,7 +468,10 @@ async fn lookup_table(store: &Store, r: &RunRow) -> Result<std::collections::BTr
     m.insert("status".into(), r.effective_status().into());
     m.insert("project".into(), r.project.clone().into());
     m.insert("seed".into(), r.seed.into());
-    m.insert("sweep".into(), r.sweep_id.clone().map(Value::String).unwrap_or(Value::Null));
+    m.insert(
+        "sweep".into(),
+        r.sweep_id.clone().map(Value::String).unwrap_or(Value::Null),
+    );
     Ok(m)
 }
 
@@ -393,7 +480,11 @@ async fn list_runs(db: &Path, filter: Option<&str>, sweep: Option<&str>) -> Resu
     let store = open_existing(db).await?;
     let runs = store.runs(sweep).await?;
     let mut out = std::io::stdout().lock();
-    writeln!(out, "{:>5}  {:<24} {:<9} {:>7}  {:<19}  {:<16} score", "id", "name", "status", "step", "created", "sweep")?;
+    writeln!(
+        out,
+        "{:>5}  {:<24} {:<9} {:>7}  {:<19}  {:<16} score",
+        "id", "name", "status", "step", "created", "sweep"
+    )?;
     for r in runs {
         let table = lookup_table(&store, &r).await?;
         if let Some(e) = &expr
@@ -408,7 +499,11 @@ async fn list_runs(db: &Path, filter: Option<&str>, sweep: Option<&str>) -> Resu
             .map(|(s, _)| *s)
             .max()
             .unwrap_or(0);
-        let score = table.get("val/test_score").and_then(Value::as_f64).map(|v| format!("{v:.4}")).unwrap_or_else(|| "-".into());
+        let score = table
+            .get("val/test_score")
+            .and_then(Value::as_f64)
+            .map(|v| format!("{v:.4}"))
+            .unwrap_or_else(|| "-".into());
         writeln!(
             out,
             "{:>5}  {:<24} {:<9} {:>7}  {:<19}  {:<16} {score}",
@@ -429,9 +524,27 @@ async fn show(db: &Path, spec: &str) -> Result<()> {
     let mut out = String::new();
     use std::fmt::Write as _;
     let _ = writeln!(out, "run {} ({}), project {}", r.id, r.name, r.project);
-    let _ = writeln!(out, "status      {}{}", r.effective_status(), if r.effective_status() == "dead" { " (stored as running; no heartbeat)" } else { "" });
+    let _ = writeln!(
+        out,
+        "status      {}{}",
+        r.effective_status(),
+        if r.effective_status() == "dead" {
+            " (stored as running; no heartbeat)"
+        } else {
+            ""
+        }
+    );
     let _ = writeln!(out, "run dir     {}", r.run_dir);
-    let _ = writeln!(out, "git         {} {}", r.git_commit.as_deref().unwrap_or("-"), match r.git_dirty { Some(true) => "(dirty)", Some(false) => "(clean)", None => "" });
+    let _ = writeln!(
+        out,
+        "git         {} {}",
+        r.git_commit.as_deref().unwrap_or("-"),
+        match r.git_dirty {
+            Some(true) => "(dirty)",
+            Some(false) => "(clean)",
+            None => "",
+        }
+    );
     let _ = writeln!(out, "host / pid  {} / {}", r.host, r.pid.unwrap_or(-1));
     let _ = writeln!(out, "seed        {}", r.seed);
     let _ = writeln!(out, "created     {}", fmt_time(Some(r.created)));
@@ -439,7 +552,11 @@ async fn show(db: &Path, spec: &str) -> Result<()> {
     let _ = writeln!(out, "ended       {}", fmt_time(r.ended));
     let _ = writeln!(out, "heartbeat   {}", fmt_time(r.heartbeat));
     if let Some(s) = &r.sweep_id {
-        let _ = writeln!(out, "sweep       {s} trial {}", r.trial_id.as_deref().unwrap_or("-"));
+        let _ = writeln!(
+            out,
+            "sweep       {s} trial {}",
+            r.trial_id.as_deref().unwrap_or("-")
+        );
     }
     if let Some(s) = r.resumed_from {
         let _ = writeln!(out, "resumed     from step {s}");
@@ -459,10 +576,17 @@ async fn show(db: &Path, spec: &str) -> Result<()> {
     if !events.is_empty() {
         let _ = writeln!(out, "\nevents:");
         for e in events {
-            let _ = writeln!(out, "  {}  {:<14} {}", fmt_time(Some(e.time)), e.kind, e.message);
+            let _ = writeln!(
+                out,
+                "  {}  {:<14} {}",
+                fmt_time(Some(e.time)),
+                e.kind,
+                e.message
+            );
         }
     }
-    let cfg: config::ExperimentConfig = config::from_stored(&r.config, &[]).with_context(|| format!("the stored config of run {}", r.id))?;
+    let cfg: config::ExperimentConfig = config::from_stored(&r.config, &[])
+        .with_context(|| format!("the stored config of run {}", r.id))?;
     let _ = writeln!(out, "\nconfig:\n{}", config::to_toml(&cfg)?);
     print!("{out}");
     Ok(())
@@ -475,10 +599,15 @@ async fn compare_cmd(db: &Path, a: CompareArgs) -> Result<()> {
             Some(m) => m.clone(),
             None => {
                 let file = sweep::sweep_file(&store, sweep_id).await?;
-                file.and_then(|f| sweep::read_spec(&f).ok()).map(|s| s.metric).unwrap_or_else(|| "val/test_score".into())
+                file.and_then(|f| sweep::read_spec(&f).ok())
+                    .map(|s| s.metric)
+                    .unwrap_or_else(|| "val/test_score".into())
             }
         };
-        print!("{}", compare::rank_sweep(&store, sweep_id, &metric, a.mode).await?);
+        print!(
+            "{}",
+            compare::rank_sweep(&store, sweep_id, &metric, a.mode).await?
+        );
         if a.runs.is_empty() && a.plot.is_none() {
             return Ok(());
         }
@@ -494,8 +623,15 @@ async fn compare_cmd(db: &Path, a: CompareArgs) -> Result<()> {
             bail!("name at least one run to compare (or --sweep ID)");
         }
     }
-    let metrics = if a.metrics.is_empty() { compare::common_metrics(&store, &runs).await? } else { a.metrics.clone() };
-    print!("{}", compare::report(&store, &runs, &metrics, a.mode, a.at_step).await?);
+    let metrics = if a.metrics.is_empty() {
+        compare::common_metrics(&store, &runs).await?
+    } else {
+        a.metrics.clone()
+    };
+    print!(
+        "{}",
+        compare::report(&store, &runs, &metrics, a.mode, a.at_step).await?
+    );
     if let Some(file) = &a.plot {
         if !(0.0..1.0).contains(&a.smooth) {
             bail!("--smooth must be in [0, 1), got {}", a.smooth);
@@ -524,7 +660,11 @@ async fn export(db: &Path, spec: &str, format: ExportFormat, out: Option<&Path>)
         ExportFormat::Csv => {
             text.push_str("run_id,step,key,value,wall_time\n");
             for (step, key, value, wall) in rows {
-                let key = if key.contains([',', '"']) { format!("\"{}\"", key.replace('"', "\"\"")) } else { key };
+                let key = if key.contains([',', '"']) {
+                    format!("\"{}\"", key.replace('"', "\"\""))
+                } else {
+                    key
+                };
                 let _ = writeln!(text, "{},{step},{key},{value},{wall:.3}", r.id);
             }
         }
@@ -536,11 +676,22 @@ async fn export(db: &Path, spec: &str, format: ExportFormat, out: Option<&Path>)
                 let mut wall = rows[i].3;
                 while i < rows.len() && rows[i].0 == step {
                     let v = rows[i].2;
-                    metrics.insert(rows[i].1.clone(), if v.is_finite() { serde_json::json!(v) } else { Value::String(v.to_string()) });
+                    metrics.insert(
+                        rows[i].1.clone(),
+                        if v.is_finite() {
+                            serde_json::json!(v)
+                        } else {
+                            Value::String(v.to_string())
+                        },
+                    );
                     wall = wall.max(rows[i].3);
                     i += 1;
                 }
-                let _ = writeln!(text, "{}", serde_json::json!({"run_id": r.id, "step": step, "wall_time": wall, "metrics": metrics}));
+                let _ = writeln!(
+                    text,
+                    "{}",
+                    serde_json::json!({"run_id": r.id, "step": step, "wall_time": wall, "metrics": metrics})
+                );
             }
         }
     }

@@ -96,7 +96,12 @@ pub async fn report(
     at_step: Option<i64>,
 ) -> Result<String> {
     let mut out = String::new();
-    let width = runs.iter().map(|r| r.name.len() + 8).max().unwrap_or(8).max(12);
+    let width = runs
+        .iter()
+        .map(|r| r.name.len() + 8)
+        .max()
+        .unwrap_or(8)
+        .max(12);
     let _ = write!(out, "{:<width$} {:<10}", "run", "status");
     for m in metrics {
         let _ = write!(out, " | {m}: last / best@step");
@@ -106,7 +111,12 @@ pub async fn report(
     }
     out.push('\n');
     for r in runs {
-        let _ = write!(out, "{:<width$} {:<10}", format!("{} {}", r.id, r.name), r.effective_status());
+        let _ = write!(
+            out,
+            "{:<width$} {:<10}",
+            format!("{} {}", r.id, r.name),
+            r.effective_status()
+        );
         for m in metrics {
             let series = store.series(r.id, m).await?;
             match summarise(&series, mode.maximise(m), at_step) {
@@ -130,7 +140,13 @@ pub async fn report(
             let vals: Vec<String> = runs
                 .iter()
                 .zip(values)
-                .map(|(r, v)| format!("{}={}", r.id, v.map(|v| v.to_string()).unwrap_or_else(|| "-".into())))
+                .map(|(r, v)| {
+                    format!(
+                        "{}={}",
+                        r.id,
+                        v.map(|v| v.to_string()).unwrap_or_else(|| "-".into())
+                    )
+                })
                 .collect();
             let _ = writeln!(out, "  {key}: {}", vals.join("  "));
         }
@@ -163,13 +179,18 @@ pub fn config_differences(runs: &[RunRow]) -> Result<BTreeMap<String, Vec<Option
 pub async fn rank_sweep(store: &Store, sweep: &str, metric: &str, mode: Mode) -> Result<String> {
     let trials = crate::sweep::trials(store, sweep).await?;
     if trials.is_empty() {
-        bail!("no sweep {sweep:?} (or it has no trials) in {}", store.path().display());
+        bail!(
+            "no sweep {sweep:?} (or it has no trials) in {}",
+            store.path().display()
+        );
     }
     let maximise = mode.maximise(metric);
     let mut rows: Vec<(Option<f64>, String)> = Vec::new();
     for t in &trials {
         let value = match t.run_id {
-            Some(id) => summarise(&store.series(id, metric).await?, maximise, None).map(|s| s.best.1),
+            Some(id) => {
+                summarise(&store.series(id, metric).await?, maximise, None).map(|s| s.best.1)
+            }
             None => None,
         };
         let params: Vec<String> = t.params.iter().map(|(k, v)| format!("{k}={v}")).collect();
@@ -179,7 +200,9 @@ pub async fn rank_sweep(store: &Store, sweep: &str, metric: &str, mode: Mode) ->
                 "{:<16} {:<9} {:>6} {:>12}  {}",
                 t.trial_id,
                 t.state,
-                t.run_id.map(|i| i.to_string()).unwrap_or_else(|| "-".into()),
+                t.run_id
+                    .map(|i| i.to_string())
+                    .unwrap_or_else(|| "-".into()),
                 value.map(fmt).unwrap_or_else(|| "-".into()),
                 params.join(" ")
             ),
@@ -260,14 +283,30 @@ fn register_font() -> Result<()> {
 }
 
 /// Plots each metric's curves across runs (one panel per metric) to `file`: `.svg` or `.png`.
-pub fn plot(file: &Path, curves: &[(String, Vec<(String, Vec<(i64, f64)>)>)], smoothing: f64) -> Result<()> {
+pub fn plot(
+    file: &Path,
+    curves: &[(String, Vec<(String, Vec<(i64, f64)>)>)],
+    smoothing: f64,
+) -> Result<()> {
     use plotters::prelude::*;
     register_font()?;
-    let ext = file.extension().and_then(|e| e.to_str()).unwrap_or("").to_ascii_lowercase();
+    let ext = file
+        .extension()
+        .and_then(|e| e.to_str())
+        .unwrap_or("")
+        .to_ascii_lowercase();
     let size = (900u32, 320 * curves.len().max(1) as u32);
     match ext.as_str() {
-        "svg" => draw(SVGBackend::new(file, size).into_drawing_area(), curves, smoothing),
-        "png" => draw(BitMapBackend::new(file, size).into_drawing_area(), curves, smoothing),
+        "svg" => draw(
+            SVGBackend::new(file, size).into_drawing_area(),
+            curves,
+            smoothing,
+        ),
+        "png" => draw(
+            BitMapBackend::new(file, size).into_drawing_area(),
+            curves,
+            smoothing,
+        ),
         _ => bail!("plot file {} must end in .svg or .png", file.display()),
     }
     .with_context(|| format!("drawing {}", file.display()))
@@ -286,11 +325,29 @@ where
     root.fill(&WHITE).map_err(e)?;
     let panels = root.split_evenly((curves.len().max(1), 1));
     for ((metric, runs), area) in curves.iter().zip(panels.iter()) {
-        let points: Vec<(i64, f64)> = runs.iter().flat_map(|(_, s)| s.iter().copied()).filter(|p| p.1.is_finite()).collect();
-        let (x0, x1) = points.iter().fold((i64::MAX, i64::MIN), |(a, b), p| (a.min(p.0), b.max(p.0)));
-        let (y0, y1) = points.iter().fold((f64::MAX, f64::MIN), |(a, b), p| (a.min(p.1), b.max(p.1)));
-        let (x0, x1) = if points.is_empty() { (0, 1) } else { (x0, x1.max(x0 + 1)) };
-        let (y0, y1) = if points.is_empty() { (0.0, 1.0) } else if y1 > y0 { (y0, y1) } else { (y0 - 0.5, y1 + 0.5) };
+        let points: Vec<(i64, f64)> = runs
+            .iter()
+            .flat_map(|(_, s)| s.iter().copied())
+            .filter(|p| p.1.is_finite())
+            .collect();
+        let (x0, x1) = points
+            .iter()
+            .fold((i64::MAX, i64::MIN), |(a, b), p| (a.min(p.0), b.max(p.0)));
+        let (y0, y1) = points
+            .iter()
+            .fold((f64::MAX, f64::MIN), |(a, b), p| (a.min(p.1), b.max(p.1)));
+        let (x0, x1) = if points.is_empty() {
+            (0, 1)
+        } else {
+            (x0, x1.max(x0 + 1))
+        };
+        let (y0, y1) = if points.is_empty() {
+            (0.0, 1.0)
+        } else if y1 > y0 {
+            (y0, y1)
+        } else {
+            (y0 - 0.5, y1 + 0.5)
+        };
         let pad = (y1 - y0) * 0.05;
         let mut chart = ChartBuilder::on(area)
             .caption(metric, ("sans-serif", 20))
@@ -302,12 +359,17 @@ where
         chart.configure_mesh().x_desc("step").draw().map_err(e)?;
         for (i, (label, series)) in runs.iter().enumerate() {
             let color = Palette99::pick(i).to_rgba();
-            let data: Vec<(i64, f64)> = smooth(series, smoothing).into_iter().filter(|p| p.1.is_finite()).collect();
+            let data: Vec<(i64, f64)> = smooth(series, smoothing)
+                .into_iter()
+                .filter(|p| p.1.is_finite())
+                .collect();
             chart
                 .draw_series(LineSeries::new(data, color.stroke_width(2)))
                 .map_err(e)?
                 .label(label.clone())
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2)));
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
+                });
         }
         chart
             .configure_series_labels()

@@ -246,7 +246,9 @@ impl<P: figment::Provider> figment::Provider for Named<P> {
         figment::Metadata::named(self.name.clone())
     }
 
-    fn data(&self) -> Result<figment::value::Map<figment::Profile, figment::value::Dict>, figment::Error> {
+    fn data(
+        &self,
+    ) -> Result<figment::value::Map<figment::Profile, figment::value::Dict>, figment::Error> {
         self.inner.data()
     }
 
@@ -265,15 +267,19 @@ pub fn load(sources: &Sources) -> Result<ExperimentConfig> {
         let mut table: toml::Table = toml::from_str(&text)
             .with_context(|| format!("parsing config file {}", file.display()))?;
         table.remove("sweep");
-        fig = fig.merge(Named::new(Toml::string(&toml::to_string(&table)?), file.display().to_string()));
+        fig = fig.merge(Named::new(
+            Toml::string(&toml::to_string(&table)?),
+            file.display().to_string(),
+        ));
     }
     if sources.env {
         fig = fig.merge(Env::prefixed("RL_").split("__"));
     }
     for o in &sources.overrides {
-        fig = fig.merge(
-            Named::new(Serialized::default(&o.key, o.value.clone()), format!("override {}", o.key)),
-        );
+        fig = fig.merge(Named::new(
+            Serialized::default(&o.key, o.value.clone()),
+            format!("override {}", o.key),
+        ));
     }
     let cfg: ExperimentConfig = fig.extract().map_err(explain)?;
     validate(&cfg)?;
@@ -284,11 +290,15 @@ pub fn load(sources: &Sources) -> Result<ExperimentConfig> {
 pub fn from_stored(json: &str, overrides: &[Override]) -> Result<ExperimentConfig> {
     let mut fig = Figment::from(Serialized::defaults(ExperimentConfig::default()));
     let stored: Value = serde_json::from_str(json).context("parsing the stored config")?;
-    fig = fig.merge(Named::new(Serialized::defaults(stored), "the stored config".into()));
+    fig = fig.merge(Named::new(
+        Serialized::defaults(stored),
+        "the stored config".into(),
+    ));
     for o in overrides {
-        fig = fig.merge(
-            Named::new(Serialized::default(&o.key, o.value.clone()), format!("override {}", o.key)),
-        );
+        fig = fig.merge(Named::new(
+            Serialized::default(&o.key, o.value.clone()),
+            format!("override {}", o.key),
+        ));
     }
     let cfg: ExperimentConfig = fig.extract().map_err(explain)?;
     validate(&cfg)?;
@@ -417,7 +427,11 @@ fn explain(err: figment::Error) -> anyhow::Error {
             .map(|m| match &m.source {
                 Some(figment::Source::File(p)) => p.display().to_string(),
                 _ if m.name.contains("environment") => {
-                    format!("environment variable {}", m.interpolate(&e.profile.clone().unwrap_or_default(), &e.path).to_uppercase())
+                    format!(
+                        "environment variable {}",
+                        m.interpolate(&e.profile.clone().unwrap_or_default(), &e.path)
+                            .to_uppercase()
+                    )
                 }
                 _ => m.name.to_string(),
             })
@@ -427,12 +441,18 @@ fn explain(err: figment::Error) -> anyhow::Error {
             Kind::UnknownField(field, _) => {
                 // figment's path already ends with the field; older versions stop at the parent.
                 let key = if e.path.last() == Some(field) || path.is_empty() {
-                    if path.is_empty() { field.clone() } else { path.clone() }
+                    if path.is_empty() {
+                        field.clone()
+                    } else {
+                        path.clone()
+                    }
                 } else {
                     format!("{path}.{field}")
                 };
                 match nearest_key(&key, &known) {
-                    Some(s) => format!("unknown config key `{key}` (in {source}); did you mean `{s}`?"),
+                    Some(s) => {
+                        format!("unknown config key `{key}` (in {source}); did you mean `{s}`?")
+                    }
                     None => format!("unknown config key `{key}` (in {source})"),
                 }
             }

@@ -102,7 +102,11 @@ fn lex(src: &str) -> Result<Vec<Tok>> {
                 out.push(Tok::Op(op));
                 i += len;
             }
-            c if c.is_ascii_digit() || ((c == '-' || c == '.') && i + 1 < chars.len() && chars[i + 1].is_ascii_digit()) => {
+            c if c.is_ascii_digit()
+                || ((c == '-' || c == '.')
+                    && i + 1 < chars.len()
+                    && chars[i + 1].is_ascii_digit()) =>
+            {
                 let start = i;
                 i += 1;
                 while i < chars.len()
@@ -119,7 +123,8 @@ fn lex(src: &str) -> Result<Vec<Tok>> {
             c if c.is_alphanumeric() || c == '_' => {
                 let start = i;
                 while i < chars.len()
-                    && (chars[i].is_alphanumeric() || matches!(chars[i], '_' | '.' | '/' | '-' | '@' | ':'))
+                    && (chars[i].is_alphanumeric()
+                        || matches!(chars[i], '_' | '.' | '/' | '-' | '@' | ':'))
                 {
                     i += 1;
                 }
@@ -184,7 +189,9 @@ impl Parser {
                     Some(Tok::Str(s)) => Value::String(s),
                     Some(Tok::Num(n)) => serde_json::json!(n),
                     Some(Tok::Ident(w)) if w == "true" || w == "false" => Value::Bool(w == "true"),
-                    Some(Tok::Ident(w)) => bail!("filter: `{w}` after `{key}` is not a value; quote text as '{w}'"),
+                    Some(Tok::Ident(w)) => {
+                        bail!("filter: `{w}` after `{key}` is not a value; quote text as '{w}'")
+                    }
                     _ => bail!("filter: expected a value after `{key}`"),
                 };
                 self.pos += 1;
@@ -204,7 +211,10 @@ pub fn parse(src: &str) -> Result<Expr> {
     };
     let e = p.or()?;
     if p.pos != p.toks.len() {
-        bail!("filter: unexpected {:?} after a complete expression", p.toks[p.pos]);
+        bail!(
+            "filter: unexpected {:?} after a complete expression",
+            p.toks[p.pos]
+        );
     }
     Ok(e)
 }
@@ -290,10 +300,30 @@ mod tests {
 
     #[test]
     fn errors_name_the_problem() {
-        assert!(parse("a = ").unwrap_err().to_string().contains("expected a value"));
-        assert!(parse("a 3").unwrap_err().to_string().contains("expected an operator"));
-        assert!(parse("(a = 1").unwrap_err().to_string().contains("missing `)`"));
+        assert!(
+            parse("a = ")
+                .unwrap_err()
+                .to_string()
+                .contains("expected a value")
+        );
+        assert!(
+            parse("a 3")
+                .unwrap_err()
+                .to_string()
+                .contains("expected an operator")
+        );
+        assert!(
+            parse("(a = 1")
+                .unwrap_err()
+                .to_string()
+                .contains("missing `)`")
+        );
         assert!(parse("a = grpo").unwrap_err().to_string().contains("quote"));
-        assert!(parse("a = 'x").unwrap_err().to_string().contains("unterminated"));
+        assert!(
+            parse("a = 'x")
+                .unwrap_err()
+                .to_string()
+                .contains("unterminated")
+        );
     }
 }

@@ -20,7 +20,9 @@ pub mod tracker;
 pub mod train;
 
 pub use cli::{Cli, Command};
-pub use store::{BoxFuture, CheckpointRow, EventRow, RunRow, Store, WriteFn, hostname, now, pid_alive};
+pub use store::{
+    BoxFuture, CheckpointRow, EventRow, RunRow, Store, WriteFn, hostname, now, pid_alive,
+};
 
 /// Runs a parsed command line (installs logging first).
 pub fn run(cli: Cli) -> anyhow::Result<()> {

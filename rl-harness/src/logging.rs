@@ -58,12 +58,19 @@ pub(crate) fn init() {
         .with_writer(RunLogWriter)
         .with_ansi(false)
         .with_filter(EnvFilter::new("info"));
-    let _ = tracing_subscriber::registry().with(console).with(file).try_init();
+    let _ = tracing_subscriber::registry()
+        .with(console)
+        .with(file)
+        .try_init();
 }
 
 /// From now on, logs also go to `path` (appended).
 pub(crate) fn to_file(path: &Path) {
-    match std::fs::OpenOptions::new().create(true).append(true).open(path) {
+    match std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+    {
         Ok(f) => {
             if let Ok(mut guard) = run_log().lock() {
                 *guard = Some(f);

@@ -256,7 +256,8 @@ impl Store {
         step: u64,
         metrics: impl IntoIterator<Item = (&'a String, &'a f64)>,
     ) -> Result<()> {
-        let values: Vec<(String, f64)> = metrics.into_iter().map(|(k, v)| (k.clone(), *v)).collect();
+        let values: Vec<(String, f64)> =
+            metrics.into_iter().map(|(k, v)| (k.clone(), *v)).collect();
         self.send(Op::Metrics {
             run,
             step: step as i64,
@@ -333,7 +334,11 @@ impl Store {
                     .fetch_all(&self.pool)
                     .await?
             }
-            None => sqlx::query("SELECT * FROM runs ORDER BY id").fetch_all(&self.pool).await?,
+            None => {
+                sqlx::query("SELECT * FROM runs ORDER BY id")
+                    .fetch_all(&self.pool)
+                    .await?
+            }
         };
         Ok(rows.iter().map(RunRow::from_row).collect())
     }
@@ -396,10 +401,12 @@ impl Store {
 
     /// The recorded checkpoints of a run, by step.
     pub async fn checkpoints(&self, run: i64) -> Result<Vec<CheckpointRow>> {
-        let rows = sqlx::query("SELECT step, path, created FROM checkpoints WHERE run_id = ? ORDER BY step")
-            .bind(run)
-            .fetch_all(&self.pool)
-            .await?;
+        let rows = sqlx::query(
+            "SELECT step, path, created FROM checkpoints WHERE run_id = ? ORDER BY step",
+        )
+        .bind(run)
+        .fetch_all(&self.pool)
+        .await?;
         Ok(rows
             .iter()
             .map(|r| CheckpointRow {
@@ -412,10 +419,11 @@ impl Store {
 
     /// The events of a run, oldest first.
     pub async fn events(&self, run: i64) -> Result<Vec<EventRow>> {
-        let rows = sqlx::query("SELECT time, kind, message FROM events WHERE run_id = ? ORDER BY id")
-            .bind(run)
-            .fetch_all(&self.pool)
-            .await?;
+        let rows =
+            sqlx::query("SELECT time, kind, message FROM events WHERE run_id = ? ORDER BY id")
+                .bind(run)
+                .fetch_all(&self.pool)
+                .await?;
         Ok(rows
             .iter()
             .map(|r| EventRow {

@@ -102,7 +102,9 @@ pub struct TrialRow {
 
 /// FNV-1a, 64 bits: a stable hash for ids (not for security).
 pub fn fnv64(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3))
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
+    })
 }
 
 /// The trial id of a parameter set (canonical JSON: keys sorted).
@@ -114,7 +116,8 @@ pub fn trial_id(params: &BTreeMap<String, Value>) -> String {
 /// Reads the `[sweep]` table of a sweep file.
 pub fn read_spec(file: &Path) -> Result<SweepSpec> {
     let text = config::read_file(file)?;
-    let mut table: toml::Table = toml::from_str(&text).with_context(|| format!("parsing {}", file.display()))?;
+    let mut table: toml::Table =
+        toml::from_str(&text).with_context(|| format!("parsing {}", file.display()))?;
     let sweep = table
         .remove("sweep")
         .with_context(|| format!("{} has no [sweep] table", file.display()))?;
@@ -122,12 +125,21 @@ pub fn read_spec(file: &Path) -> Result<SweepSpec> {
         .try_into()
         .with_context(|| format!("the [sweep] table of {}", file.display()))?;
     match spec.strategy {
-        Strategy::Grid if spec.grid.is_empty() => bail!("{}: sweep.strategy = 'grid' needs a [sweep.grid] table", file.display()),
+        Strategy::Grid if spec.grid.is_empty() => bail!(
+            "{}: sweep.strategy = 'grid' needs a [sweep.grid] table",
+            file.display()
+        ),
         Strategy::Random if spec.random.is_empty() => {
-            bail!("{}: sweep.strategy = 'random' needs a [sweep.random] table", file.display())
+            bail!(
+                "{}: sweep.strategy = 'random' needs a [sweep.random] table",
+                file.display()
+            )
         }
         Strategy::Random if spec.num_trials.unwrap_or(0) == 0 => {
-            bail!("{}: sweep.num_trials must be at least 1 for a random search", file.display())
+            bail!(
+                "{}: sweep.num_trials must be at least 1 for a random search",
+                file.display()
+            )
         }
         _ => {}
     }
@@ -144,7 +156,10 @@ pub fn read_spec(file: &Path) -> Result<SweepSpec> {
             Dist::Choice(v) => !v.is_empty(),
         };
         if !ok {
-            bail!("{}: sweep.random.\"{k}\" has an empty or invalid range", file.display());
+            bail!(
+                "{}: sweep.random.\"{k}\" has an empty or invalid range",
+                file.display()
+            );
         }
     }
     Ok(spec)
@@ -178,11 +193,17 @@ pub fn expand(spec: &SweepSpec) -> Vec<Trial> {
                     .iter()
                     .map(|(k, d)| {
                         let v = match d {
-                            Dist::Uniform([a, b]) => serde_json::json!(a + (b - a) * rng.random::<f64>()),
-                            Dist::LogUniform([a, b]) => {
-                                serde_json::json!((a.ln() + (b.ln() - a.ln()) * rng.random::<f64>()).exp())
+                            Dist::Uniform([a, b]) => {
+                                serde_json::json!(a + (b - a) * rng.random::<f64>())
                             }
-                            Dist::IntUniform([a, b]) => serde_json::json!(rng.random_range(*a..=*b)),
+                            Dist::LogUniform([a, b]) => {
+                                serde_json::json!(
+                                    (a.ln() + (b.ln() - a.ln()) * rng.random::<f64>()).exp()
+                                )
+                            }
+                            Dist::IntUniform([a, b]) => {
+                                serde_json::json!(rng.random_range(*a..=*b))
+                            }
                             Dist::Choice(vs) => vs[rng.random_range(0..vs.len())].clone(),
                         };
                         (k.clone(), v)
@@ -194,7 +215,10 @@ pub fn expand(spec: &SweepSpec) -> Vec<Trial> {
     }
     let mut seen = std::collections::HashSet::new();
     sets.into_iter()
-        .map(|params| Trial { id: trial_id(&params), params })
+        .map(|params| Trial {
+            id: trial_id(&params),
+            params,
+        })
         .filter(|t| seen.insert(t.id.clone()))
         .collect()
 }
@@ -202,7 +226,10 @@ pub fn expand(spec: &SweepSpec) -> Vec<Trial> {
 fn to_override(key: &str, v: &Value) -> Result<Override> {
     let value: toml::Value = serde_json::from_value(v.clone())
         .with_context(|| format!("sweep value {v} of `{key}` is not a TOML value"))?;
-    Ok(Override { key: key.into(), value })
+    Ok(Override {
+        key: key.into(),
+        value,
+    })
 }
 
 fn override_arg(key: &str, v: &Value) -> Result<String> {
@@ -231,7 +258,14 @@ pub async fn trials(store: &Store, sweep: &str) -> Result<Vec<TrialRow>> {
         .collect()
 }
 
-async fn set_trial(store: &Store, sweep: &str, trial: &str, state: &str, run: Option<i64>, error: Option<String>) -> Result<()> {
+async fn set_trial(
+    store: &Store,
+    sweep: &str,
+    trial: &str,
+    state: &str,
+    run: Option<i64>,
+    error: Option<String>,
+) -> Result<()> {
     let (sweep, trial, state) = (sweep.to_string(), trial.to_string(), state.to_string());
     store
         .write(move |c| {
@@ -252,11 +286,13 @@ async fn set_trial(store: &Store, sweep: &str, trial: &str, state: &str, run: Op
 }
 
 async fn run_of(store: &Store, sweep: &str, trial: &str) -> Result<Option<i64>> {
-    Ok(sqlx::query_scalar("SELECT id FROM runs WHERE sweep_id = ? AND trial_id = ? ORDER BY id DESC LIMIT 1")
-        .bind(sweep)
-        .bind(trial)
-        .fetch_optional(store.pool())
-        .await?)
+    Ok(sqlx::query_scalar(
+        "SELECT id FROM runs WHERE sweep_id = ? AND trial_id = ? ORDER BY id DESC LIMIT 1",
+    )
+    .bind(sweep)
+    .bind(trial)
+    .fetch_optional(store.pool())
+    .await?)
 }
 
 /// What the scheduler does with a trial.
@@ -286,29 +322,50 @@ pub struct SweepReport {
 /// Runs (or continues) the sweep of `file` with at most `parallel` trials at once.
 pub fn run(rt: &Runtime, file: &Path, parallel: usize, retry_failed: bool) -> Result<SweepReport> {
     let spec = read_spec(file)?;
-    let base = config::load(&Sources { file: Some(file.to_path_buf()), env: true, overrides: vec![] })
-        .with_context(|| format!("the base experiment of {}", file.display()))?;
+    let base = config::load(&Sources {
+        file: Some(file.to_path_buf()),
+        env: true,
+        overrides: vec![],
+    })
+    .with_context(|| format!("the base experiment of {}", file.display()))?;
     let trials = expand(&spec);
     // Every trial's config must resolve before anything starts.
     for t in &trials {
-        let overrides = t.params.iter().map(|(k, v)| to_override(k, v)).collect::<Result<Vec<_>>>()?;
-        config::load(&Sources { file: Some(file.to_path_buf()), env: true, overrides })
-            .with_context(|| format!("sweep {}: trial {:?}", file.display(), t.params))?;
+        let overrides = t
+            .params
+            .iter()
+            .map(|(k, v)| to_override(k, v))
+            .collect::<Result<Vec<_>>>()?;
+        config::load(&Sources {
+            file: Some(file.to_path_buf()),
+            env: true,
+            overrides,
+        })
+        .with_context(|| format!("sweep {}: trial {:?}", file.display(), t.params))?;
     }
     let name = spec.name.clone().unwrap_or_else(|| {
-        file.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "sweep".into())
+        file.file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "sweep".into())
     });
     let identity = serde_json::json!({"base": base, "grid": spec.grid, "random": spec.random,
         "strategy": spec.strategy, "num_trials": spec.num_trials, "seed": spec.seed});
-    let id = format!("{name}-{:08x}", fnv64(identity.to_string().as_bytes()) as u32);
-    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let id = format!(
+        "{name}-{:08x}",
+        fnv64(identity.to_string().as_bytes()) as u32
+    );
+    let cores = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
     let devices = match crate::device::parse(&base.trainer.device)? {
         tch::Device::Cpu => usize::MAX,
         _ => (tch::Cuda::device_count() as usize).max(1),
     };
     let slots = parallel.max(1).min(cores).min(devices);
     if slots < parallel {
-        eprintln!("harness: sweep {id}: running {slots} trials at once (bounded by {cores} cores / devices)");
+        eprintln!(
+            "harness: sweep {id}: running {slots} trials at once (bounded by {cores} cores / devices)"
+        );
     }
     let threads_per_trial = (cores / slots).max(1);
     let store = rt.block_on(Store::open(&base.trainer.db_path()))?;
@@ -344,16 +401,35 @@ pub fn run(rt: &Runtime, file: &Path, parallel: usize, retry_failed: bool) -> Re
         })
     }))
     .with_context(|| format!("recording sweep {id}"))?;
-    eprintln!("harness: sweep {id}: {} trials, {slots} at once", trials.len());
+    eprintln!(
+        "harness: sweep {id}: {} trials, {slots} at once",
+        trials.len()
+    );
     let exe = std::env::current_exe().context("finding the harness executable")?;
     let db = store.path().to_path_buf();
-    let report = rt.block_on(schedule(&store, &id, file, &exe, &db, trials, slots, threads_per_trial, retry_failed))?;
+    let report = rt.block_on(schedule(
+        &store,
+        &id,
+        file,
+        &exe,
+        &db,
+        trials,
+        slots,
+        threads_per_trial,
+        retry_failed,
+    ))?;
     Ok(report)
 }
 
 async fn plan_for(store: &Store, sweep: &str, trial: &Trial, retry_failed: bool) -> Result<Plan> {
-    let row = trials(store, sweep).await?.into_iter().find(|r| r.trial_id == trial.id);
-    let state = row.as_ref().map(|r| r.state.clone()).unwrap_or_else(|| "pending".into());
+    let row = trials(store, sweep)
+        .await?
+        .into_iter()
+        .find(|r| r.trial_id == trial.id);
+    let state = row
+        .as_ref()
+        .map(|r| r.state.clone())
+        .unwrap_or_else(|| "pending".into());
     let run = run_of(store, sweep, &trial.id).await?;
     let run_row = match run {
         Some(r) => store.run(r).await?,
@@ -392,7 +468,10 @@ async fn schedule(
     threads: usize,
     retry_failed: bool,
 ) -> Result<SweepReport> {
-    let mut report = SweepReport { id: sweep.to_string(), ..Default::default() };
+    let mut report = SweepReport {
+        id: sweep.to_string(),
+        ..Default::default()
+    };
     let mut queue = Vec::new();
     for t in trials {
         match plan_for(store, sweep, &t, retry_failed).await? {
@@ -422,7 +501,10 @@ async fn schedule(
                     for (k, v) in &t.params {
                         cmd.arg(override_arg(k, v)?);
                     }
-                    cmd.arg("--sweep-id").arg(sweep).arg("--trial-id").arg(&t.id);
+                    cmd.arg("--sweep-id")
+                        .arg(sweep)
+                        .arg("--trial-id")
+                        .arg(&t.id);
                     None
                 }
             };
@@ -435,29 +517,50 @@ async fn schedule(
             eprintln!(
                 "harness: sweep {sweep}: trial {} {} {:?}",
                 t.id,
-                if resume_id.is_some() { "resumes" } else { "starts" },
+                if resume_id.is_some() {
+                    "resumes"
+                } else {
+                    "starts"
+                },
                 t.params
             );
-            let child = cmd.spawn().with_context(|| format!("starting {}", exe.display()))?;
+            let child = cmd
+                .spawn()
+                .with_context(|| format!("starting {}", exe.display()))?;
             running.spawn(async move {
                 let out = child.wait_with_output().await;
                 (t, out)
             });
         }
-        let Some(joined) = running.join_next().await else { break };
+        let Some(joined) = running.join_next().await else {
+            break;
+        };
         let (t, out) = joined.context("a trial's waiter panicked")?;
         let run = run_of(store, sweep, &t.id).await?;
         match out {
             Ok(o) if o.status.success() => {
                 report.finished += 1;
                 set_trial(store, sweep, &t.id, "finished", run, None).await?;
-                eprintln!("harness: sweep {sweep}: trial {} finished (run {})", t.id, run.unwrap_or(-1));
+                eprintln!(
+                    "harness: sweep {sweep}: trial {} finished (run {})",
+                    t.id,
+                    run.unwrap_or(-1)
+                );
             }
             Ok(o) => {
                 report.failed += 1;
                 let stderr = String::from_utf8_lossy(&o.stderr);
-                let cause = stderr.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("no output").to_string();
-                store.event(run, "trial_failed", format!("sweep {sweep} trial {}: {cause}", t.id))?;
+                let cause = stderr
+                    .lines()
+                    .rev()
+                    .find(|l| !l.trim().is_empty())
+                    .unwrap_or("no output")
+                    .to_string();
+                store.event(
+                    run,
+                    "trial_failed",
+                    format!("sweep {sweep} trial {}: {cause}", t.id),
+                )?;
                 set_trial(store, sweep, &t.id, "failed", run, Some(cause.clone())).await?;
                 eprintln!("harness: sweep {sweep}: trial {} failed: {cause}", t.id);
             }
@@ -487,10 +590,9 @@ mod tests {
 
     #[test]
     fn grid_is_the_cartesian_product_with_stable_ids() {
-        let spec: SweepSpec = toml::from_str(
-            "strategy = 'grid'\n[grid]\n'a.x' = [1, 2]\n'b' = ['p', 'q', 'r']\n",
-        )
-        .unwrap();
+        let spec: SweepSpec =
+            toml::from_str("strategy = 'grid'\n[grid]\n'a.x' = [1, 2]\n'b' = ['p', 'q', 'r']\n")
+                .unwrap();
         let trials = expand(&spec);
         assert_eq!(trials.len(), 6);
         assert_eq!(trials[0].params["a.x"], json!(1));

@@ -25,13 +25,19 @@ pub const MAX_PARAMS_PER_BATCH: usize = 100;
 const MAX_PARAM_VALUE: usize = 6000;
 
 /// Records a new run's `create` and `params` in the outbox (inside the caller's transaction).
-pub async fn enqueue_start(c: &mut SqliteConnection, run_id: i64, cfg: &ExperimentConfig) -> Result<()> {
+pub async fn enqueue_start(
+    c: &mut SqliteConnection,
+    run_id: i64,
+    cfg: &ExperimentConfig,
+) -> Result<()> {
     let t = now();
-    sqlx::query("INSERT OR REPLACE INTO tracker_runs (run_id, uri, metric_cursor) VALUES (?, ?, 0)")
-        .bind(run_id)
-        .bind(&cfg.trainer.tracker.uri)
-        .execute(&mut *c)
-        .await?;
+    sqlx::query(
+        "INSERT OR REPLACE INTO tracker_runs (run_id, uri, metric_cursor) VALUES (?, ?, 0)",
+    )
+    .bind(run_id)
+    .bind(&cfg.trainer.tracker.uri)
+    .execute(&mut *c)
+    .await?;
     let experiment = cfg
         .trainer
         .tracker
@@ -55,7 +61,10 @@ pub async fn enqueue_start(c: &mut SqliteConnection, run_id: i64, cfg: &Experime
             (k, s.chars().take(MAX_PARAM_VALUE).collect())
         })
         .collect();
-    for (kind, payload) in [("create", create), ("params", serde_json::to_value(params)?)] {
+    for (kind, payload) in [
+        ("create", create),
+        ("params", serde_json::to_value(params)?),
+    ] {
         sqlx::query("INSERT INTO outbox (run_id, kind, payload, created) VALUES (?, ?, ?, ?)")
             .bind(run_id)
             .bind(kind)
@@ -74,10 +83,11 @@ pub async fn enqueue_status(
     status: &str,
     end_time: Option<f64>,
 ) -> Result<()> {
-    let tracked: Option<i64> = sqlx::query_scalar("SELECT run_id FROM tracker_runs WHERE run_id = ?")
-        .bind(run_id)
-        .fetch_optional(&mut *c)
-        .await?;
+    let tracked: Option<i64> =
+        sqlx::query_scalar("SELECT run_id FROM tracker_runs WHERE run_id = ?")
+            .bind(run_id)
+            .fetch_optional(&mut *c)
+            .await?;
     if tracked.is_none() {
         return Ok(());
     }
@@ -108,7 +118,9 @@ struct CallError {
 fn encode(s: &str) -> String {
     s.bytes()
         .map(|b| match b {
-            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => (b as char).to_string(),
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
             _ => format!("%{b:02X}"),
         })
         .collect()
@@ -134,7 +146,13 @@ impl MlflowClient {
         })
     }
 
-    async fn call(&self, method: reqwest::Method, endpoint: &str, body: Option<Value>, query: &[(&str, &str)]) -> Result<Value, CallError> {
+    async fn call(
+        &self,
+        method: reqwest::Method,
+        endpoint: &str,
+        body: Option<Value>,
+        query: &[(&str, &str)],
+    ) -> Result<Value, CallError> {
         let mut url = format!("{}/{endpoint}", self.base);
         for (i, (k, v)) in query.iter().enumerate() {
             url.push(if i == 0 { '?' } else { '&' });
@@ -158,43 +176,71 @@ impl MlflowClient {
         }
         let code = serde_json::from_str::<Value>(&text)
             .ok()
-            .and_then(|v| v.get("error_code").and_then(Value::as_str).map(str::to_owned))
+            .and_then(|v| {
+                v.get("error_code")
+                    .and_then(Value::as_str)
+                    .map(str::to_owned)
+            })
             .unwrap_or_default();
         Err(CallError {
             permanent: status.is_client_error() && status.as_u16() != 429 && status.as_u16() != 408,
-            message: format!("{url}: HTTP {status} {code}: {}", text.chars().take(300).collect::<String>()),
+            message: format!(
+                "{url}: HTTP {status} {code}: {}",
+                text.chars().take(300).collect::<String>()
+            ),
         })
     }
 
     async fn post(&self, endpoint: &str, body: Value) -> Result<Value, CallError> {
-        self.call(reqwest::Method::POST, endpoint, Some(body), &[]).await
+        self.call(reqwest::Method::POST, endpoint, Some(body), &[])
+            .await
     }
 
     /// The id of the experiment named `name`, created if needed.
     async fn experiment_id(&self, name: &str) -> Result<String, CallError> {
         let found = self
-            .call(reqwest::Method::GET, "experiments/get-by-name", None, &[("experiment_name", name)])
+            .call(
+                reqwest::Method::GET,
+                "experiments/get-by-name",
+                None,
+                &[("experiment_name", name)],
+            )
             .await;
-        let id_of = |v: &Value| v.pointer("/experiment/experiment_id").and_then(Value::as_str).map(str::to_owned);
+        let id_of = |v: &Value| {
+            v.pointer("/experiment/experiment_id")
+                .and_then(Value::as_str)
+                .map(str::to_owned)
+        };
         match found {
             Ok(v) => id_of(&v).ok_or_else(|| CallError {
                 permanent: true,
                 message: format!("experiments/get-by-name answered without an id: {v}"),
             }),
-            Err(e) if e.permanent => match self.post("experiments/create", json!({"name": name})).await {
-                Ok(v) => v.get("experiment_id").and_then(Value::as_str).map(str::to_owned).ok_or_else(|| CallError {
-                    permanent: true,
-                    message: format!("experiments/create answered without an id: {v}"),
-                }),
-                // Created by someone else in between.
-                Err(e) if e.message.contains("RESOURCE_ALREADY_EXISTS") => {
-                    let v = self
-                        .call(reqwest::Method::GET, "experiments/get-by-name", None, &[("experiment_name", name)])
-                        .await?;
-                    id_of(&v).ok_or(e)
+            Err(e) if e.permanent => {
+                match self.post("experiments/create", json!({"name": name})).await {
+                    Ok(v) => v
+                        .get("experiment_id")
+                        .and_then(Value::as_str)
+                        .map(str::to_owned)
+                        .ok_or_else(|| CallError {
+                            permanent: true,
+                            message: format!("experiments/create answered without an id: {v}"),
+                        }),
+                    // Created by someone else in between.
+                    Err(e) if e.message.contains("RESOURCE_ALREADY_EXISTS") => {
+                        let v = self
+                            .call(
+                                reqwest::Method::GET,
+                                "experiments/get-by-name",
+                                None,
+                                &[("experiment_name", name)],
+                            )
+                            .await?;
+                        id_of(&v).ok_or(e)
+                    }
+                    Err(e) => Err(e),
                 }
-                Err(e) => Err(e),
-            },
+            }
             Err(e) => Err(e),
         }
     }
@@ -218,10 +264,11 @@ impl Pending {
 
 /// What is pending for `run_id`.
 pub async fn pending(store: &Store, run_id: i64) -> Result<Pending> {
-    let records: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM outbox WHERE run_id = ? AND done IS NULL")
-        .bind(run_id)
-        .fetch_one(store.pool())
-        .await?;
+    let records: i64 =
+        sqlx::query_scalar("SELECT COUNT(*) FROM outbox WHERE run_id = ? AND done IS NULL")
+            .bind(run_id)
+            .fetch_one(store.pool())
+            .await?;
     let metrics: i64 = sqlx::query_scalar(
         "SELECT COUNT(*) FROM metrics m JOIN tracker_runs t ON t.run_id = m.run_id \
          WHERE m.run_id = ? AND m.id > t.metric_cursor",
@@ -271,10 +318,12 @@ pub async fn sync_run(
     let mut remote: Option<String> = row.get(2);
     let mut cursor: i64 = row.get(3);
     // 1. create and params, in order (status records wait until the metrics are out).
-    let records = sqlx::query("SELECT id, kind, payload FROM outbox WHERE run_id = ? AND done IS NULL ORDER BY id")
-        .bind(run_id)
-        .fetch_all(store.pool())
-        .await?;
+    let records = sqlx::query(
+        "SELECT id, kind, payload FROM outbox WHERE run_id = ? AND done IS NULL ORDER BY id",
+    )
+    .bind(run_id)
+    .fetch_all(store.pool())
+    .await?;
     let mut statuses = Vec::new();
     for r in records {
         let (id, kind, payload): (i64, String, String) = (r.get(0), r.get(1), r.get(2));
@@ -287,20 +336,32 @@ pub async fn sync_run(
             return pending(store, run_id).await;
         }
         let result = match kind.as_str() {
-            "create" => push_create(&client, store, run_id, &payload).await.map(|rid| {
-                remote = Some(rid);
-            }),
+            "create" => push_create(&client, store, run_id, &payload)
+                .await
+                .map(|rid| {
+                    remote = Some(rid);
+                }),
             "params" => match &remote {
                 Some(rid) => push_params(&client, rid, &payload).await,
-                None => Err(CallError { permanent: false, message: "the remote run is not created yet".into() }),
+                None => Err(CallError {
+                    permanent: false,
+                    message: "the remote run is not created yet".into(),
+                }),
             },
-            other => Err(CallError { permanent: true, message: format!("unknown outbox record kind {other:?}") }),
+            other => Err(CallError {
+                permanent: true,
+                message: format!("unknown outbox record kind {other:?}"),
+            }),
         };
         match result {
             Ok(()) => mark(store, id, true, None).await?,
             Err(e) if e.permanent => {
                 mark(store, id, true, Some(e.message.clone())).await?;
-                store.event(Some(run_id), "tracker", format!("gave up on a {kind} record: {}", e.message))?;
+                store.event(
+                    Some(run_id),
+                    "tracker",
+                    format!("gave up on a {kind} record: {}", e.message),
+                )?;
             }
             Err(e) => {
                 mark(store, id, false, Some(e.message.clone())).await?;
@@ -337,10 +398,17 @@ pub async fn sync_run(
                        "timestamp": (wall * 1000.0) as i64, "step": r.get::<i64, _>(1)})
             })
             .collect();
-        match client.post("runs/log-batch", json!({"run_id": rid, "metrics": metrics})).await {
+        match client
+            .post("runs/log-batch", json!({"run_id": rid, "metrics": metrics}))
+            .await
+        {
             Ok(_) => {}
             Err(e) if e.permanent => {
-                store.event(Some(run_id), "tracker", format!("metrics rejected: {}", e.message))?;
+                store.event(
+                    Some(run_id),
+                    "tracker",
+                    format!("metrics rejected: {}", e.message),
+                )?;
             }
             Err(e) => bail!("{}", e.message),
         }
@@ -389,12 +457,21 @@ fn metric_value(v: f64) -> Value {
     }
 }
 
-async fn push_create(client: &MlflowClient, store: &Store, run_id: i64, p: &Value) -> Result<String, CallError> {
+async fn push_create(
+    client: &MlflowClient,
+    store: &Store,
+    run_id: i64,
+    p: &Value,
+) -> Result<String, CallError> {
     let name = p["experiment"].as_str().unwrap_or("rl-posttrain");
     let exp = client.experiment_id(name).await?;
     let tags: Vec<Value> = p["tags"]
         .as_object()
-        .map(|m| m.iter().map(|(k, v)| json!({"key": k, "value": v})).collect())
+        .map(|m| {
+            m.iter()
+                .map(|(k, v)| json!({"key": k, "value": v}))
+                .collect()
+        })
         .unwrap_or_default();
     let v = client
         .post(
@@ -406,30 +483,43 @@ async fn push_create(client: &MlflowClient, store: &Store, run_id: i64, p: &Valu
         .pointer("/run/info/run_id")
         .and_then(Value::as_str)
         .map(str::to_owned)
-        .ok_or_else(|| CallError { permanent: true, message: format!("runs/create answered without a run id: {v}") })?;
+        .ok_or_else(|| CallError {
+            permanent: true,
+            message: format!("runs/create answered without a run id: {v}"),
+        })?;
     let (rid2, exp2) = (rid.clone(), exp.clone());
     store
         .write(move |c| {
             Box::pin(async move {
-                sqlx::query("UPDATE tracker_runs SET remote_run_id = ?, experiment_id = ? WHERE run_id = ?")
-                    .bind(rid2)
-                    .bind(exp2)
-                    .bind(run_id)
-                    .execute(&mut *c)
-                    .await?;
+                sqlx::query(
+                    "UPDATE tracker_runs SET remote_run_id = ?, experiment_id = ? WHERE run_id = ?",
+                )
+                .bind(rid2)
+                .bind(exp2)
+                .bind(run_id)
+                .execute(&mut *c)
+                .await?;
                 Ok(0)
             })
         })
         .await
-        .map_err(|e| CallError { permanent: false, message: format!("recording the remote run id: {e:#}") })?;
+        .map_err(|e| CallError {
+            permanent: false,
+            message: format!("recording the remote run id: {e:#}"),
+        })?;
     Ok(rid)
 }
 
 async fn push_params(client: &MlflowClient, rid: &str, p: &Value) -> Result<(), CallError> {
     let params: Vec<(String, String)> = serde_json::from_value(p.clone()).unwrap_or_default();
     for chunk in params.chunks(MAX_PARAMS_PER_BATCH) {
-        let params: Vec<Value> = chunk.iter().map(|(k, v)| json!({"key": k, "value": v})).collect();
-        client.post("runs/log-batch", json!({"run_id": rid, "params": params})).await?;
+        let params: Vec<Value> = chunk
+            .iter()
+            .map(|(k, v)| json!({"key": k, "value": v}))
+            .collect();
+        client
+            .post("runs/log-batch", json!({"run_id": rid, "params": params}))
+            .await?;
     }
     Ok(())
 }
@@ -444,7 +534,9 @@ pub async fn pump(store: Store, run_id: i64, cfg: TrackerConfig) {
         let deadline = Instant::now() + Duration::from_secs_f64(cfg.interval_s.max(1.0));
         if let Err(e) = sync_run(&store, run_id, None, timeout, deadline).await {
             if !warned {
-                tracing::warn!("tracker unavailable, records stay pending for `harness sync`: {e:#}");
+                tracing::warn!(
+                    "tracker unavailable, records stay pending for `harness sync`: {e:#}"
+                );
                 warned = true;
             }
         } else {
@@ -455,7 +547,8 @@ pub async fn pump(store: Store, run_id: i64, cfg: TrackerConfig) {
 
 /// At the end of a run: keep pushing for at most `budget`, then leave the rest to `harness sync`.
 pub async fn flush_run(store: &Store, run_id: i64, cfg: &TrackerConfig, budget: Duration) {
-    let timeout = Duration::from_secs_f64(cfg.timeout_s).min(budget.max(Duration::from_millis(100)));
+    let timeout =
+        Duration::from_secs_f64(cfg.timeout_s).min(budget.max(Duration::from_millis(100)));
     let deadline = Instant::now() + budget;
     if let Err(e) = store.flush().await {
         tracing::warn!("flushing run {run_id}: {e:#}");
@@ -474,7 +567,12 @@ pub async fn flush_run(store: &Store, run_id: i64, cfg: &TrackerConfig, budget: 
 
 /// `harness sync`: pushes everything pending for every tracked run; errors if anything is
 /// still pending at the end.
-pub async fn sync_all(store: &Store, uri: Option<&str>, timeout: Duration, budget: Duration) -> Result<Vec<(i64, Pending)>> {
+pub async fn sync_all(
+    store: &Store,
+    uri: Option<&str>,
+    timeout: Duration,
+    budget: Duration,
+) -> Result<Vec<(i64, Pending)>> {
     let runs: Vec<i64> = sqlx::query_scalar("SELECT run_id FROM tracker_runs ORDER BY run_id")
         .fetch_all(store.pool())
         .await?;
@@ -489,7 +587,10 @@ pub async fn sync_all(store: &Store, uri: Option<&str>, timeout: Duration, budge
         match sync_run(store, run, uri, timeout, deadline).await {
             Ok(p) => {
                 if !p.is_empty() {
-                    failures.push(format!("run {run}: {} records and {} metrics still pending (time budget spent)", p.records, p.metrics));
+                    failures.push(format!(
+                        "run {run}: {} records and {} metrics still pending (time budget spent)",
+                        p.records, p.metrics
+                    ));
                 }
                 out.push((run, before));
             }

@@ -84,7 +84,13 @@ fn git_info() -> (Option<String>, Option<bool>) {
 
 fn sanitize(name: &str) -> String {
     name.chars()
-        .map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' })
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                c
+            } else {
+                '_'
+            }
+        })
         .collect()
 }
 
@@ -97,8 +103,12 @@ pub fn train(rt: &Runtime, cfg: ExperimentConfig, member: Membership) -> Result<
     let name = cfg.trainer.experiment_name.clone();
     let project = cfg.trainer.project_name.clone();
     // Absolute, so that `resume`, `show` and sweeps work from any working directory.
-    let runs_dir = std::path::absolute(&cfg.trainer.runs_dir)
-        .with_context(|| format!("resolving trainer.runs_dir {}", cfg.trainer.runs_dir.display()))?;
+    let runs_dir = std::path::absolute(&cfg.trainer.runs_dir).with_context(|| {
+        format!(
+            "resolving trainer.runs_dir {}",
+            cfg.trainer.runs_dir.display()
+        )
+    })?;
     let seed = cfg.trainer.seed as i64;
     let heartbeat_s = cfg.trainer.heartbeat_s;
     let tracker_on = cfg.trainer.tracker.kind != config::TrackerKind::None;
@@ -150,8 +160,13 @@ pub fn train(rt: &Runtime, cfg: ExperimentConfig, member: Membership) -> Result<
         .with_context(|| format!("writing {}/config.toml", run_dir.display()))?;
     logging::to_file(&run_dir.join("harness.log"));
     tracing::info!(run = run_id, dir = %run_dir.display(), "run started");
-    eprintln!("harness: run {run_id} ({}) in {}", run.name, run_dir.display());
-    let result = build_trainer(&cfg).and_then(|trainer| drive(rt, &store, run_id, &run_dir, &cfg, trainer, true));
+    eprintln!(
+        "harness: run {run_id} ({}) in {}",
+        run.name,
+        run_dir.display()
+    );
+    let result = build_trainer(&cfg)
+        .and_then(|trainer| drive(rt, &store, run_id, &run_dir, &cfg, trainer, true));
     finish(rt, &store, run_id, &cfg, result)
 }
 
@@ -206,8 +221,15 @@ pub fn resume(
     }
     let step = ckpt.step;
     let config_json = config::to_json(&cfg)?;
-    let change_msgs: Vec<String> = changes.iter().map(|(k, a, b)| format!("{k}: {a} -> {b}")).collect();
-    let removed: Vec<String> = ckpts.iter().filter(|c| c.step > step).map(|c| c.path.clone()).collect();
+    let change_msgs: Vec<String> = changes
+        .iter()
+        .map(|(k, a, b)| format!("{k}: {a} -> {b}"))
+        .collect();
+    let removed: Vec<String> = ckpts
+        .iter()
+        .filter(|c| c.step > step)
+        .map(|c| c.path.clone())
+        .collect();
     let dropped = rt
         .block_on(store.write(move |c| {
             Box::pin(async move {
@@ -260,7 +282,13 @@ pub fn resume(
     }
     let run_dir = PathBuf::from(&run.run_dir);
     logging::to_file(&run_dir.join("harness.log"));
-    tracing::info!(run = id, step, dropped, "resuming from {}", ckpt_dir.display());
+    tracing::info!(
+        run = id,
+        step,
+        dropped,
+        "resuming from {}",
+        ckpt_dir.display()
+    );
     eprintln!("harness: resuming run {id} from {}", ckpt_dir.display());
     let result = build_trainer(&cfg).and_then(|mut trainer| {
         trainer
@@ -295,21 +323,25 @@ fn finish(
     let recorded = rt.block_on(store.write(move |c| {
         Box::pin(async move {
             let t = now();
-            sqlx::query("UPDATE runs SET status = ?, ended = ?, heartbeat = ?, error = ? WHERE id = ?")
-                .bind(status)
-                .bind(t)
-                .bind(t)
-                .bind(&err2)
+            sqlx::query(
+                "UPDATE runs SET status = ?, ended = ?, heartbeat = ?, error = ? WHERE id = ?",
+            )
+            .bind(status)
+            .bind(t)
+            .bind(t)
+            .bind(&err2)
+            .bind(id)
+            .execute(&mut *c)
+            .await?;
+            if let Some(e) = &err2 {
+                sqlx::query(
+                    "INSERT INTO events (run_id, time, kind, message) VALUES (?, ?, 'error', ?)",
+                )
                 .bind(id)
+                .bind(t)
+                .bind(e)
                 .execute(&mut *c)
                 .await?;
-            if let Some(e) = &err2 {
-                sqlx::query("INSERT INTO events (run_id, time, kind, message) VALUES (?, ?, 'error', ?)")
-                    .bind(id)
-                    .bind(t)
-                    .bind(e)
-                    .execute(&mut *c)
-                    .await?;
             }
             tracker::enqueue_status(c, id, status, Some(t)).await?;
             Ok(0)
@@ -325,7 +357,9 @@ fn finish(
     tracing::info!(run = id, status, "run ended");
     match result {
         Ok(Outcome::Finished) => Ok(id),
-        Ok(Outcome::Killed) => bail!("run {id} stopped by a signal; `harness resume {id}` continues it"),
+        Ok(Outcome::Killed) => {
+            bail!("run {id} stopped by a signal; `harness resume {id}` continues it")
+        }
         Err(e) => Err(e.context(format!("run {id} failed"))),
     }
 }
@@ -365,8 +399,10 @@ fn drive(
         let stop = stop.clone();
         rt.spawn(async move {
             use tokio::signal::unix::{SignalKind, signal};
-            let (Ok(mut int), Ok(mut term)) = (signal(SignalKind::interrupt()), signal(SignalKind::terminate()))
-            else {
+            let (Ok(mut int), Ok(mut term)) = (
+                signal(SignalKind::interrupt()),
+                signal(SignalKind::terminate()),
+            ) else {
                 return;
             };
             tokio::select! {
@@ -380,8 +416,10 @@ fn drive(
         .then(|| rt.spawn(tracker::pump(store.clone(), run_id, t.tracker.clone())));
     let bar = ProgressBar::new(total).with_position(trainer.global_step());
     bar.set_style(
-        ProgressStyle::with_template("{spinner} step {pos}/{len} [{bar:30}] {elapsed} eta {eta} {msg}")
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        ProgressStyle::with_template(
+            "{spinner} step {pos}/{len} [{bar:30}] {elapsed} eta {eta} {msg}",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
     let result = (|| -> Result<Outcome> {
         if fresh && t.val_before_train {
@@ -396,7 +434,11 @@ fn drive(
                 if step > last_ckpt {
                     save_checkpoint(rt, store, run_id, run_dir, cfg, trainer.as_ref())?;
                 }
-                store.event(Some(run_id), "signal", format!("stopped by a signal after step {step}"))?;
+                store.event(
+                    Some(run_id),
+                    "signal",
+                    format!("stopped by a signal after step {step}"),
+                )?;
                 return Ok(Outcome::Killed);
             }
             let started = Instant::now();
@@ -407,7 +449,9 @@ fn drive(
             let step = trainer.global_step();
             m.insert("timing_s/step".into(), started.elapsed().as_secs_f64());
             if is_due(t.test_freq, step, total) {
-                let (v, _) = trainer.validate().with_context(|| format!("validation at step {step}"))?;
+                let (v, _) = trainer
+                    .validate()
+                    .with_context(|| format!("validation at step {step}"))?;
                 tracing::info!(step, ?v, "validation");
                 m.extend(v);
             }
@@ -452,7 +496,9 @@ fn save_checkpoint(
         std::fs::remove_dir_all(&tmp).with_context(ctx)?;
     }
     std::fs::create_dir_all(tmp.join("trainer")).with_context(ctx)?;
-    trainer.save_checkpoint(&tmp.join("trainer")).with_context(ctx)?;
+    trainer
+        .save_checkpoint(&tmp.join("trainer"))
+        .with_context(ctx)?;
     std::fs::write(tmp.join("config.json"), config::to_json(cfg)?).with_context(ctx)?;
     std::fs::write(tmp.join("config.toml"), config::to_toml(cfg)?).with_context(ctx)?;
     let meta = CheckpointMeta {
@@ -462,7 +508,8 @@ fn save_checkpoint(
         algorithm: cfg.trainer.algorithm,
     };
     // harness.json is written last: its presence marks a complete checkpoint.
-    std::fs::write(tmp.join("harness.json"), serde_json::to_vec_pretty(&meta)?).with_context(ctx)?;
+    std::fs::write(tmp.join("harness.json"), serde_json::to_vec_pretty(&meta)?)
+        .with_context(ctx)?;
     fsync_tree(&tmp).with_context(ctx)?;
     if final_dir.exists() {
         std::fs::remove_dir_all(&final_dir).with_context(ctx)?;

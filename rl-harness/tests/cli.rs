@@ -38,11 +38,25 @@ fn failures_exit_non_zero_with_a_one_line_cause() {
     let bad = env.file("bad.toml", "[trainer]\ntotal_trainig_steps = 3\n");
     let err = env.fails(&["train", bad.to_str().unwrap()]);
     assert_eq!(err.trim().lines().count(), 1, "{err}");
-    assert!(err.contains("unknown config key `trainer.total_trainig_steps`"), "{err}");
-    assert!(err.contains("did you mean `trainer.total_training_steps`"), "{err}");
+    assert!(
+        err.contains("unknown config key `trainer.total_trainig_steps`"),
+        "{err}"
+    );
+    assert!(
+        err.contains("did you mean `trainer.total_training_steps`"),
+        "{err}"
+    );
     let cfg = env.file("exp.toml", BANDIT);
-    let err = env.fails(&["config", "show", cfg.to_str().unwrap(), "trainer.save_freq=often"]);
-    assert!(err.contains("trainer.save_freq") && err.contains("expected"), "{err}");
+    let err = env.fails(&[
+        "config",
+        "show",
+        cfg.to_str().unwrap(),
+        "trainer.save_freq=often",
+    ]);
+    assert!(
+        err.contains("trainer.save_freq") && err.contains("expected"),
+        "{err}"
+    );
     let err = env.fails(&["train", "missing.toml"]);
     assert!(err.contains("missing.toml"), "{err}");
     let err = env.fails(&["show", "1"]);
@@ -63,14 +77,26 @@ fn config_show_applies_file_env_and_overrides_in_order() {
         .env("RL_TRAINER__SEED", "99")
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let text = String::from_utf8_lossy(&out.stdout);
     let shown: toml::Table = toml::from_str(&text).unwrap();
     let trainer = shown["trainer"].as_table().unwrap();
     assert_eq!(trainer["save_freq"].as_integer(), Some(3), "env over file");
     assert_eq!(trainer["seed"].as_integer(), Some(11), "override over env");
-    assert_eq!(trainer["total_training_steps"].as_integer(), Some(20), "file over default");
-    assert_eq!(shown["algorithm"]["adv_estimator"].as_str(), Some("gae"), "default");
+    assert_eq!(
+        trainer["total_training_steps"].as_integer(),
+        Some(20),
+        "file over default"
+    );
+    assert_eq!(
+        shown["algorithm"]["adv_estimator"].as_str(),
+        Some("gae"),
+        "default"
+    );
 }
 
 #[test]
@@ -78,28 +104,87 @@ fn train_then_list_filter_show_compare_plot_and_export() {
     let env = Env::new();
     let cfg = env.file("exp.toml", BANDIT);
     let cfg = cfg.to_str().unwrap();
-    env.ok(&["train", cfg, "trainer.experiment_name=low", "bandit.lr=0.01"]);
-    env.ok(&["train", cfg, "trainer.experiment_name=high", "bandit.lr=0.1", "algorithm.adv_estimator=grpo"]);
+    env.ok(&[
+        "train",
+        cfg,
+        "trainer.experiment_name=low",
+        "bandit.lr=0.01",
+    ]);
+    env.ok(&[
+        "train",
+        cfg,
+        "trainer.experiment_name=high",
+        "bandit.lr=0.1",
+        "algorithm.adv_estimator=grpo",
+    ]);
     let runs = env.ok(&["runs"]);
-    assert!(runs.contains("low") && runs.contains("high") && runs.contains("finished"), "{runs}");
-    let filtered = env.ok(&["runs", "--filter", "algorithm.adv_estimator = 'grpo' and val/test_score >= 0"]);
-    assert!(filtered.contains("high") && !filtered.contains("low"), "{filtered}");
+    assert!(
+        runs.contains("low") && runs.contains("high") && runs.contains("finished"),
+        "{runs}"
+    );
+    let filtered = env.ok(&[
+        "runs",
+        "--filter",
+        "algorithm.adv_estimator = 'grpo' and val/test_score >= 0",
+    ]);
+    assert!(
+        filtered.contains("high") && !filtered.contains("low"),
+        "{filtered}"
+    );
     let filtered = env.ok(&["runs", "--filter", "bandit.lr < 0.05 or status = 'failed'"]);
-    assert!(filtered.contains("low") && !filtered.contains("high"), "{filtered}");
+    assert!(
+        filtered.contains("low") && !filtered.contains("high"),
+        "{filtered}"
+    );
 
     let show = env.ok(&["show", "high"]);
-    for want in ["status      finished", "val/test_score", "global_step_20", "lr = 0.1", "git "] {
+    for want in [
+        "status      finished",
+        "val/test_score",
+        "global_step_20",
+        "lr = 0.1",
+        "git ",
+    ] {
         assert!(show.contains(want), "show lacks {want:?}:\n{show}");
     }
 
-    let cmp = env.ok(&["compare", "1", "2", "--metric", "val/test_score", "--metric", "actor/pg_loss", "--at-step", "10", "--plot", "curves.svg", "--smooth", "0.5"]);
+    let cmp = env.ok(&[
+        "compare",
+        "1",
+        "2",
+        "--metric",
+        "val/test_score",
+        "--metric",
+        "actor/pg_loss",
+        "--at-step",
+        "10",
+        "--plot",
+        "curves.svg",
+        "--smooth",
+        "0.5",
+    ]);
     assert!(cmp.contains("val/test_score: last / best@step"), "{cmp}");
     assert!(cmp.contains("bandit.lr: 1=0.01  2=0.1"), "{cmp}");
     assert!(cmp.contains("algorithm.adv_estimator"), "{cmp}");
-    assert!(!cmp.contains("trainer.seed"), "identical keys are not differences: {cmp}");
+    assert!(
+        !cmp.contains("trainer.seed"),
+        "identical keys are not differences: {cmp}"
+    );
     let svg = std::fs::read_to_string(env.path().join("curves.svg")).unwrap();
-    assert!(svg.starts_with("<svg") && svg.contains("val/test_score") && svg.contains("polyline"), "{}", &svg[..200.min(svg.len())]);
-    env.ok(&["compare", "1", "2", "--metric", "critic/score/mean", "--plot", "curves.png"]);
+    assert!(
+        svg.starts_with("<svg") && svg.contains("val/test_score") && svg.contains("polyline"),
+        "{}",
+        &svg[..200.min(svg.len())]
+    );
+    env.ok(&[
+        "compare",
+        "1",
+        "2",
+        "--metric",
+        "critic/score/mean",
+        "--plot",
+        "curves.png",
+    ]);
     let png = std::fs::read(env.path().join("curves.png")).unwrap();
     assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
     assert!(png.len() > 5_000);
@@ -112,21 +197,37 @@ fn train_then_list_filter_show_compare_plot_and_export() {
     assert_eq!(lines.count(), n);
     env.ok(&["export", "2", "--format", "jsonl", "--out", "m.jsonl"]);
     let jsonl = std::fs::read_to_string(env.path().join("m.jsonl")).unwrap();
-    let rows: Vec<serde_json::Value> = jsonl.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let rows: Vec<serde_json::Value> = jsonl
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
     assert_eq!(rows.len(), 21, "steps 0..=20");
     assert!(rows[20]["metrics"]["val/test_score"].is_number());
     // The bandit learns: the final greedy score beats the first.
-    assert!(rows[20]["metrics"]["val/test_score"].as_f64() > rows[0]["metrics"]["val/test_score"].as_f64());
+    assert!(
+        rows[20]["metrics"]["val/test_score"].as_f64()
+            > rows[0]["metrics"]["val/test_score"].as_f64()
+    );
 }
 
 #[test]
 fn two_processes_write_one_store_at_once_without_locking_errors_or_lost_metrics() {
     let env = Env::new();
-    let cfg = env.file("exp.toml", &BANDIT.replace("total_training_steps = 20", "total_training_steps = 300"));
+    let cfg = env.file(
+        "exp.toml",
+        &BANDIT.replace("total_training_steps = 20", "total_training_steps = 300"),
+    );
     let cfg = cfg.to_str().unwrap();
     // Both start on a store that does not exist yet: the migrations race too.
     let children: Vec<_> = (0..2)
-        .map(|i| env.spawn(&["train", cfg, &format!("trainer.experiment_name=w{i}"), "trainer.save_freq=50"]))
+        .map(|i| {
+            env.spawn(&[
+                "train",
+                cfg,
+                &format!("trainer.experiment_name=w{i}"),
+                "trainer.save_freq=50",
+            ])
+        })
         .collect();
     for c in children {
         let out = c.wait_with_output().unwrap();
@@ -153,9 +254,21 @@ fn the_quickstart_experiment_trains_and_plots_its_learning_curve() {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let quick = root.join("experiments/quickstart.toml");
     env.ok(&["train", quick.to_str().unwrap()]);
-    env.ok(&["compare", "1", "--metric", "critic/score/mean", "--metric", "val/test_score", "--plot", "quickstart.svg"]);
+    env.ok(&[
+        "compare",
+        "1",
+        "--metric",
+        "critic/score/mean",
+        "--metric",
+        "val/test_score",
+        "--plot",
+        "quickstart.svg",
+    ]);
     assert!(env.path().join("quickstart.svg").is_file());
     let sweep = root.join("experiments/kl_coef.toml");
     let shown = env.ok(&["config", "show", sweep.to_str().unwrap()]);
-    assert!(!shown.contains("[sweep"), "the sweep table is not part of the experiment");
+    assert!(
+        !shown.contains("[sweep"),
+        "the sweep table is not part of the experiment"
+    );
 }

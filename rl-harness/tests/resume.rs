@@ -16,22 +16,43 @@ fn kill_9_mid_step_after_a_checkpoint_then_resume_matches_an_uninterrupted_run()
     env.ok(&["train", cfg, "trainer.experiment_name=a"]);
     // B: same config (the step delay is a resume-safe key that changes no metric), killed with
     // SIGKILL in the middle of a step after its second checkpoint.
-    let mut child = env.spawn(&["train", cfg, "trainer.experiment_name=b", "bandit.step_delay_ms=150"]);
+    let mut child = env.spawn(&[
+        "train",
+        cfg,
+        "trainer.experiment_name=b",
+        "bandit.step_delay_ms=150",
+    ]);
     let (rt, store) = {
-        wait_for("the run store", Duration::from_secs(60), || env.db().exists());
+        wait_for("the run store", Duration::from_secs(60), || {
+            env.db().exists()
+        });
         env.store()
     };
-    wait_for("run b's checkpoint at step 10", Duration::from_secs(120), || {
-        rt.block_on(store.checkpoints(2)).map(|c| c.iter().any(|c| c.step == 10)).unwrap_or(false)
-    });
+    wait_for(
+        "run b's checkpoint at step 10",
+        Duration::from_secs(120),
+        || {
+            rt.block_on(store.checkpoints(2))
+                .map(|c| c.iter().any(|c| c.step == 10))
+                .unwrap_or(false)
+        },
+    );
     std::thread::sleep(Duration::from_millis(60));
     child.kill().unwrap(); // SIGKILL
     child.wait().unwrap();
     let b = rt.block_on(store.run(2)).unwrap().unwrap();
-    assert_eq!(b.status, "running", "a killed process cannot record its end");
+    assert_eq!(
+        b.status, "running",
+        "a killed process cannot record its end"
+    );
     assert_eq!(b.effective_status(), "dead");
     let listed = env.ok(&["runs"]);
-    assert!(listed.lines().any(|l| l.contains(" b ") && l.contains("dead")), "{listed}");
+    assert!(
+        listed
+            .lines()
+            .any(|l| l.contains(" b ") && l.contains("dead")),
+        "{listed}"
+    );
     // The killed run holds metrics past its last checkpoint (steps 11.. may be there).
     let ckpts = rt.block_on(store.checkpoints(2)).unwrap();
     let last = ckpts.last().unwrap().step;
@@ -45,24 +66,43 @@ fn kill_9_mid_step_after_a_checkpoint_then_resume_matches_an_uninterrupted_run()
     let a_metrics = metrics_of(&rt, &store, 1);
     let b_metrics = metrics_of(&rt, &store, 2);
     assert!(a_metrics.len() > 100, "{}", a_metrics.len());
-    assert_eq!(a_metrics, b_metrics, "resumed run differs from the uninterrupted one");
+    assert_eq!(
+        a_metrics, b_metrics,
+        "resumed run differs from the uninterrupted one"
+    );
     let b = rt.block_on(store.run(2)).unwrap().unwrap();
     assert_eq!(b.status, "finished");
     assert_eq!(b.resumed_from, Some(last));
     let events = rt.block_on(store.events(2)).unwrap();
     assert!(events.iter().any(|e| e.kind == "resume"), "{events:?}");
     assert!(
-        events.iter().any(|e| e.kind == "config_change" && e.message.contains("bandit.step_delay_ms")),
+        events
+            .iter()
+            .any(|e| e.kind == "config_change" && e.message.contains("bandit.step_delay_ms")),
         "{events:?}"
     );
     // The resolved config is stored in the run directory and in every checkpoint.
     let ck = rt.block_on(store.checkpoints(2)).unwrap();
     let path = std::path::Path::new(&ck.last().unwrap().path).to_path_buf();
-    for f in ["config.toml", "config.json", "harness.json", "trainer/trainer.ot", "trainer/trainer.json"] {
+    for f in [
+        "config.toml",
+        "config.json",
+        "harness.json",
+        "trainer/trainer.ot",
+        "trainer/trainer.json",
+    ] {
         assert!(path.join(f).is_file(), "{} lacks {f}", path.display());
     }
-    assert!(std::path::Path::new(&b.run_dir).join("config.toml").is_file());
-    assert!(std::path::Path::new(&b.run_dir).join("harness.log").is_file());
+    assert!(
+        std::path::Path::new(&b.run_dir)
+            .join("config.toml")
+            .is_file()
+    );
+    assert!(
+        std::path::Path::new(&b.run_dir)
+            .join("harness.log")
+            .is_file()
+    );
 }
 
 #[test]
@@ -73,9 +113,22 @@ fn resume_from_an_earlier_step_drops_later_metrics_and_checkpoints_and_replays_e
     env.ok(&["train", cfg, "trainer.max_ckpt_to_keep=3"]);
     let (rt, store) = env.store();
     let before = metrics_of(&rt, &store, 1);
-    let steps: Vec<i64> = rt.block_on(store.checkpoints(1)).unwrap().iter().map(|c| c.step).collect();
-    assert_eq!(steps, vec![10, 15, 20], "max_ckpt_to_keep=3 keeps the newest three");
-    assert!(!env.path().join("runs/1-base/checkpoints/global_step_5").exists());
+    let steps: Vec<i64> = rt
+        .block_on(store.checkpoints(1))
+        .unwrap()
+        .iter()
+        .map(|c| c.step)
+        .collect();
+    assert_eq!(
+        steps,
+        vec![10, 15, 20],
+        "max_ckpt_to_keep=3 keeps the newest three"
+    );
+    assert!(
+        !env.path()
+            .join("runs/1-base/checkpoints/global_step_5")
+            .exists()
+    );
     // A finished run can be resumed from an earlier checkpoint: later history is replaced.
     env.ok(&["resume", "1", "--from-step", "10"]);
     assert_eq!(metrics_of(&rt, &store, 1), before);
@@ -90,13 +143,67 @@ fn a_running_run_cannot_be_resumed_twice() {
     let env = Env::new();
     let cfg = env.file("exp.toml", BANDIT);
     let mut child = env.spawn(&["train", cfg.to_str().unwrap(), "bandit.step_delay_ms=100"]);
-    wait_for("the run store", Duration::from_secs(60), || env.db().exists());
+    wait_for("the run store", Duration::from_secs(60), || {
+        env.db().exists()
+    });
     let (rt, store) = env.store();
     wait_for("a checkpoint", Duration::from_secs(60), || {
-        rt.block_on(store.checkpoints(1)).map(|c| !c.is_empty()).unwrap_or(false)
+        rt.block_on(store.checkpoints(1))
+            .map(|c| !c.is_empty())
+            .unwrap_or(false)
     });
     let err = env.fails(&["resume", "1"]);
     assert!(err.contains("still running"), "{err}");
     child.kill().unwrap();
     child.wait().unwrap();
+}
+
+#[test]
+fn sigterm_checkpoints_marks_the_run_killed_and_resume_is_exact() {
+    let env = Env::new();
+    let cfg = env.file("exp.toml", BANDIT);
+    let cfg = cfg.to_str().unwrap();
+    env.ok(&[
+        "train",
+        cfg,
+        "trainer.experiment_name=a",
+        "trainer.save_freq=-1",
+    ]);
+    let child = env.spawn(&[
+        "train",
+        cfg,
+        "trainer.experiment_name=b",
+        "trainer.save_freq=-1",
+        "bandit.step_delay_ms=100",
+    ]);
+    wait_for("the run store", Duration::from_secs(60), || {
+        env.db().exists()
+    });
+    let (rt, store) = env.store();
+    wait_for("a few steps of run b", Duration::from_secs(60), || {
+        rt.block_on(store.series(2, "actor/pg_loss"))
+            .map(|s| s.len() >= 3)
+            .unwrap_or(false)
+    });
+    std::process::Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("stopped by a signal") && err.contains("harness resume 2"),
+        "{err}"
+    );
+    let b = rt.block_on(store.run(2)).unwrap().unwrap();
+    assert_eq!(b.status, "killed");
+    let ckpts = rt.block_on(store.checkpoints(2)).unwrap();
+    assert_eq!(
+        ckpts.len(),
+        1,
+        "a checkpoint at the step where the signal arrived"
+    );
+    env.ok(&["resume", "2", "bandit.step_delay_ms=0"]);
+    assert_eq!(metrics_of(&rt, &store, 1), metrics_of(&rt, &store, 2));
 }

@@ -10,50 +10,91 @@ use std::time::Duration;
 use common::{BANDIT, Env, wait_for};
 
 fn sweep_file(env: &Env, grid: &str) -> String {
-    let text = format!("{BANDIT}\n[sweep]\nname = \"lr\"\nstrategy = \"grid\"\nmetric = \"val/test_score\"\n[sweep.grid]\n{grid}\n");
+    let text = format!(
+        "{BANDIT}\n[sweep]\nname = \"lr\"\nstrategy = \"grid\"\nmetric = \"val/test_score\"\n[sweep.grid]\n{grid}\n"
+    );
     env.file("sweep.toml", &text).to_str().unwrap().to_string()
 }
 
 #[test]
 fn an_interrupted_sweep_rerun_completes_only_the_missing_trials() {
     let env = Env::new();
-    let file = sweep_file(&env, "\"bandit.lr\" = [0.02, 0.05, 0.1, 0.2]\n\"bandit.step_delay_ms\" = [60]");
+    let file = sweep_file(
+        &env,
+        "\"bandit.lr\" = [0.02, 0.05, 0.1, 0.2]\n\"bandit.step_delay_ms\" = [60]",
+    );
     // Its own process group, so that kill -9 takes the trial child with it.
     let mut child = {
         use std::os::unix::process::CommandExt;
-        env.cmd().args(["sweep", &file]).process_group(0).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap()
+        env.cmd()
+            .args(["sweep", &file])
+            .process_group(0)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap()
     };
-    wait_for("the run store", Duration::from_secs(60), || env.db().exists());
-    let (rt, store) = env.store();
-    wait_for("two finished trials and a checkpoint of the third", Duration::from_secs(180), || {
-        let runs = rt.block_on(store.runs(None)).unwrap_or_default();
-        let finished = runs.iter().filter(|r| r.status == "finished").count();
-        finished == 2
-            && runs.len() == 3
-            && rt.block_on(store.checkpoints(runs[2].id)).map(|c| !c.is_empty()).unwrap_or(false)
+    wait_for("the run store", Duration::from_secs(60), || {
+        env.db().exists()
     });
+    let (rt, store) = env.store();
+    wait_for(
+        "two finished trials and a checkpoint of the third",
+        Duration::from_secs(180),
+        || {
+            let runs = rt.block_on(store.runs(None)).unwrap_or_default();
+            let finished = runs.iter().filter(|r| r.status == "finished").count();
+            finished == 2
+                && runs.len() == 3
+                && rt
+                    .block_on(store.checkpoints(runs[2].id))
+                    .map(|c| !c.is_empty())
+                    .unwrap_or(false)
+        },
+    );
     let pgid = child.id();
-    std::process::Command::new("kill").args(["-KILL", "--", &format!("-{pgid}")]).status().unwrap();
+    std::process::Command::new("kill")
+        .args(["-KILL", "--", &format!("-{pgid}")])
+        .status()
+        .unwrap();
     child.wait().unwrap();
     wait_for("the trial process to die", Duration::from_secs(10), || {
         let r = rt.block_on(store.run(3)).unwrap().unwrap();
-        eprintln!("run 3: {} pid {:?} alive {:?}", r.effective_status(), r.pid, r.pid.map(rl_harness::pid_alive));
+        eprintln!(
+            "run 3: {} pid {:?} alive {:?}",
+            r.effective_status(),
+            r.pid,
+            r.pid.map(rl_harness::pid_alive)
+        );
         r.effective_status() == "dead"
     });
 
     let out = env.ok(&["sweep", &file]);
-    assert!(out.contains("2 skipped (already finished), 1 started, 1 resumed; 2 finished, 0 failed"), "{out}");
+    assert!(
+        out.contains("2 skipped (already finished), 1 started, 1 resumed; 2 finished, 0 failed"),
+        "{out}"
+    );
     let runs = rt.block_on(store.runs(None)).unwrap();
     assert_eq!(runs.len(), 4, "no trial ran twice");
     assert!(runs.iter().all(|r| r.status == "finished"));
-    assert!(runs[2].resumed_from.is_some(), "the interrupted trial was resumed");
+    assert!(
+        runs[2].resumed_from.is_some(),
+        "the interrupted trial was resumed"
+    );
     let sweep_id = runs[0].sweep_id.clone().unwrap();
     // A third run of the command has nothing left to do.
     let out = env.ok(&["sweep", &file]);
     assert!(out.contains("4 skipped"), "{out}");
     let ranked = env.ok(&["compare", "--sweep", &sweep_id]);
-    assert!(ranked.contains("trials ranked by best val/test_score"), "{ranked}");
-    assert_eq!(ranked.lines().filter(|l| l.contains("finished")).count(), 4, "{ranked}");
+    assert!(
+        ranked.contains("trials ranked by best val/test_score"),
+        "{ranked}"
+    );
+    assert_eq!(
+        ranked.lines().filter(|l| l.contains("finished")).count(),
+        4,
+        "{ranked}"
+    );
     assert!(ranked.contains("bandit.lr=0.2"), "{ranked}");
     let listed = env.ok(&["runs", "--sweep", &sweep_id]);
     assert_eq!(listed.lines().count(), 5, "{listed}");
@@ -68,14 +109,26 @@ fn a_failed_trial_is_recorded_and_the_sweep_goes_on() {
     assert!(out.contains("1 finished, 1 failed"), "{out}");
     let (rt, store) = env.store();
     let runs = rt.block_on(store.runs(None)).unwrap();
-    let failed = runs.iter().find(|r| r.status == "failed").expect("a failed run");
-    assert!(failed.error.as_deref().unwrap_or("").contains("cuda:7"), "{failed:?}");
+    let failed = runs
+        .iter()
+        .find(|r| r.status == "failed")
+        .expect("a failed run");
+    assert!(
+        failed.error.as_deref().unwrap_or("").contains("cuda:7"),
+        "{failed:?}"
+    );
     let events = rt.block_on(store.events(failed.id)).unwrap();
     assert!(events.iter().any(|e| e.kind == "error"), "{events:?}");
     // Re-running skips both: the finished one, and the failed one unless asked.
     let out = env.ok(&["sweep", &file]);
     assert!(out.contains("2 skipped"), "{out}");
-    let bad = env.file("bad_sweep.toml", &format!("{BANDIT}\n[sweep]\nstrategy = \"grid\"\n[sweep.grid]\n\"bandit.lrr\" = [1]\n"));
+    let bad = env.file(
+        "bad_sweep.toml",
+        &format!("{BANDIT}\n[sweep]\nstrategy = \"grid\"\n[sweep.grid]\n\"bandit.lrr\" = [1]\n"),
+    );
     let err = env.fails(&["sweep", bad.to_str().unwrap()]);
-    assert!(err.contains("bandit.lrr") && err.contains("did you mean `bandit.lr`"), "{err}");
+    assert!(
+        err.contains("bandit.lrr") && err.contains("did you mean `bandit.lr`"),
+        "{err}"
+    );
 }

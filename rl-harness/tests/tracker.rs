@@ -24,15 +24,31 @@ struct Server {
 fn mlflow_bin() -> PathBuf {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let bin = root.join(".venv-mlflow/bin/mlflow");
-    assert!(bin.is_file(), "{} is missing: run scripts/mlflow-env first (scripts/test does)", bin.display());
+    assert!(
+        bin.is_file(),
+        "{} is missing: run scripts/mlflow-env first (scripts/test does)",
+        bin.display()
+    );
     bin
 }
 
 fn start(port: u16, dir: &Path) -> Child {
     use std::os::unix::process::CommandExt;
-    let log = std::fs::File::create(dir.join(format!("server-{}.log", Instant::now().elapsed().as_nanos()))).unwrap();
+    let log = std::fs::File::create(dir.join(format!(
+        "server-{}.log",
+        Instant::now().elapsed().as_nanos()
+    )))
+    .unwrap();
     Command::new(mlflow_bin())
-        .args(["server", "--host", "127.0.0.1", "--port", &port.to_string(), "--workers", "1"])
+        .args([
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            &port.to_string(),
+            "--workers",
+            "1",
+        ])
         .arg("--backend-store-uri")
         .arg(format!("sqlite:///{}", dir.join("mlflow.db").display()))
         .arg("--default-artifact-root")
@@ -47,7 +63,10 @@ fn start(port: u16, dir: &Path) -> Child {
 }
 
 fn get(port: u16, path: &str) -> Option<Value> {
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().ok()?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .ok()?;
     rt.block_on(async {
         let resp = reqwest::Client::new()
             .get(format!("http://127.0.0.1:{port}{path}"))
@@ -70,7 +89,10 @@ fn wait_up(port: u16) {
 
 fn stop(child: &mut Child) {
     let pgid = child.id();
-    Command::new("kill").args(["-KILL", "--", &format!("-{pgid}")]).status().ok();
+    Command::new("kill")
+        .args(["-KILL", "--", &format!("-{pgid}")])
+        .status()
+        .ok();
     child.wait().ok();
 }
 
@@ -78,7 +100,11 @@ fn stop(child: &mut Child) {
 fn server() -> &'static Mutex<Server> {
     static S: OnceLock<Mutex<Server>> = OnceLock::new();
     S.get_or_init(|| {
-        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
         let dir = tempfile::tempdir().unwrap().keep();
         let child = start(port, &dir);
         wait_up(port);
@@ -88,10 +114,12 @@ fn server() -> &'static Mutex<Server> {
 
 fn remote_run_id(rt: &tokio::runtime::Runtime, store: &rl_harness::Store, run: i64) -> String {
     rt.block_on(async {
-        sqlx::query_scalar::<_, Option<String>>("SELECT remote_run_id FROM tracker_runs WHERE run_id = ?")
-            .bind(run)
-            .fetch_one(store.pool())
-            .await
+        sqlx::query_scalar::<_, Option<String>>(
+            "SELECT remote_run_id FROM tracker_runs WHERE run_id = ?",
+        )
+        .bind(run)
+        .fetch_one(store.pool())
+        .await
     })
     .unwrap()
     .expect("the run was created remotely")
@@ -107,7 +135,10 @@ fn history(port: u16, rid: &str, key: &str) -> Vec<(i64, f64)> {
         )
         .expect("metrics/get-history");
         for m in v["metrics"].as_array().cloned().unwrap_or_default() {
-            out.push((m["step"].as_i64().unwrap_or(0), m["value"].as_f64().unwrap_or(f64::NAN)));
+            out.push((
+                m["step"].as_i64().unwrap_or(0),
+                m["value"].as_f64().unwrap_or(f64::NAN),
+            ));
         }
         match v["next_page_token"].as_str() {
             Some(t) if !t.is_empty() => token = format!("&page_token={t}"),
@@ -122,7 +153,10 @@ fn tracked_config(env: &Env, port: u16, extra: &str) -> String {
     let text = format!(
         "{BANDIT}{extra}\n[trainer.tracker]\nkind = \"mlflow\"\nuri = \"http://127.0.0.1:{port}\"\nexperiment = \"harness-test\"\ntimeout_s = 2\ninterval_s = 0.5\nflush_timeout_s = 5\n"
     );
-    env.file("tracked.toml", &text).to_str().unwrap().to_string()
+    env.file("tracked.toml", &text)
+        .to_str()
+        .unwrap()
+        .to_string()
 }
 
 #[test]
@@ -132,7 +166,12 @@ fn runs_params_and_metrics_are_mirrored_to_mlflow() {
     let env = Env::new();
     // 150 steps x 9 metrics: more than one log-batch of 1000.
     let cfg = tracked_config(&env, port, "");
-    env.ok(&["train", &cfg, "trainer.total_training_steps=150", "trainer.save_freq=50"]);
+    env.ok(&[
+        "train",
+        &cfg,
+        "trainer.total_training_steps=150",
+        "trainer.save_freq=50",
+    ]);
     let (rt, store) = env.store();
     let rid = remote_run_id(&rt, &store, 1);
     let run = get(port, &format!("/api/2.0/mlflow/runs/get?run_id={rid}")).expect("runs/get");
@@ -141,7 +180,12 @@ fn runs_params_and_metrics_are_mirrored_to_mlflow() {
     let stored = rt.block_on(store.run(1)).unwrap().unwrap().config;
     let keys = rl_harness::config::flatten(&serde_json::from_str(&stored).unwrap()).len();
     assert_eq!(params.len(), keys, "every config key is a param");
-    assert!(params.iter().any(|p| p["key"] == "bandit.lr" && p["value"] == "0.05"), "{params:?}");
+    assert!(
+        params
+            .iter()
+            .any(|p| p["key"] == "bandit.lr" && p["value"] == "0.05"),
+        "{params:?}"
+    );
     let local = rt.block_on(store.series(1, "critic/score/mean")).unwrap();
     assert_eq!(local.len(), 150);
     let remote = history(port, &rid, "critic/score/mean");
@@ -150,7 +194,9 @@ fn runs_params_and_metrics_are_mirrored_to_mlflow() {
         assert_eq!(s1, s2);
         assert!((v1 - v2).abs() < 1e-9, "{v1} vs {v2}");
     }
-    let pending = rt.block_on(rl_harness::tracker::pending(&store, 1)).unwrap();
+    let pending = rt
+        .block_on(rl_harness::tracker::pending(&store, 1))
+        .unwrap();
     assert!(pending.is_empty(), "{pending:?}");
     assert!(env.ok(&["sync"]).contains("nothing pending"));
 }
@@ -161,27 +207,53 @@ fn a_server_stopped_mid_run_never_fails_training_and_sync_catches_up() {
     let port = server.port;
     let env = Env::new();
     let cfg = tracked_config(&env, port, "");
-    let child = env.spawn(&["train", &cfg, "trainer.total_training_steps=40", "bandit.step_delay_ms=100"]);
-    wait_for("the run store", Duration::from_secs(60), || env.db().exists());
+    let child = env.spawn(&[
+        "train",
+        &cfg,
+        "trainer.total_training_steps=40",
+        "bandit.step_delay_ms=100",
+    ]);
+    wait_for("the run store", Duration::from_secs(60), || {
+        env.db().exists()
+    });
     let (rt, store) = env.store();
-    wait_for("the remote run and some metrics pushed", Duration::from_secs(60), || {
-        rt.block_on(async {
-            sqlx::query_scalar::<_, i64>("SELECT metric_cursor FROM tracker_runs WHERE run_id = 1")
+    wait_for(
+        "the remote run and some metrics pushed",
+        Duration::from_secs(60),
+        || {
+            rt.block_on(async {
+                sqlx::query_scalar::<_, i64>(
+                    "SELECT metric_cursor FROM tracker_runs WHERE run_id = 1",
+                )
                 .fetch_optional(store.pool())
                 .await
-        })
-        .ok()
-        .flatten()
-        .unwrap_or(0)
-            > 0
-    });
+            })
+            .ok()
+            .flatten()
+            .unwrap_or(0)
+                > 0
+        },
+    );
     stop(&mut server.child);
     let started = Instant::now();
     let out = child.wait_with_output().unwrap();
-    assert!(out.status.success(), "training failed with the tracker down: {}", String::from_utf8_lossy(&out.stderr));
-    assert!(started.elapsed() < Duration::from_secs(40), "training was held up: {:?}", started.elapsed());
-    let pending = rt.block_on(rl_harness::tracker::pending(&store, 1)).unwrap();
-    assert!(!pending.is_empty(), "records must be pending while the server is down");
+    assert!(
+        out.status.success(),
+        "training failed with the tracker down: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(40),
+        "training was held up: {:?}",
+        started.elapsed()
+    );
+    let pending = rt
+        .block_on(rl_harness::tracker::pending(&store, 1))
+        .unwrap();
+    assert!(
+        !pending.is_empty(),
+        "records must be pending while the server is down"
+    );
     let err = env.fails(&["sync", "--timeout-s", "5"]);
     assert!(err.contains("tracker sync incomplete"), "{err}");
 
@@ -189,11 +261,19 @@ fn a_server_stopped_mid_run_never_fails_training_and_sync_catches_up() {
     wait_up(port);
     let out = env.ok(&["sync"]);
     assert!(out.contains("run 1: pushed"), "{out}");
-    assert!(rt.block_on(rl_harness::tracker::pending(&store, 1)).unwrap().is_empty());
+    assert!(
+        rt.block_on(rl_harness::tracker::pending(&store, 1))
+            .unwrap()
+            .is_empty()
+    );
     let rid = remote_run_id(&rt, &store, 1);
     let run = get(port, &format!("/api/2.0/mlflow/runs/get?run_id={rid}")).unwrap();
     assert_eq!(run["run"]["info"]["status"], "FINISHED", "{run}");
     let local = rt.block_on(store.series(1, "actor/pg_loss")).unwrap();
     assert_eq!(history(port, &rid, "actor/pg_loss").len(), local.len());
-    assert_eq!(history(port, &rid, "val/test_score").len(), 9, "steps 0, 5, ..., 40");
+    assert_eq!(
+        history(port, &rid, "val/test_score").len(),
+        9,
+        "steps 0, 5, ..., 40"
+    );
 }

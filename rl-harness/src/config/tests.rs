@@ -11,11 +11,17 @@ fn write(dir: &Path, text: &str) -> PathBuf {
 #[test]
 fn layers_apply_in_order_defaults_file_overrides() {
     let dir = tempfile::tempdir().unwrap();
-    let file = write(dir.path(), "[trainer]\nsave_freq = 5\nseed = 3\n[algorithm]\nadv_estimator = 'grpo'\n");
+    let file = write(
+        dir.path(),
+        "[trainer]\nsave_freq = 5\nseed = 3\n[algorithm]\nadv_estimator = 'grpo'\n",
+    );
     let cfg = load(&Sources {
         file: Some(file),
         env: false,
-        overrides: vec![Override::parse("trainer.seed=9").unwrap(), Override::parse("bandit.lr=0.1").unwrap()],
+        overrides: vec![
+            Override::parse("trainer.seed=9").unwrap(),
+            Override::parse("bandit.lr=0.1").unwrap(),
+        ],
     })
     .unwrap();
     assert_eq!(cfg.trainer.save_freq, 5);
@@ -30,58 +36,113 @@ fn layers_apply_in_order_defaults_file_overrides() {
 fn unknown_keys_name_the_key_and_suggest_the_nearest() {
     let dir = tempfile::tempdir().unwrap();
     let file = write(dir.path(), "[trainer]\nsave_frq = 5\n");
-    let err = format!("{:#}", load(&Sources { file: Some(file.clone()), env: false, overrides: vec![] }).unwrap_err());
-    assert!(err.contains("unknown config key `trainer.save_frq`"), "{err}");
+    let err = format!(
+        "{:#}",
+        load(&Sources {
+            file: Some(file.clone()),
+            env: false,
+            overrides: vec![]
+        })
+        .unwrap_err()
+    );
+    assert!(
+        err.contains("unknown config key `trainer.save_frq`"),
+        "{err}"
+    );
     assert!(err.contains("did you mean `trainer.save_freq`"), "{err}");
     assert!(err.contains("exp.toml"), "{err}");
     let err = format!(
         "{:#}",
-        load(&Sources { file: None, env: false, overrides: vec![Override::parse("algorithm.kl_ctrl.kl_cof=0.1").unwrap()] })
-            .unwrap_err()
+        load(&Sources {
+            file: None,
+            env: false,
+            overrides: vec![Override::parse("algorithm.kl_ctrl.kl_cof=0.1").unwrap()]
+        })
+        .unwrap_err()
     );
-    assert!(err.contains("did you mean `algorithm.kl_ctrl.kl_coef`"), "{err}");
+    assert!(
+        err.contains("did you mean `algorithm.kl_ctrl.kl_coef`"),
+        "{err}"
+    );
     let err = format!(
         "{:#}",
-        load(&Sources { file: None, env: false, overrides: vec![Override::parse("actor_rollout_ref.rollout.temprature=0.5").unwrap()] })
-            .unwrap_err()
+        load(&Sources {
+            file: None,
+            env: false,
+            overrides: vec![Override::parse("actor_rollout_ref.rollout.temprature=0.5").unwrap()]
+        })
+        .unwrap_err()
     );
-    assert!(err.contains("did you mean `actor_rollout_ref.rollout.temperature`"), "{err}");
+    assert!(
+        err.contains("did you mean `actor_rollout_ref.rollout.temperature`"),
+        "{err}"
+    );
 }
 
 #[test]
 fn type_errors_name_the_key_and_the_expected_type() {
     let err = format!(
         "{:#}",
-        load(&Sources { file: None, env: false, overrides: vec![Override::parse("trainer.save_freq=often").unwrap()] })
-            .unwrap_err()
+        load(&Sources {
+            file: None,
+            env: false,
+            overrides: vec![Override::parse("trainer.save_freq=often").unwrap()]
+        })
+        .unwrap_err()
     );
     assert!(err.contains("trainer.save_freq"), "{err}");
     assert!(err.contains("expected") && err.contains("i64"), "{err}");
     let err = format!(
         "{:#}",
-        load(&Sources { file: None, env: false, overrides: vec![Override::parse("algorithm.adv_estimator=ppo").unwrap()] })
-            .unwrap_err()
+        load(&Sources {
+            file: None,
+            env: false,
+            overrides: vec![Override::parse("algorithm.adv_estimator=ppo").unwrap()]
+        })
+        .unwrap_err()
     );
-    assert!(err.contains("algorithm.adv_estimator") && err.contains("grpo"), "{err}");
+    assert!(
+        err.contains("algorithm.adv_estimator") && err.contains("grpo"),
+        "{err}"
+    );
     let err = format!(
         "{:#}",
-        load(&Sources { file: None, env: false, overrides: vec![Override::parse("bandit.lr=-1").unwrap()] }).unwrap_err()
+        load(&Sources {
+            file: None,
+            env: false,
+            overrides: vec![Override::parse("bandit.lr=-1").unwrap()]
+        })
+        .unwrap_err()
     );
     assert!(err.contains("bandit.lr"), "{err}");
 }
 
 #[test]
 fn overrides_parse_toml_values_and_reject_bad_forms() {
-    assert_eq!(Override::parse("a.b=3").unwrap().value, toml::Value::Integer(3));
-    assert_eq!(Override::parse("a=grpo").unwrap().value, toml::Value::String("grpo".into()));
-    assert_eq!(Override::parse("a='x y'").unwrap().value, toml::Value::String("x y".into()));
+    assert_eq!(
+        Override::parse("a.b=3").unwrap().value,
+        toml::Value::Integer(3)
+    );
+    assert_eq!(
+        Override::parse("a=grpo").unwrap().value,
+        toml::Value::String("grpo".into())
+    );
+    assert_eq!(
+        Override::parse("a='x y'").unwrap().value,
+        toml::Value::String("x y".into())
+    );
     assert!(Override::parse("novalue").is_err());
     assert!(Override::parse("a..b=1").is_err());
 }
 
 #[test]
 fn resolved_config_round_trips_through_toml_and_json() {
-    let cfg = load(&Sources { file: None, env: false, overrides: vec![Override::parse("trainer.max_ckpt_to_keep=2").unwrap()] }).unwrap();
+    let cfg = load(&Sources {
+        file: None,
+        env: false,
+        overrides: vec![Override::parse("trainer.max_ckpt_to_keep=2").unwrap()],
+    })
+    .unwrap();
     let back: ExperimentConfig = toml::from_str(&to_toml(&cfg).unwrap()).unwrap();
     assert_eq!(back, cfg);
     assert_eq!(from_stored(&to_json(&cfg).unwrap(), &[]).unwrap(), cfg);

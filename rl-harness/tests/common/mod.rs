@@ -12,7 +12,9 @@ pub struct Env {
 
 impl Env {
     pub fn new() -> Env {
-        Env { dir: tempfile::tempdir().unwrap() }
+        Env {
+            dir: tempfile::tempdir().unwrap(),
+        }
     }
 
     pub fn path(&self) -> &Path {
@@ -32,7 +34,9 @@ impl Env {
 
     pub fn cmd(&self) -> Command {
         let mut c = Command::new(env!("CARGO_BIN_EXE_harness"));
-        c.current_dir(self.path()).env("RUST_LOG", "warn").env_remove("RL_TRAINER__DB");
+        c.current_dir(self.path())
+            .env("RUST_LOG", "warn")
+            .env_remove("RL_TRAINER__DB");
         c
     }
 
@@ -61,12 +65,21 @@ impl Env {
     }
 
     pub fn spawn(&self, args: &[&str]) -> Child {
-        self.cmd().args(args).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap()
+        self.cmd()
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
     }
 
     /// Opens the run store with a runtime for reading.
     pub fn store(&self) -> (tokio::runtime::Runtime, rl_harness::Store) {
-        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
         let store = rt.block_on(rl_harness::Store::open(&self.db())).unwrap();
         (rt, store)
     }
@@ -76,13 +89,20 @@ impl Env {
 pub fn wait_for(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
     let start = Instant::now();
     while !f() {
-        assert!(start.elapsed() < limit, "timed out after {limit:?} waiting for {what}");
+        assert!(
+            start.elapsed() < limit,
+            "timed out after {limit:?} waiting for {what}"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
 }
 
 /// Every recorded metric of a run except timings: (step, key, value bits).
-pub fn metrics_of(rt: &tokio::runtime::Runtime, store: &rl_harness::Store, run: i64) -> Vec<(i64, String, u64)> {
+pub fn metrics_of(
+    rt: &tokio::runtime::Runtime,
+    store: &rl_harness::Store,
+    run: i64,
+) -> Vec<(i64, String, u64)> {
     rt.block_on(store.all_metrics(run))
         .unwrap()
         .into_iter()
