@@ -209,7 +209,7 @@ fn first_dpo_loss_is_ln2_at_the_reference() {
 
 #[test]
 fn offline_dpo_raises_held_out_preference_accuracy() {
-    let steps = env_or("DPO_STEPS", 30);
+    let steps = env_or("DPO_STEPS", 60);
     let cfg = DpoTrainerConfig {
         beta: env_or("DPO_BETA_E2", 10) as f64 * 1e-2,
         precompute_ref_log_probs: true,
