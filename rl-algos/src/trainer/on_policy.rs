@@ -271,7 +271,10 @@ impl OnPolicyTrainer {
                 .collect();
             kept_groups += f.kept_groups;
             if !keep.is_empty() {
-                kept.push(batch.reorder(&keep)?);
+                let mut part = batch.reorder(&keep)?;
+                // the generation batches differ only in their sampler seed; concat needs equal meta
+                part.meta_info_mut().remove("global_step");
+                kept.push(part);
             }
             if kept_groups >= self.cfg.train_batch_size as i64 {
                 break;
