@@ -11,6 +11,9 @@ use serde_json::Value;
 use crate::config;
 use crate::store::{RunRow, Store};
 
+/// Curves to plot: per metric, per run label, the `(step, value)` series.
+pub type Curves = [(String, Vec<(String, Vec<(i64, f64)>)>)];
+
 /// Whether larger values of a metric are better.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Mode {
@@ -283,11 +286,7 @@ fn register_font() -> Result<()> {
 }
 
 /// Plots each metric's curves across runs (one panel per metric) to `file`: `.svg` or `.png`.
-pub fn plot(
-    file: &Path,
-    curves: &[(String, Vec<(String, Vec<(i64, f64)>)>)],
-    smoothing: f64,
-) -> Result<()> {
+pub fn plot(file: &Path, curves: &Curves, smoothing: f64) -> Result<()> {
     use plotters::prelude::*;
     register_font()?;
     let ext = file
@@ -314,7 +313,7 @@ pub fn plot(
 
 fn draw<DB: plotters::prelude::DrawingBackend>(
     root: plotters::prelude::DrawingArea<DB, plotters::coord::Shift>,
-    curves: &[(String, Vec<(String, Vec<(i64, f64)>)>)],
+    curves: &Curves,
     smoothing: f64,
 ) -> Result<()>
 where

@@ -365,7 +365,7 @@ fn finish(
 }
 
 fn is_due(freq: i64, step: u64, total: u64) -> bool {
-    freq > 0 && (step % freq as u64 == 0 || step == total)
+    freq > 0 && (step.is_multiple_of(freq as u64) || step == total)
 }
 
 /// The loop: validation, steps, metrics, checkpoints, heartbeat, signals.
