@@ -8,21 +8,13 @@ use std::time::Instant;
 
 use rl_core::roles::{Actor, Reference, Reward, Rollout};
 use rl_core::{Batch, Sample, StepMetrics, Trainer, keys};
-use serde::{Deserialize, Serialize};
-use serde_json::Value;
 use tch::Kind;
 
 use crate::trainer::preference::{
-    DpoLoss, DpoTrainerConfig, RefCache, io_err, prepare_pairs, read_json, write_json,
+    DpoLoss, DpoTrainerConfig, PairTrainerState, RefCache, prepare_pairs,
 };
 use crate::trainer::source::BatchSource;
 use crate::trainer::spin::{interleave_pairs, task_validation};
-
-#[derive(Debug, Serialize, Deserialize)]
-struct OnlineDpoState {
-    global_step: u64,
-    train_source: Value,
-}
 
 /// Picks (chosen, rejected) rows from `n`-row groups of `scores`: the first best and the first
 /// worst row of each group; a group whose best equals its worst is a tie and is skipped.
@@ -207,23 +199,17 @@ impl Trainer for OnlineDpoTrainer {
     }
 
     fn save_checkpoint(&self, dir: &Path) -> rl_core::Result<()> {
-        let actor = dir.join("actor");
-        std::fs::create_dir_all(&actor).map_err(|e| io_err(&actor, e))?;
-        self.actor.save_state(&actor)?;
-        write_json(
-            &dir.join("trainer_state.json"),
-            &OnlineDpoState {
-                global_step: self.global_step,
-                train_source: self.train.state(),
-            },
+        PairTrainerState::save(
+            dir,
+            self.actor.as_ref(),
+            self.global_step,
+            self.train.as_ref(),
         )
     }
 
     fn load_checkpoint(&mut self, dir: &Path) -> rl_core::Result<()> {
-        let state: OnlineDpoState = read_json(&dir.join("trainer_state.json"))?;
-        self.actor.load_state(&dir.join("actor"))?;
-        self.train.load_state(&state.train_source)?;
-        self.global_step = state.global_step;
+        let state = PairTrainerState::read(dir)?;
+        self.global_step = state.restore(dir, self.actor.as_mut(), self.train.as_mut())?;
         Ok(())
     }
 }

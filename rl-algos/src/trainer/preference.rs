@@ -354,10 +354,48 @@ impl RefCache {
     }
 }
 
-#[derive(Debug, Serialize, Deserialize)]
-struct DpoState {
-    global_step: u64,
-    train_source: Value,
+/// What the preference trainers (DPO, online DPO, SPIN) keep besides the actor's own state:
+/// `trainer_state.json` next to `actor/` in a checkpoint folder.
+#[derive(Serialize, Deserialize)]
+pub(crate) struct PairTrainerState {
+    pub(crate) global_step: u64,
+    pub(crate) train_source: Value,
+}
+
+impl PairTrainerState {
+    /// Writes `dir/actor/` (the actor's state) and `dir/trainer_state.json`.
+    pub(crate) fn save(
+        dir: &Path,
+        actor: &dyn Actor,
+        global_step: u64,
+        train: &dyn BatchSource,
+    ) -> rl_core::Result<()> {
+        let actor_dir = dir.join("actor");
+        std::fs::create_dir_all(&actor_dir).map_err(|e| io_err(&actor_dir, e))?;
+        actor.save_state(&actor_dir)?;
+        let state = PairTrainerState {
+            global_step,
+            train_source: train.state(),
+        };
+        write_json(&dir.join("trainer_state.json"), &state)
+    }
+
+    /// Reads `dir/trainer_state.json`.
+    pub(crate) fn read(dir: &Path) -> rl_core::Result<PairTrainerState> {
+        read_json(&dir.join("trainer_state.json"))
+    }
+
+    /// Restores the actor and the data source from `dir`; returns the global step.
+    pub(crate) fn restore(
+        self,
+        dir: &Path,
+        actor: &mut dyn Actor,
+        train: &mut dyn BatchSource,
+    ) -> rl_core::Result<u64> {
+        actor.load_state(&dir.join("actor"))?;
+        train.load_state(&self.train_source)?;
+        Ok(self.global_step)
+    }
 }
 
 pub(crate) fn io_err(path: &Path, source: std::io::Error) -> rl_core::Error {
@@ -564,23 +602,17 @@ impl Trainer for DpoTrainer {
     }
 
     fn save_checkpoint(&self, dir: &Path) -> rl_core::Result<()> {
-        let actor = dir.join("actor");
-        std::fs::create_dir_all(&actor).map_err(|e| io_err(&actor, e))?;
-        self.actor.save_state(&actor)?;
-        write_json(
-            &dir.join("trainer_state.json"),
-            &DpoState {
-                global_step: self.global_step,
-                train_source: self.train.state(),
-            },
+        PairTrainerState::save(
+            dir,
+            self.actor.as_ref(),
+            self.global_step,
+            self.train.as_ref(),
         )
     }
 
     fn load_checkpoint(&mut self, dir: &Path) -> rl_core::Result<()> {
-        let state: DpoState = read_json(&dir.join("trainer_state.json"))?;
-        self.actor.load_state(&dir.join("actor"))?;
-        self.train.load_state(&state.train_source)?;
-        self.global_step = state.global_step;
+        let state = PairTrainerState::read(dir)?;
+        self.global_step = state.restore(dir, self.actor.as_mut(), self.train.as_mut())?;
         Ok(())
     }
 }

@@ -8,12 +8,10 @@ use std::time::Instant;
 
 use rl_core::roles::{Actor, Reference, Reward, Rollout};
 use rl_core::{Batch, Sample, StepMetrics, Trainer, keys};
-use serde::{Deserialize, Serialize};
-use serde_json::Value;
 use tch::{Kind, Tensor};
 
 use crate::trainer::preference::{
-    DpoLoss, DpoTrainerConfig, RefCache, io_err, prepare_pairs, read_json, write_json,
+    DpoLoss, DpoTrainerConfig, PairTrainerState, RefCache, prepare_pairs,
 };
 use crate::trainer::source::BatchSource;
 
@@ -155,12 +153,6 @@ pub(crate) fn task_validation(
             )
         })
         .collect())
-}
-
-#[derive(Debug, Serialize, Deserialize)]
-struct SpinState {
-    global_step: u64,
-    train_source: Value,
 }
 
 /// SPIN. Each [`step`](Trainer::step): take a batch of prompts with their ground-truth responses
@@ -321,20 +313,16 @@ impl Trainer for SpinTrainer {
     }
 
     fn save_checkpoint(&self, dir: &Path) -> rl_core::Result<()> {
-        let actor = dir.join("actor");
-        std::fs::create_dir_all(&actor).map_err(|e| io_err(&actor, e))?;
-        self.actor.save_state(&actor)?;
-        write_json(
-            &dir.join("trainer_state.json"),
-            &SpinState {
-                global_step: self.global_step,
-                train_source: self.train.state(),
-            },
+        PairTrainerState::save(
+            dir,
+            self.actor.as_ref(),
+            self.global_step,
+            self.train.as_ref(),
         )
     }
 
     fn load_checkpoint(&mut self, dir: &Path) -> rl_core::Result<()> {
-        let state: SpinState = read_json(&dir.join("trainer_state.json"))?;
+        let state = PairTrainerState::read(dir)?;
         let f = self.cfg.ref_update_freq;
         let init = if f == 0 || state.global_step < f {
             RefInit::Initial
@@ -351,10 +339,9 @@ impl Trainer for SpinTrainer {
                 ),
             });
         };
-        self.actor.load_state(&dir.join("actor"))?;
-        self.train.load_state(&state.train_source)?;
+        let step = state.restore(dir, self.actor.as_mut(), self.train.as_mut())?;
         self.reference = (self.make_reference)(init)?;
-        self.global_step = state.global_step;
+        self.global_step = step;
         Ok(())
     }
 }
