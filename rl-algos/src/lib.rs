@@ -21,6 +21,7 @@
 //! - [`dpo`]: DPO (sigmoid, IPO, hinge, reference-free), online-DPO pairs, sequence log-probs,
 //!   SPPO
 //! - [`dapo`]: overlong reward shaping and the dynamic-sampling group filter
+//! - [`rm`]: the Bradley–Terry reward-model loss (TRL's `RewardTrainer`)
 //! - [`trainer`]: [`trainer::OnPolicyTrainer`], [`trainer::SftTrainer`], their objectives and config
 //!
 //! Mutually exclusive choices are enums whose serde names are verl's config strings; the
@@ -69,6 +70,7 @@ pub mod kl;
 pub mod logits;
 pub mod loss;
 pub mod masked;
+pub mod rm;
 pub mod trainer;
 
 pub use advantage::AdvEstimator;

@@ -1,6 +1,7 @@
 //! The trainer loops, written against the role traits of rl-core: [`OnPolicyTrainer`] (PPO,
 //! GRPO, Dr. GRPO, RLOO, REINFORCE++, GSPO, DAPO), [`SftTrainer`], the preference trainers
-//! ([`DpoTrainer`], [`OnlineDpoTrainer`], [`SpinTrainer`]), the objectives they hand to the
+//! ([`DpoTrainer`], [`OnlineDpoTrainer`], [`SpinTrainer`]), reward-model training
+//! ([`RmTrainer`]) and reward composition ([`CombinedReward`]), the objectives they hand to the
 //! actor and critic, their config, and a small metrics-sink interface.
 
 mod config;
@@ -8,6 +9,8 @@ mod objective;
 mod on_policy;
 mod online_dpo;
 mod preference;
+mod reward;
+mod reward_model;
 mod sft;
 mod source;
 mod spin;
@@ -21,6 +24,8 @@ pub use online_dpo::{OnlineDpoTrainer, best_worst_pairs};
 pub use preference::{
     DpoLoss, DpoTrainer, DpoTrainerConfig, PAIR_INDEX, REF_SEQ_LOG_PROB, mark_pairs,
 };
+pub use reward::{CombinedReward, PART_SCORE_SUFFIX, RewardPart, TrainValReward, reward_metrics};
+pub use reward_model::{BradleyTerryLoss, RM_MARGIN, RmTrainer, RmTrainerConfig};
 pub use sft::{SftConfig, SftTrainer};
 pub use source::{BatchSource, JsonlSink, MemorySink, MetricsSink, RunOptions, run};
 pub use spin::{RefInit, ReferenceFactory, SpinTrainer, interleave_pairs};

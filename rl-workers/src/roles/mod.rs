@@ -9,12 +9,16 @@ mod config;
 mod critic;
 mod micro;
 mod optim;
+mod reward_model;
 
 pub use actor::{ActorWorker, ReferenceWorker, RolloutWorker, SharedPolicy, share};
 pub use config::{ActorConfig, CriticConfig, LrSchedule, OptimConfig, ValKwargs};
 pub use critic::CriticWorker;
 pub use micro::token_balanced_partitions;
 pub use optim::{AdamW, OptimCounters};
+pub use reward_model::{
+    RewardModelConfig, RewardModelWorker, RmWorker, RmWorkerConfig, reward_model_from_lm,
+};
 
 /// Wraps an rl-workers error as the `rl_core::Error::Role` of `role`.
 pub(crate) fn role_err(role: &'static str) -> impl Fn(crate::Error) -> rl_core::Error {
