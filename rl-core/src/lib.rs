@@ -1,6 +1,6 @@
 //! The shared foundation of the workspace: [`Batch`] (verl's `DataProto`), the batch [`keys`],
 //! [`shape`] checks, the [`roles`] the trainers program against, the [`Trainer`] seam the harness
-//! drives, and the [`Error`] type.
+//! drives, the data-parallel seam ([`dist::Collective`]), and the [`Error`] type.
 //!
 //! ```
 //! use rl_core::{Batch, keys};
@@ -15,6 +15,7 @@
 //! ```
 
 mod batch;
+pub mod dist;
 mod error;
 pub mod keys;
 pub mod roles;

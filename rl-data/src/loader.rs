@@ -4,6 +4,11 @@
 //! epoch is a function of `(seed, epoch)` only, so restoring a saved state replays exactly the
 //! batches an uninterrupted run would have seen, across epoch boundaries. `uid`s are
 //! `"{seed}-{epoch}-{position}"` strings, equally reproducible.
+//!
+//! Data parallel ([`DataLoader::with_shard`], [`Sampler::set_shard`]): every rank draws the same
+//! global order and takes its contiguous share of each global batch (`data.train_batch_size`
+//! stays the global batch, verl's convention). The state stays global, so a checkpoint written
+//! at one world size resumes at any other, and `uid`s are the global positions.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -250,6 +255,8 @@ pub struct Sampler {
     drop_last: bool,
     state: LoaderState,
     order: Vec<u32>,
+    rank: usize,
+    world_size: usize,
 }
 
 impl Sampler {
@@ -293,7 +300,42 @@ impl Sampler {
             drop_last,
             state,
             order: epoch_order(len, seed, 0, shuffle),
+            rank: 0,
+            world_size: 1,
         })
+    }
+
+    /// Makes this sampler hand out rank `rank`'s share of every global batch of a
+    /// `world_size`-rank data-parallel job: the contiguous rows `[rank * b / w, (rank + 1) * b / w)`
+    /// of each global batch of `b` rows (a last, partial batch without `drop_last` is split as
+    /// evenly as possible). The state stays the global one.
+    ///
+    /// Errors when `data.train_batch_size` is not a multiple of `world_size`, or `rank` is not
+    /// below it.
+    pub fn set_shard(&mut self, rank: usize, world_size: usize) -> Result<()> {
+        if world_size == 0 || rank >= world_size {
+            return Err(Error::Config {
+                key: "RANK".into(),
+                message: format!("rank {rank} is not in a data-parallel world of {world_size}"),
+            });
+        }
+        if !self.batch_size.is_multiple_of(world_size) {
+            return Err(Error::Config {
+                key: "data.train_batch_size".into(),
+                message: format!(
+                    "{} prompts do not split over {world_size} data-parallel ranks (it is the global batch; make it a multiple of the world size)",
+                    self.batch_size
+                ),
+            });
+        }
+        self.rank = rank;
+        self.world_size = world_size;
+        Ok(())
+    }
+
+    /// `(rank, world_size)` of the shard this sampler hands out; `(0, 1)` without sharding.
+    pub fn shard(&self) -> (usize, usize) {
+        (self.rank, self.world_size)
     }
 
     /// Batches in one epoch.
@@ -331,6 +373,10 @@ impl Sampler {
 
     /// The next batch of row indices with the state it was drawn at, or `None` at the end of
     /// an epoch (the state then points at the next epoch's start).
+    ///
+    /// With a shard ([`set_shard`](Self::set_shard)) the indices are this rank's share of the
+    /// global batch, the returned state's `position` is the global position of its first row,
+    /// and the sampler's own state advances by the whole global batch.
     pub fn next_indices(&mut self) -> Option<(Vec<usize>, LoaderState)> {
         let pos = self.state.position;
         let left = self.len - pos;
@@ -341,8 +387,12 @@ impl Sampler {
             return None;
         }
         let take = left.min(self.batch_size);
-        let at = self.state;
-        let idx = self.order[pos..pos + take]
+        let share = rl_core::dist::shard_range(take, self.rank, self.world_size);
+        let at = LoaderState {
+            position: pos + share.start,
+            ..self.state
+        };
+        let idx = self.order[pos + share.start..pos + share.end]
             .iter()
             .map(|&i| i as usize)
             .collect();
@@ -454,6 +504,20 @@ impl DataLoader {
     /// Batches in one epoch.
     pub fn batches_per_epoch(&self) -> usize {
         self.sampler.batches_per_epoch()
+    }
+
+    /// Makes this loader yield rank `rank`'s share of each global batch of a `world_size`-rank
+    /// data-parallel job (see [`Sampler::set_shard`]): the same global order on every rank, a
+    /// global state, `uid`s of the global positions. Errors name `data.train_batch_size` when it
+    /// does not split over the ranks.
+    pub fn with_shard(mut self, rank: usize, world_size: usize) -> Result<Self> {
+        self.sampler.set_shard(rank, world_size)?;
+        Ok(self)
+    }
+
+    /// `(rank, world_size)` of this loader's shard; `(0, 1)` without sharding.
+    pub fn shard(&self) -> (usize, usize) {
+        self.sampler.shard()
     }
 
     /// The dataset.

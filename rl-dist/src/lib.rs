@@ -12,8 +12,12 @@
 //! # Ok::<(), rl_dist::Error>(())
 //! ```
 //!
+//! `ProcessGroup` implements [`rl_core::dist::Collective`], the trait the workers and trainers
+//! take, so they data-parallelise without depending on this crate.
+//!
 //! See the crate's README for the launcher contract.
 
+mod collective;
 mod error;
 mod ffi;
 mod group;

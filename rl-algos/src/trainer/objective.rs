@@ -5,6 +5,10 @@
 //! micro-batch losses add up to the mini-batch loss and gradient accumulation is exact for
 //! every aggregation mode. Metrics ending in `_loss` are such shares (the actor sums them per
 //! mini-batch); the others are per-micro-batch averages.
+//!
+//! Under data parallelism the counts are those of the global mini-batch (all ranks) and the
+//! loss is multiplied by `dp_size` (`meta_info.dp_size`), verl's `agg_loss`: the ranks then
+//! average their gradients, which gives the gradient of the whole global mini-batch.
 
 use rl_core::roles::{Metrics, MiniBatchInfo, PolicyObjective, PolicyOutput, ValueObjective};
 use rl_core::{Batch, keys};
@@ -15,12 +19,28 @@ use crate::kl;
 use crate::loss::{self, PolicyLossInputs};
 use crate::trainer::config::{ActorLossConfig, CriticLossConfig};
 
-fn norm(info: MiniBatchInfo) -> GlobalBatchInfo {
+/// The normalisers of `micro`'s loss: the mini-batch counts of [`MiniBatchInfo`] (global over the
+/// data-parallel ranks) and `dp_size` from `meta_info` (1 without data parallelism), as verl's
+/// `global_batch_info`.
+///
+/// `seq-mean-token-sum-norm` ignores `dp_size` in verl, so its gradient would shrink with the
+/// world size once ranks average; under data parallelism its divisor becomes
+/// `response_len / dp_size` instead, which keeps the update independent of the world size.
+fn norm(info: MiniBatchInfo, micro: &Batch) -> GlobalBatchInfo {
+    let dp = rl_core::dist::dp_size(micro);
+    let loss_scale_factor = if dp > 1 {
+        micro
+            .get(keys::RESPONSE_MASK)
+            .ok()
+            .map(|m| m.size()[1] as f64 / dp as f64)
+    } else {
+        None
+    };
     GlobalBatchInfo {
-        dp_size: 1,
+        dp_size: dp as i64,
         batch_num_tokens: Some(info.tokens.max(1.0)),
         global_batch_size: Some(info.sequences.max(1.0)),
-        loss_scale_factor: None,
+        loss_scale_factor,
     }
 }
 
@@ -56,7 +76,7 @@ impl PolicyObjective for PolicyLoss {
         info: MiniBatchInfo,
     ) -> rl_core::Result<(Tensor, Metrics)> {
         let mask = micro.get(keys::RESPONSE_MASK)?;
-        let norm = norm(info);
+        let norm = norm(info, micro);
         let pl_cfg = self.cfg.policy_loss_config();
         let inputs = PolicyLossInputs {
             old_log_prob: micro.get(keys::OLD_LOG_PROBS)?,
@@ -119,7 +139,7 @@ impl ValueObjective for ValueLoss {
             micro.get(keys::RESPONSE_MASK)?,
             self.cfg.cliprange_value,
             self.cfg.loss_agg_mode,
-            &norm(info),
+            &norm(info, micro),
         )
         .map_err(wrap)?;
         let mut metrics = Metrics::new();
@@ -153,8 +173,8 @@ impl PolicyObjective for SftLoss {
     ) -> rl_core::Result<(Tensor, Metrics)> {
         let mask = micro.get(keys::RESPONSE_MASK)?;
         let nll = -&out.log_prob;
-        let l =
-            agg::aggregate(&nll, mask, agg::LossAggMode::TokenMean, &norm(info)).map_err(wrap)?;
+        let l = agg::aggregate(&nll, mask, agg::LossAggMode::TokenMean, &norm(info, micro))
+            .map_err(wrap)?;
         let mut metrics = Metrics::new();
         metrics.push("train/loss", item(&l));
         Ok((l, metrics))

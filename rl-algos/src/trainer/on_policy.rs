@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Instant;
 
+use rl_core::dist::{self, SharedCollective};
 use rl_core::roles::{Actor, Critic, Reference, Reward, Rollout};
 use rl_core::{Batch, Sample, StepMetrics, Trainer, keys};
 use serde::{Deserialize, Serialize};
@@ -82,6 +83,8 @@ fn wrap(e: crate::Error) -> rl_core::Error {
 ///
 /// Rollout seeds derive from the step (`meta_info.global_step = step * 1000 + gen_batch`), never
 /// from libtorch's global RNG, so a resumed run samples what the uninterrupted one did.
+///
+/// Data parallel with [`with_group`](Self::with_group): see that method for what each rank does.
 pub struct OnPolicyTrainer {
     cfg: OnPolicyConfig,
     roles: Roles,
@@ -89,6 +92,7 @@ pub struct OnPolicyTrainer {
     val: Vec<Batch>,
     kl_ctrl: KlController,
     global_step: u64,
+    group: Option<SharedCollective>,
 }
 
 impl std::fmt::Debug for OnPolicyTrainer {
@@ -97,6 +101,7 @@ impl std::fmt::Debug for OnPolicyTrainer {
             .field("cfg", &self.cfg)
             .field("roles", &self.roles)
             .field("global_step", &self.global_step)
+            .field("data_parallel", &self.group.is_some())
             .finish()
     }
 }
@@ -179,7 +184,71 @@ impl OnPolicyTrainer {
             val,
             kl_ctrl,
             global_step: 0,
+            group: None,
         })
+    }
+
+    /// Makes the trainer one rank of a data-parallel job over `group`. The roles must have been
+    /// given the same group (`ActorWorker::with_group`, `CriticWorker::with_group`) and the
+    /// training source must yield this rank's shard of each global batch (rl-data's
+    /// `DataLoader::with_shard`); `data.train_batch_size` stays the global batch.
+    ///
+    /// Each step then: generates for this rank's prompts (the rollout seed mixed with the rank),
+    /// scores them, computes log-probs (and values) locally, gathers what the advantage needs
+    /// (scores, masks, log-probs, values, `uid`s) so KL-in-reward, the KL controller and every
+    /// estimator see the whole global batch exactly as one process would, keeps this rank's
+    /// rows, updates critic and actor (gradients averaged over ranks inside the workers), and
+    /// reduces the metrics over ranks, so every rank returns the global figures.
+    /// Validation runs each rank on a contiguous shard of every validation batch and gathers
+    /// the scores. Only rank 0 writes checkpoints ([`Trainer::save_checkpoint`] is a no-op on
+    /// other ranks and issues no collective); every rank loads them, at any world size.
+    ///
+    /// Errors when `data.train_batch_size` does not split over the ranks, or when DAPO's
+    /// dynamic sampling (`algorithm.filter_groups.enable`) is on, which is not data-parallel yet.
+    pub fn with_group(mut self, group: SharedCollective) -> rl_core::Result<Self> {
+        let world = dist::lock(&group)?.world_size();
+        if !self.cfg.train_batch_size.is_multiple_of(world) {
+            return Err(role_err(
+                "trainer",
+                format!(
+                    "data.train_batch_size: {} prompts do not split over {world} data-parallel ranks (it is the global batch; make it a multiple of the world size)",
+                    self.cfg.train_batch_size
+                ),
+            ));
+        }
+        let filter = self
+            .cfg
+            .algorithm
+            .filter_groups
+            .as_ref()
+            .is_some_and(|f| f.enable);
+        if filter && world > 1 {
+            return Err(role_err(
+                "trainer",
+                "algorithm.filter_groups.enable: DAPO's dynamic sampling is not data-parallel yet; run it with one rank",
+            ));
+        }
+        self.group = Some(group);
+        Ok(self)
+    }
+
+    /// `(rank, world_size)`: `(0, 1)` without a group.
+    pub fn rank_and_world(&self) -> rl_core::Result<(usize, usize)> {
+        match &self.group {
+            Some(g) => {
+                let g = dist::lock(g)?;
+                Ok((g.rank(), g.world_size()))
+            }
+            None => Ok((0, 1)),
+        }
+    }
+
+    /// The data-parallel group when there is more than one rank.
+    fn dp_group(&self) -> rl_core::Result<Option<SharedCollective>> {
+        match &self.group {
+            Some(g) if dist::lock(g)?.world_size() > 1 => Ok(Some(g.clone())),
+            _ => Ok(None),
+        }
     }
 
     /// The config.
@@ -200,6 +269,10 @@ impl OnPolicyTrainer {
             (self.global_step * 1000 + gen_batch).into(),
         );
         meta.insert("temperature".into(), self.cfg.temperature.into());
+        let (rank, world) = self.rank_and_world()?;
+        if world > 1 {
+            meta.insert(dist::DP_RANK.into(), rank.into());
+        }
         let t = Instant::now();
         let mut batch = self.roles.rollout.generate(&prompts)?;
         *timing.entry("gen").or_default() += t.elapsed().as_secs_f64();
@@ -295,6 +368,93 @@ impl OnPolicyTrainer {
         all.slice(0..self.cfg.train_batch_size * self.cfg.rollout_n)
     }
 
+    /// KL-in-reward (when configured) and the advantage estimator over `batch`, which holds
+    /// `token_level_scores`, `response_mask`, `old_log_probs`, `uid` (and `ref_log_prob`,
+    /// `values` when used); returns `(token_level_rewards, advantages, returns)`.
+    fn rewards_and_advantages(
+        &mut self,
+        batch: &Batch,
+        m: &mut StepMetrics,
+    ) -> rl_core::Result<(Tensor, Tensor, Tensor)> {
+        let algo = self.cfg.algorithm.clone();
+        let mask = batch.get(keys::RESPONSE_MASK)?;
+        let scores = batch.get(keys::TOKEN_LEVEL_SCORES)?.shallow_clone();
+        let rewards = if algo.use_kl_in_reward {
+            let (r, km) = kl::in_reward(
+                &scores,
+                batch.get(keys::OLD_LOG_PROBS)?,
+                batch.get(keys::REF_LOG_PROB)?,
+                mask,
+                &mut self.kl_ctrl,
+                algo.kl_penalty,
+            )
+            .map_err(wrap)?;
+            for (k, v) in km.to_vec() {
+                m.insert(k.into(), v);
+            }
+            r
+        } else {
+            scores
+        };
+        let index = advantage::group_index(&string_column(batch, keys::UID)?);
+        let (adv, ret) = {
+            let values = batch.get(keys::VALUES).ok();
+            let inputs = AdvantageInputs {
+                token_level_rewards: &rewards,
+                response_mask: mask,
+                values,
+                index: algo.adv_estimator.needs_groups().then_some(&index),
+                reward_baselines: None,
+            };
+            advantage::compute(&inputs, &algo).map_err(wrap)?
+        };
+        Ok((rewards, adv, ret))
+    }
+
+    /// [`rewards_and_advantages`](Self::rewards_and_advantages) over the whole global batch:
+    /// the inputs of every rank are gathered (in rank order, which is the global row order),
+    /// computed identically on every rank, and this rank's rows are kept.
+    fn rewards_and_advantages_global(
+        &mut self,
+        group: &SharedCollective,
+        batch: &Batch,
+        m: &mut StepMetrics,
+    ) -> rl_core::Result<(Tensor, Tensor, Tensor)> {
+        let rows = batch.len() as i64;
+        let width = batch.get(keys::RESPONSE_MASK)?.size()[1];
+        let mut global = Batch::new();
+        let offset = {
+            let mut g = dist::lock(group)?;
+            let counts = g.all_gather(&Tensor::from_slice(&[rows]))?;
+            let rank = g.rank();
+            let offset: i64 = counts[..rank].iter().map(|t| t.int64_value(&[0])).sum();
+            for key in [
+                keys::TOKEN_LEVEL_SCORES,
+                keys::RESPONSE_MASK,
+                keys::OLD_LOG_PROBS,
+                keys::REF_LOG_PROB,
+                keys::VALUES,
+            ] {
+                if let Ok(t) = batch.get(key) {
+                    global.insert(key, dist::gather_rows(&mut *g, t)?)?;
+                }
+            }
+            let uids =
+                serde_json::to_vec(batch.column(keys::UID)?).map_err(|e| role_err("trainer", e))?;
+            let mut all = Vec::new();
+            for part in dist::all_gather_bytes(&mut *g, &uids)? {
+                let v: Vec<Value> =
+                    serde_json::from_slice(&part).map_err(|e| role_err("trainer", e))?;
+                all.extend(v);
+            }
+            global.insert_column(keys::UID, all)?;
+            offset
+        };
+        let (rewards, adv, ret) = self.rewards_and_advantages(&global, m)?;
+        let mine = |t: Tensor| t.narrow(0, offset, rows).narrow(1, 0, width).contiguous();
+        Ok((mine(rewards), mine(adv), mine(ret)))
+    }
+
     fn data_metrics(&self, batch: &Batch, m: &mut StepMetrics) -> rl_core::Result<()> {
         let mask = batch.get(keys::RESPONSE_MASK)?;
         let scores = batch.get(keys::TOKEN_LEVEL_SCORES)?.sum_dim_intlist(
@@ -344,6 +504,45 @@ impl OnPolicyTrainer {
         }
         Ok(())
     }
+}
+
+/// Keys whose per-rank figure is a mean over response tokens, weighted by tokens when ranks are
+/// combined (every other mean is weighted by rows).
+fn token_weighted(key: &str) -> bool {
+    key == "actor/entropy"
+        || ["critic/advantages/", "critic/returns/", "critic/values/"]
+            .iter()
+            .any(|p| key.starts_with(p))
+}
+
+/// Combines one step's metrics over the ranks (means weighted by rows or response tokens,
+/// `*/max` and timings by maximum, `*/min` by minimum, token totals by sum), so every rank
+/// returns the figures of the global batch; the throughput is recomputed from the totals.
+fn reduce_step_metrics(
+    group: &SharedCollective,
+    m: StepMetrics,
+    batch: &Batch,
+) -> rl_core::Result<StepMetrics> {
+    let rows = batch.len() as f64;
+    let tokens = batch
+        .get(keys::RESPONSE_MASK)?
+        .sum(Kind::Double)
+        .double_value(&[]);
+    let local = m
+        .into_iter()
+        .map(|(k, v)| {
+            let w = if token_weighted(&k) { tokens } else { rows };
+            (k, (v, w))
+        })
+        .collect();
+    let mut out = dist::reduce_metrics(&mut *dist::lock(group)?, &local, dist::default_reduce)?;
+    if let (Some(t), Some(s)) = (
+        out.get("perf/total_num_tokens").copied(),
+        out.get("timing_s/step").copied(),
+    ) {
+        out.insert("perf/throughput".into(), t / s.max(1e-9));
+    }
+    Ok(out)
 }
 
 impl Trainer for OnPolicyTrainer {
@@ -403,37 +602,11 @@ impl Trainer for OnPolicyTrainer {
         }
 
         let t = Instant::now();
-        let scores = batch.get(keys::TOKEN_LEVEL_SCORES)?.shallow_clone();
-        let rewards = if algo.use_kl_in_reward {
-            let (r, km) = kl::in_reward(
-                &scores,
-                batch.get(keys::OLD_LOG_PROBS)?,
-                batch.get(keys::REF_LOG_PROB)?,
-                &mask,
-                &mut self.kl_ctrl,
-                algo.kl_penalty,
-            )
-            .map_err(wrap)?;
-            for (k, v) in km.to_vec() {
-                m.insert(k.into(), v);
-            }
-            r
-        } else {
-            scores
+        let (rewards, adv, ret) = match self.dp_group()? {
+            None => self.rewards_and_advantages(&batch, &mut m)?,
+            Some(g) => self.rewards_and_advantages_global(&g, &batch, &mut m)?,
         };
         batch.insert(keys::TOKEN_LEVEL_REWARDS, rewards)?;
-        let index = advantage::group_index(&string_column(&batch, keys::UID)?);
-        let (adv, ret) = {
-            let values = batch.get(keys::VALUES).ok();
-            let inputs = AdvantageInputs {
-                token_level_rewards: batch.get(keys::TOKEN_LEVEL_REWARDS)?,
-                response_mask: &mask,
-                values,
-                index: algo.adv_estimator.needs_groups().then_some(&index),
-                reward_baselines: None,
-            };
-            advantage::compute(&inputs, &algo).map_err(wrap)?
-        };
         batch.insert(keys::ADVANTAGES, adv.to_kind(Kind::Float))?;
         batch.insert(keys::RETURNS, ret.to_kind(Kind::Float))?;
         timing.insert("adv", t.elapsed().as_secs_f64());
@@ -477,14 +650,26 @@ impl Trainer for OnPolicyTrainer {
         }
         self.global_step += 1;
         m.insert("training/global_step".into(), self.global_step as f64);
+        if let Some(g) = self.dp_group()? {
+            m = reduce_step_metrics(&g, m, &batch)?;
+        }
         Ok(m)
     }
 
     fn validate(&mut self) -> rl_core::Result<(StepMetrics, Vec<Sample>)> {
         let mut per_source: BTreeMap<String, Vec<f64>> = BTreeMap::new();
         let mut samples = Vec::new();
+        let (rank, world) = self.rank_and_world()?;
         for i in 0..self.val.len() {
-            let mut prompts = self.val[i].shallow_clone();
+            let shard = dist::shard_range(self.val[i].len(), rank, world);
+            if shard.is_empty() {
+                continue;
+            }
+            let mut prompts = if world > 1 {
+                self.val[i].slice(shard)?
+            } else {
+                self.val[i].shallow_clone()
+            };
             let meta = prompts.meta_info_mut();
             meta.insert("validate".into(), true.into());
             meta.insert("global_step".into(), (self.global_step * 1000 + 999).into());
@@ -513,17 +698,30 @@ impl Trainer for OnPolicyTrainer {
                 }
             }
         }
-        let mut m = StepMetrics::new();
-        for (ds, s) in per_source {
-            m.insert(
-                format!("val/test_score/{ds}"),
-                s.iter().sum::<f64>() / s.len().max(1) as f64,
-            );
+        let mut local: BTreeMap<String, (f64, f64)> = per_source
+            .into_iter()
+            .map(|(ds, s)| {
+                let n = s.len() as f64;
+                (
+                    format!("val/test_score/{ds}"),
+                    (s.iter().sum::<f64>() / n.max(1.0), n),
+                )
+            })
+            .collect();
+        if let Some(g) = self.dp_group()? {
+            let global =
+                dist::reduce_metrics(&mut *dist::lock(&g)?, &local, |_| dist::MetricReduce::Mean)?;
+            local = global.into_iter().map(|(k, v)| (k, (v, 1.0))).collect();
         }
+        let m: StepMetrics = local.into_iter().map(|(k, (v, _))| (k, v)).collect();
         Ok((m, samples))
     }
 
     fn save_checkpoint(&self, dir: &Path) -> rl_core::Result<()> {
+        // every rank holds the same weights and the same global loader state: rank 0 writes
+        if self.rank_and_world()?.0 != 0 {
+            return Ok(());
+        }
         let io = |path: &Path, source| rl_core::Error::Io {
             path: path.display().to_string(),
             source,

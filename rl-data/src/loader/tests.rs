@@ -294,3 +294,55 @@ fn train_and_val_loaders_follow_the_data_config() {
     );
     let _ = train.next_batch().unwrap();
 }
+
+#[test]
+fn shards_partition_each_global_batch_and_keep_the_global_state() {
+    // 2 x the fixture's rows; batch 4 without drop_last leaves a partial last batch
+    let mut whole = loader(4, false, true);
+    let rows = whole.dataset().len();
+    for world in [2usize, 4] {
+        let mut whole = loader(4, false, true);
+        let mut ranks: Vec<DataLoader> = (0..world)
+            .map(|r| loader(4, false, true).with_shard(r, world).unwrap())
+            .collect();
+        assert_eq!(ranks[1].shard(), (1, world));
+        // two epochs, across the boundary
+        for _ in 0..2 * rows.div_ceil(4) + 1 {
+            let want = whole.next_batch().unwrap();
+            let got: Vec<Option<PromptBatch>> =
+                ranks.iter_mut().map(|l| l.next_batch().unwrap()).collect();
+            match want {
+                None => assert!(got.iter().all(Option::is_none)),
+                Some(w) => {
+                    let uid: Vec<String> = got
+                        .iter()
+                        .flat_map(|b| b.as_ref().unwrap().uid.clone())
+                        .collect();
+                    let index: Vec<usize> = got
+                        .iter()
+                        .flat_map(|b| b.as_ref().unwrap().index.clone())
+                        .collect();
+                    assert_eq!(uid, w.uid, "world {world}");
+                    assert_eq!(index, w.index, "world {world}");
+                }
+            }
+            for l in &ranks {
+                assert_eq!(l.state(), whole.state(), "the state is global");
+            }
+        }
+    }
+    // a global batch that does not split over the ranks is an error naming the key
+    let err = loader(4, false, true).with_shard(0, 3).unwrap_err();
+    assert!(err.to_string().contains("data.train_batch_size"), "{err}");
+    assert!(loader(4, false, true).with_shard(2, 2).is_err());
+    // a state saved at one world size resumes at another
+    let mut two = loader(4, true, true).with_shard(1, 2).unwrap();
+    two.next_batch().unwrap();
+    let saved = two.state();
+    whole.load_state(saved).unwrap();
+    let mut one = loader(4, true, true);
+    one.load_state(saved).unwrap();
+    let a = one.next_batch().unwrap().unwrap();
+    let b = two.next_batch().unwrap().unwrap();
+    assert_eq!(&a.uid[2..], &b.uid[..]);
+}

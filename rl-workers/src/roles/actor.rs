@@ -5,6 +5,7 @@
 use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use rl_core::dist::{self, SharedCollective};
 use rl_core::roles::{Actor, Metrics, PolicyObjective, PolicyOutput, Reference, Rollout};
 use rl_core::{Batch, keys};
 use serde_json::Value;
@@ -57,12 +58,65 @@ pub(crate) fn meta_u64(batch: &Batch, key: &str, default: u64) -> u64 {
 /// The trained policy: log-probs without gradient, and PPO-style updates (mini-batches x
 /// `ppo_epochs`, micro-batch accumulation with the mini-batch's global normalisers, global-norm
 /// clipping that skips non-finite steps, AdamW with a warmup/cosine schedule).
-#[derive(Debug)]
+///
+/// Data parallel with [`with_group`](Self::with_group): each rank updates on its shard of the
+/// batch, normalises by the global mini-batch counts, and averages gradients over the ranks
+/// before clipping and stepping, so the weights stay bit-identical on every rank.
 pub struct ActorWorker {
     lm: SharedPolicy,
     cfg: ActorConfig,
     rollout_n: usize,
     optim: AdamW,
+    group: Option<SharedCollective>,
+}
+
+impl std::fmt::Debug for ActorWorker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ActorWorker")
+            .field("cfg", &self.cfg)
+            .field("rollout_n", &self.rollout_n)
+            .field("optim", &self.optim)
+            .field("data_parallel", &self.group.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Checks that the global `ppo_mini_batch_size` splits over the ranks of `group`.
+pub(crate) fn check_dp_mini_batch(
+    key: &'static str,
+    ppo_mini_batch_size: usize,
+    group: &SharedCollective,
+    role: &'static str,
+) -> rl_core::Result<usize> {
+    let world = dist::lock(group)?.world_size();
+    if !ppo_mini_batch_size.is_multiple_of(world) {
+        return Err(role_err(role)(Error::invalid(
+            key,
+            format!(
+                "{ppo_mini_batch_size} prompts per mini-batch do not split over {world} data-parallel ranks (it is the global mini-batch; make it a multiple of the world size)"
+            ),
+        )));
+    }
+    Ok(world)
+}
+
+/// Copies rank 0's `tensors` to every rank (DDP's initial broadcast).
+pub(crate) fn broadcast_from_rank0(
+    group: &SharedCollective,
+    tensors: &[tch::Tensor],
+) -> rl_core::Result<()> {
+    let mut g = dist::lock(group)?;
+    if g.world_size() == 1 {
+        return Ok(());
+    }
+    let _guard = tch::no_grad_guard();
+    for t in tensors {
+        let mut c = t.contiguous();
+        g.broadcast(&mut c, 0)?;
+        let mut t = t.shallow_clone();
+        t.copy_(&c);
+    }
+    Ok(())
 }
 
 impl ActorWorker {
@@ -82,7 +136,45 @@ impl ActorWorker {
             cfg,
             rollout_n,
             optim,
+            group: None,
         })
+    }
+
+    /// Makes the actor data-parallel over `group`: `ppo_mini_batch_size` becomes the global
+    /// mini-batch (each rank updates on its `1 / world_size` share), and rank 0's weights are
+    /// broadcast to every rank now, so replicas start equal. A collective: every rank calls it.
+    ///
+    /// Errors when `actor_rollout_ref.actor.ppo_mini_batch_size` is not a multiple of the
+    /// world size.
+    pub fn with_group(mut self, group: SharedCollective) -> rl_core::Result<Self> {
+        check_dp_mini_batch(
+            "actor_rollout_ref.actor.ppo_mini_batch_size",
+            self.cfg.ppo_mini_batch_size,
+            &group,
+            "actor",
+        )?;
+        {
+            let lm = lock(&self.lm, "actor")?;
+            let vars: Vec<tch::Tensor> = sorted_vars(lm.var_store());
+            broadcast_from_rank0(&group, &vars)?;
+        }
+        self.group = Some(group);
+        Ok(self)
+    }
+
+    /// The data-parallel group, if any.
+    pub fn group(&self) -> Option<&SharedCollective> {
+        self.group.as_ref()
+    }
+
+    /// Checks that the weights are bit-identical on every rank (a collective); without a group
+    /// it is a no-op.
+    pub fn check_replicas(&self) -> rl_core::Result<()> {
+        let Some(group) = &self.group else {
+            return Ok(());
+        };
+        let vars = sorted_vars(lock(&self.lm, "actor")?.var_store());
+        dist::check_replicas(&mut *dist::lock(group)?, "actor weights", &vars)
     }
 
     /// The shared weights (hand them to a [`RolloutWorker`] or a [`ReferenceWorker`]).
@@ -99,6 +191,13 @@ impl ActorWorker {
     pub fn config(&self) -> &ActorConfig {
         &self.cfg
     }
+}
+
+/// Every variable of `vs` in name order (the same order on every rank).
+pub(crate) fn sorted_vars(vs: &tch::nn::VarStore) -> Vec<tch::Tensor> {
+    let mut vars: Vec<(String, tch::Tensor)> = vs.variables().into_iter().collect();
+    vars.sort_by(|a, b| a.0.cmp(&b.0));
+    vars.into_iter().map(|(_, t)| t).collect()
 }
 
 /// Runs `f` over micro-batches without gradient and reassembles `[batch, response_len]` outputs.
@@ -136,12 +235,35 @@ pub(crate) fn update_loop(
     batch: &Batch,
     optim: &mut AdamW,
     prefix: &str,
+    loss: impl FnMut(&Batch, rl_core::roles::MiniBatchInfo) -> rl_core::Result<(tch::Tensor, Metrics)>,
+) -> rl_core::Result<Metrics> {
+    update_loop_dp(cfg, rollout_n, batch, optim, prefix, None, loss)
+}
+
+/// [`update_loop`], data parallel over `group` when given.
+///
+/// With a `group`, `batch` is this rank's shard: a mini-batch is `1 / world_size` of the global
+/// one, its normalisers ([`MiniBatchInfo`](rl_core::roles::MiniBatchInfo)) are the global counts
+/// (all-reduced), each micro-batch carries `meta_info.dp_size`, and gradients are averaged over
+/// the ranks before clipping (verl's `agg_loss` with `dp_size` under FSDP).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn update_loop_dp(
+    cfg: &ActorConfig,
+    rollout_n: usize,
+    batch: &Batch,
+    optim: &mut AdamW,
+    prefix: &str,
+    group: Option<&SharedCollective>,
     mut loss: impl FnMut(
         &Batch,
         rl_core::roles::MiniBatchInfo,
     ) -> rl_core::Result<(tch::Tensor, Metrics)>,
 ) -> rl_core::Result<Metrics> {
-    let rows = cfg.ppo_mini_batch_size * rollout_n;
+    let world = match group {
+        Some(g) => dist::lock(g)?.world_size(),
+        None => 1,
+    };
+    let rows = cfg.ppo_mini_batch_size * rollout_n / world;
     let len = batch.len();
     if rows == 0 || !len.is_multiple_of(rows) {
         return Err(rl_core::Error::UnevenMiniBatch { len, size: rows });
@@ -153,15 +275,29 @@ pub(crate) fn update_loop(
     let mut metrics = Metrics::new();
     for mini in batch.iter_minibatches(rows, cfg.shuffle, seed, cfg.ppo_epochs)? {
         let mini = mini?;
-        let info = micro::mini_batch_info(&mini)?;
+        let mut info = micro::mini_batch_info(&mini)?;
+        if let Some(g) = group
+            && world > 1
+        {
+            let mut counts = [info.tokens, info.sequences];
+            dist::all_reduce_f64(&mut *dist::lock(g)?, &mut counts, dist::ReduceOp::Sum)?;
+            [info.tokens, info.sequences] = counts;
+        }
         if info.tokens <= 0.0 {
             continue;
         }
-        let micros = micro::split(
+        let mut micros = micro::split(
             &mini,
             cfg.ppo_micro_batch_size_per_gpu,
             cfg.use_dynamic_bsz.then_some(cfg.ppo_max_token_len_per_gpu),
         )?;
+        if world > 1 {
+            for m in &mut micros {
+                m.batch
+                    .meta_info_mut()
+                    .insert(dist::DP_SIZE.into(), world.into());
+            }
+        }
         optim.zero_grad();
         let mut mm = Metrics::new();
         for m in micros {
@@ -170,6 +306,9 @@ pub(crate) fn update_loop(
             mm.extend(ms);
         }
         micro::fold_micro_metrics(&mm, &mut metrics);
+        if let Some(g) = group {
+            optim.average_grads(&mut *dist::lock(g)?)?;
+        }
         let (norm, _took) = optim.clip_and_step(cfg.grad_clip, lr);
         metrics.push(format!("{prefix}/grad_norm"), norm);
     }
@@ -223,12 +362,13 @@ impl Actor for ActorWorker {
         let lm = lock(&self.lm, "actor")?;
         let temperature = meta_f64(batch, "temperature", 1.0);
         let entropy = objective.needs_entropy();
-        update_loop(
+        update_loop_dp(
             &self.cfg,
             self.rollout_n,
             batch,
             &mut self.optim,
             "actor",
+            self.group.as_ref(),
             |micro, info| {
                 let (log_prob, entropy) = micro::log_probs(&lm, micro, temperature, entropy)?;
                 objective.loss(micro, &PolicyOutput { log_prob, entropy }, info)
@@ -256,7 +396,9 @@ impl Actor for ActorWorker {
 ///
 /// `meta_info` of the prompt batch steers a call: `validate: true` samples with
 /// [`ValKwargs`] instead of the training config; `seed` (u64) sets the sampler's seed, else it is
-/// `cfg.seed_for(global_step)` with `global_step` from `meta_info` (0 when absent).
+/// `cfg.seed_for(global_step)` with `global_step` from `meta_info` (0 when absent); a
+/// `dp_rank` other than 0 mixes the rank into that seed (SplitMix64 of seed and rank), so
+/// data-parallel ranks sample independently while rank 0 samples as a single process does.
 #[derive(Debug)]
 pub struct RolloutWorker {
     lm: SharedPolicy,
@@ -321,6 +463,7 @@ impl Rollout for RolloutWorker {
             Some(s) => s,
             None => cfg.seed_for(meta_u64(prompts, "global_step", 0)),
         };
+        let seed = rank_seed(seed, meta_u64(prompts, dist::DP_RANK, 0));
         let mut opts = GenerateOptions {
             eos_token_ids: self.eos_token_ids.clone(),
             pad_token_id: self.pad_token_id,
@@ -365,6 +508,19 @@ impl Rollout for RolloutWorker {
         }
         Ok(batch)
     }
+}
+
+/// The sampling seed of data-parallel rank `rank`: `seed` itself on rank 0 (so one process
+/// samples as before), a SplitMix64-scrambled `(seed, rank)` elsewhere, so ranks draw
+/// independent streams.
+pub(crate) fn rank_seed(seed: u64, rank: u64) -> u64 {
+    if rank == 0 {
+        return seed;
+    }
+    let mut z = seed ^ rank.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
 }
 
 /// The frozen reference policy: a copy of the initial actor weights.

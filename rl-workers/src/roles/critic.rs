@@ -2,25 +2,38 @@
 
 use std::path::Path;
 
+use rl_core::dist::{self, SharedCollective};
 use rl_core::roles::{Critic, Metrics, ValueObjective};
 use rl_core::{Batch, keys};
 
 use crate::error::Error;
 use crate::heads::ValueModel;
-use crate::roles::actor::update_loop;
+use crate::roles::actor::{broadcast_from_rank0, check_dp_mini_batch, sorted_vars, update_loop_dp};
 use crate::roles::config::CriticConfig;
 use crate::roles::micro;
 use crate::roles::optim::AdamW;
 use crate::roles::role_err;
 
 /// The value model of PPO: `values` for the states before each response token, and clipped
-/// value-loss updates with the same mini/micro-batch loop as the actor.
-#[derive(Debug)]
+/// value-loss updates with the same mini/micro-batch loop as the actor (data parallel with
+/// [`with_group`](Self::with_group), as [`ActorWorker`](crate::roles::ActorWorker)).
 pub struct CriticWorker {
     model: ValueModel,
     cfg: CriticConfig,
     rollout_n: usize,
     optim: AdamW,
+    group: Option<SharedCollective>,
+}
+
+impl std::fmt::Debug for CriticWorker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CriticWorker")
+            .field("cfg", &self.cfg)
+            .field("rollout_n", &self.rollout_n)
+            .field("optim", &self.optim)
+            .field("data_parallel", &self.group.is_some())
+            .finish_non_exhaustive()
+    }
 }
 
 impl CriticWorker {
@@ -39,7 +52,33 @@ impl CriticWorker {
             cfg,
             rollout_n,
             optim,
+            group: None,
         })
+    }
+
+    /// Makes the critic data-parallel over `group` (see
+    /// [`ActorWorker::with_group`](crate::roles::ActorWorker::with_group)): `critic.ppo_mini_batch_size`
+    /// is global and must be a multiple of the world size; rank 0's weights are broadcast now.
+    pub fn with_group(mut self, group: SharedCollective) -> rl_core::Result<Self> {
+        check_dp_mini_batch(
+            "critic.ppo_mini_batch_size",
+            self.cfg.ppo_mini_batch_size,
+            &group,
+            "critic",
+        )?;
+        broadcast_from_rank0(&group, &sorted_vars(self.model.var_store()))?;
+        self.group = Some(group);
+        Ok(self)
+    }
+
+    /// Checks that the weights are bit-identical on every rank (a collective); without a group
+    /// it is a no-op.
+    pub fn check_replicas(&self) -> rl_core::Result<()> {
+        let Some(group) = &self.group else {
+            return Ok(());
+        };
+        let vars = sorted_vars(self.model.var_store());
+        dist::check_replicas(&mut *dist::lock(group)?, "critic weights", &vars)
     }
 
     /// The value model.
@@ -75,12 +114,13 @@ impl Critic for CriticWorker {
     ) -> rl_core::Result<Metrics> {
         let cfg = self.cfg.as_actor();
         let model = &self.model;
-        update_loop(
+        update_loop_dp(
             &cfg,
             self.rollout_n,
             batch,
             &mut self.optim,
             "critic",
+            self.group.as_ref(),
             |m, info| {
                 let v = micro::values(model, m)?;
                 objective.loss(m, &v, info)

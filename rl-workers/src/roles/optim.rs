@@ -91,6 +91,36 @@ impl AdamW {
         }
     }
 
+    /// The trained parameters, in name order (for broadcasts and replica checks).
+    pub fn params(&self) -> &[Tensor] {
+        &self.params
+    }
+
+    /// Averages the gradients over the ranks of `group` in place (bucketed all-reduce), so that
+    /// clipping and stepping afterwards is identical on every rank. A parameter without a
+    /// gradient on this rank gets a zero one first, so every rank reduces the same list.
+    pub fn average_grads(
+        &mut self,
+        group: &mut dyn rl_core::dist::Collective,
+    ) -> rl_core::Result<()> {
+        if group.world_size() == 1 {
+            return Ok(());
+        }
+        let missing: Vec<Tensor> = self
+            .params
+            .iter()
+            .filter(|p| !p.grad().defined())
+            .map(|p| (p * 0.0).sum(Kind::Float))
+            .collect();
+        if !missing.is_empty() {
+            // defines the gradients (as zeros) through autograd, the only way tch offers
+            Tensor::stack(&missing, 0).sum(Kind::Float).backward();
+        }
+        let _guard = tch::no_grad_guard();
+        let mut grads: Vec<Tensor> = self.params.iter().map(Tensor::grad).collect();
+        group.all_reduce(&mut grads, rl_core::dist::ReduceOp::Avg)
+    }
+
     /// The global L2 norm of the gradients (0 for parameters without a gradient).
     pub fn grad_norm(&self) -> f64 {
         let _guard = tch::no_grad_guard();

@@ -1,0 +1,51 @@
+//! [`rl_core::dist::Collective`] for [`ProcessGroup`]: how the workers and trainers, which know
+//! only rl-core's trait, reach c10d.
+
+use rl_core::dist::{Collective, ReduceOp as CoreOp};
+use tch::Tensor;
+
+use crate::group::{ProcessGroup, ReduceOp};
+
+fn op(o: CoreOp) -> ReduceOp {
+    match o {
+        CoreOp::Sum => ReduceOp::Sum,
+        CoreOp::Avg => ReduceOp::Avg,
+        CoreOp::Max => ReduceOp::Max,
+        CoreOp::Min => ReduceOp::Min,
+    }
+}
+
+/// An rl-dist error as the `rl_core::Error::Role` of `dist` (the message names the rank and
+/// the operation).
+fn core_err(e: crate::Error) -> rl_core::Error {
+    rl_core::Error::Role {
+        role: "dist",
+        source: Box::new(e),
+    }
+}
+
+impl Collective for ProcessGroup {
+    fn rank(&self) -> usize {
+        ProcessGroup::rank(self)
+    }
+
+    fn world_size(&self) -> usize {
+        ProcessGroup::world_size(self)
+    }
+
+    fn all_reduce(&mut self, tensors: &mut [Tensor], o: CoreOp) -> rl_core::Result<()> {
+        self.all_reduce_many(tensors, op(o)).map_err(core_err)
+    }
+
+    fn all_gather(&mut self, tensor: &Tensor) -> rl_core::Result<Vec<Tensor>> {
+        ProcessGroup::all_gather(self, tensor).map_err(core_err)
+    }
+
+    fn broadcast(&mut self, tensor: &mut Tensor, src: usize) -> rl_core::Result<()> {
+        ProcessGroup::broadcast(self, tensor, src).map_err(core_err)
+    }
+
+    fn barrier(&mut self) -> rl_core::Result<()> {
+        ProcessGroup::barrier(self).map_err(core_err)
+    }
+}

@@ -1,0 +1,644 @@
+//! Data parallelism over real c10d groups (Gloo on 127.0.0.1, issue 11): the test binary
+//! re-executes itself as the ranks of a group (the role is chosen by `RL_E2E_DIST_ROLE`; each
+//! rank joins with `ProcessGroup::from_env` like under torchrun) and writes its weights and
+//! checkpoints under `RL_E2E_DIST_OUT`, which the parent compares with a one-process run.
+//!
+//! - one actor (and critic) update on a fixed batch: 2 ranks with half the rows each give the
+//!   weights of 1 rank with all of them (token-mean and seq-mean-token-sum);
+//! - a 2-rank GRPO run keeps bit-identical weights on both ranks;
+//! - checkpoints are independent of the world size: 2 ranks -> 1 and 1 -> 2 resume from the
+//!   same weights and the same global loader position.
+
+use std::collections::BTreeMap;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rl_algos::LossAggMode;
+use rl_algos::advantage::AdvEstimator;
+use rl_algos::trainer::{
+    ActorLossConfig, CriticLossConfig, OnPolicyTrainer, PolicyLoss, Roles, ValueLoss,
+};
+use rl_core::dist::{SharedCollective, shard_range};
+use rl_core::roles::{Actor, Critic};
+use rl_core::{Batch, Trainer, keys};
+use rl_data::Tokenizer;
+use rl_data::reward::RewardRegistry;
+use rl_data::reward::role::RuleReward;
+use rl_e2e::*;
+use rl_workers::roles::{
+    ActorConfig, ActorWorker, CriticConfig, CriticWorker, OptimConfig, ReferenceWorker,
+    RolloutWorker, SharedPolicy,
+};
+use rl_workers::{CausalLm, Config, RolloutConfig, ValueModel};
+use serde_json::Value;
+use tch::{Device, Kind, Tensor};
+
+const ROLE: &str = "RL_E2E_DIST_ROLE";
+const OUT: &str = "RL_E2E_DIST_OUT";
+/// Bound on rendezvous and every collective: the machine is shared and slow.
+const TIMEOUT: Duration = Duration::from_secs(120);
+/// Bound on a whole spawned group; past it every rank is killed and the test fails.
+const GROUP_DEADLINE: Duration = Duration::from_secs(300);
+
+// ---------------------------------------------------------------- the launcher in miniature
+
+/// Kills (and reaps) every rank still running when dropped, so a failing test leaves none.
+struct Ranks(Vec<Child>);
+
+impl Drop for Ranks {
+    fn drop(&mut self) {
+        for child in &mut self.0 {
+            if matches!(child.try_wait(), Ok(None)) {
+                let _ = child.kill();
+            }
+            let _ = child.wait();
+        }
+    }
+}
+
+fn free_port() -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
+    listener.local_addr().expect("local addr").port()
+}
+
+/// Runs `role` as `world_size` ranks of this test binary writing under `out`, and asserts
+/// every rank succeeded. A store port taken between picking and binding is retried.
+fn spawn_group(role: &str, world_size: usize, out: &Path) {
+    for _ in 0..3 {
+        let outputs = spawn_once(role, world_size, out);
+        let port_taken = outputs.iter().any(|o| {
+            let err = String::from_utf8_lossy(&o.stderr);
+            err.contains("EADDRINUSE") || err.to_lowercase().contains("address already in use")
+        });
+        if port_taken {
+            continue;
+        }
+        for (rank, o) in outputs.iter().enumerate() {
+            assert!(
+                o.status.success() && String::from_utf8_lossy(&o.stdout).contains("role ok"),
+                "{role}: rank {rank} failed ({})\nstdout:\n{}\nstderr:\n{}",
+                o.status,
+                String::from_utf8_lossy(&o.stdout),
+                String::from_utf8_lossy(&o.stderr),
+            );
+        }
+        return;
+    }
+    panic!("{role}: no free port for the store after 3 tries");
+}
+
+fn spawn_once(role: &str, world_size: usize, out: &Path) -> Vec<Output> {
+    let exe = std::env::current_exe().expect("test binary path");
+    let port = free_port().to_string();
+    let mut ranks = Ranks(Vec::new());
+    for rank in 0..world_size {
+        let mut cmd = Command::new(&exe);
+        cmd.args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
+            .env(ROLE, role)
+            .env(OUT, out)
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", world_size.to_string())
+            .env("LOCAL_RANK", rank.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", &port)
+            .env_remove("GLOO_SOCKET_IFNAME")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        ranks.0.push(cmd.spawn().expect("spawn a rank"));
+    }
+    let start = Instant::now();
+    while !ranks
+        .0
+        .iter_mut()
+        .all(|c| matches!(c.try_wait(), Ok(Some(_))))
+    {
+        assert!(
+            start.elapsed() < GROUP_DEADLINE,
+            "{role} with {world_size} ranks did not finish in {GROUP_DEADLINE:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::mem::take(&mut ranks.0)
+        .into_iter()
+        .map(|c| c.wait_with_output().expect("rank output"))
+        .collect()
+}
+
+/// The child side: does nothing unless this process was spawned as a rank.
+#[test]
+fn child_entry() {
+    let Ok(role) = std::env::var(ROLE) else {
+        return;
+    };
+    let out = PathBuf::from(std::env::var(OUT).expect("RL_E2E_DIST_OUT"));
+    let pg = rl_dist::ProcessGroup::from_env(TIMEOUT).expect("join the group");
+    let (rank, world) = (pg.rank(), pg.world_size());
+    let group = rl_core::dist::share(pg);
+    match role.as_str() {
+        "updates" => updates_child(&group, rank, world, &out),
+        "grpo_run" => grpo_run_child(&group, rank, &out),
+        "resume" => resume_child(&group, rank, &out),
+        other => panic!("unknown role {other}"),
+    }
+    println!("role ok");
+}
+
+// ---------------------------------------------------------------- weights on disk
+
+fn named_params(vs: &tch::nn::VarStore) -> Vec<(String, Tensor)> {
+    let mut v: Vec<_> = vs
+        .variables()
+        .into_iter()
+        .map(|(k, t)| (k, t.detach().copy()))
+        .collect();
+    v.sort_by(|a, b| a.0.cmp(&b.0));
+    v
+}
+
+fn policy_params(p: &SharedPolicy) -> Vec<(String, Tensor)> {
+    named_params(p.lock().unwrap().var_store())
+}
+
+fn write(path: &Path, params: &[(String, Tensor)]) {
+    Tensor::write_safetensors(params, path).unwrap();
+}
+
+fn read(path: &Path) -> BTreeMap<String, Tensor> {
+    Tensor::read_safetensors(path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        .into_iter()
+        .collect()
+}
+
+/// Largest absolute difference over every tensor of two name -> tensor maps (same names).
+fn max_diff(a: &BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>) -> f64 {
+    assert_eq!(
+        a.keys().collect::<Vec<_>>(),
+        b.keys().collect::<Vec<_>>(),
+        "the same parameters"
+    );
+    a.iter()
+        .map(|(k, x)| (x - &b[k]).abs().max().double_value(&[]))
+        .fold(0.0, f64::max)
+}
+
+fn as_map(params: Vec<(String, Tensor)>) -> BTreeMap<String, Tensor> {
+    params.into_iter().collect()
+}
+
+// ---------------------------------------------------------------- one update on a fixed batch
+
+const PROMPTS: usize = 4;
+const N: usize = 4;
+
+fn tiny_policy() -> SharedPolicy {
+    tch::manual_seed(5);
+    rl_workers::roles::share(CausalLm::new(&Config::tiny(), Device::Cpu, Kind::Float).unwrap())
+}
+
+fn tiny_critic() -> ValueModel {
+    tch::manual_seed(7);
+    ValueModel::new(&Config::tiny(), Device::Cpu, Kind::Float).unwrap()
+}
+
+/// 16 rows (4 prompts x 4 responses of 1 to 7 tokens, some empty-ish prompts) with old/ref
+/// log-probs, values, returns and advantages: no sampling, the same on every process.
+fn fixed_batch() -> Batch {
+    tch::manual_seed(6);
+    let rows = PROMPTS * N;
+    let lens = Vec::<i64>::try_from(Tensor::randint_low(
+        1,
+        8,
+        [rows as i64],
+        (Kind::Int64, Device::Cpu),
+    ))
+    .unwrap();
+    let ids = |n: i64| {
+        Vec::<i64>::try_from(Tensor::randint_low(4, 120, [n], (Kind::Int64, Device::Cpu)))
+            .unwrap()
+            .into_iter()
+            .map(|t| t as u32)
+            .collect::<Vec<u32>>()
+    };
+    let prompts: Vec<Vec<u32>> = (0..rows).map(|i| ids(3 + (i / N) as i64)).collect();
+    let responses: Vec<Vec<u32>> = lens.iter().map(|&l| ids(l)).collect();
+    let mut b = rollout_layout(&prompts, &responses, 0).unwrap();
+    let (r, w) = (rows as i64, b.get(keys::RESPONSES).unwrap().size()[1]);
+    let mask = b.get(keys::RESPONSE_MASK).unwrap().shallow_clone();
+    let p = tiny_policy();
+    let mut actor = ActorWorker::new(p, ActorConfig::default(), N).unwrap();
+    let old = actor.compute_log_prob(&b, false).unwrap();
+    let old = old.get(keys::OLD_LOG_PROBS).unwrap();
+    let noise = Tensor::randn([r, w], (Kind::Float, Device::Cpu)) * 0.3;
+    b.insert(keys::OLD_LOG_PROBS, (old + noise) * &mask)
+        .unwrap();
+    let refn = Tensor::randn([r, w], (Kind::Float, Device::Cpu)) * 0.2;
+    b.insert(keys::REF_LOG_PROB, (old + refn) * &mask).unwrap();
+    for key in [keys::ADVANTAGES, keys::VALUES, keys::RETURNS] {
+        b.insert(
+            key,
+            Tensor::randn([r, w], (Kind::Float, Device::Cpu)) * &mask,
+        )
+        .unwrap();
+    }
+    b
+}
+
+const MODES: [LossAggMode; 2] = [LossAggMode::TokenMean, LossAggMode::SeqMeanTokenSum];
+
+fn actor_cfg() -> ActorConfig {
+    ActorConfig {
+        ppo_mini_batch_size: PROMPTS,
+        ppo_micro_batch_size_per_gpu: Some(4),
+        grad_clip: 1.0,
+        optim: OptimConfig {
+            lr: 1e-3,
+            ..OptimConfig::default()
+        },
+        ..ActorConfig::default()
+    }
+}
+
+fn critic_cfg() -> CriticConfig {
+    CriticConfig {
+        ppo_mini_batch_size: PROMPTS,
+        ppo_micro_batch_size_per_gpu: Some(4),
+        optim: OptimConfig {
+            lr: 1e-3,
+            ..OptimConfig::default()
+        },
+        ..CriticConfig::default()
+    }
+}
+
+fn policy_objective(mode: LossAggMode) -> PolicyLoss {
+    PolicyLoss {
+        cfg: ActorLossConfig {
+            loss_agg_mode: mode,
+            use_kl_loss: true,
+            kl_loss_coef: 0.1,
+            entropy_coeff: 0.01,
+            ..ActorLossConfig::default()
+        },
+    }
+}
+
+fn value_objective() -> ValueLoss {
+    ValueLoss {
+        cfg: CriticLossConfig::default(),
+    }
+}
+
+/// The rows of `batch` this rank updates on (all of them without a group).
+fn my_rows(batch: &Batch, group: Option<(&SharedCollective, usize, usize)>) -> Batch {
+    match group {
+        Some((_, rank, world)) => batch.slice(shard_range(batch.len(), rank, world)).unwrap(),
+        None => batch.shallow_clone(),
+    }
+}
+
+/// One actor update per aggregation mode and one critic update, each from the same initial
+/// weights; returns `(case, weights)`.
+fn run_updates(
+    group: Option<(&SharedCollective, usize, usize)>,
+) -> Vec<(String, Vec<(String, Tensor)>)> {
+    let batch = fixed_batch();
+    let mine = my_rows(&batch, group);
+    let mut out = Vec::new();
+    for mode in MODES {
+        let p = tiny_policy();
+        let mut actor = ActorWorker::new(p.clone(), actor_cfg(), N).unwrap();
+        if let Some((g, ..)) = group {
+            actor = actor.with_group(g.clone()).unwrap();
+        }
+        actor.update(&mine, &policy_objective(mode)).unwrap();
+        actor.check_replicas().unwrap();
+        out.push((format!("actor-{mode}"), policy_params(&p)));
+    }
+    let mut critic = CriticWorker::new(tiny_critic(), critic_cfg(), N).unwrap();
+    if let Some((g, ..)) = group {
+        critic = critic.with_group(g.clone()).unwrap();
+    }
+    critic.update(&mine, &value_objective()).unwrap();
+    critic.check_replicas().unwrap();
+    out.push(("critic".into(), named_params(critic.model().var_store())));
+    out
+}
+
+fn updates_child(group: &SharedCollective, rank: usize, world: usize, out: &Path) {
+    for (case, params) in run_updates(Some((group, rank, world))) {
+        write(&out.join(format!("{case}-rank{rank}.safetensors")), &params);
+    }
+}
+
+#[test]
+fn two_ranks_with_half_the_batch_each_update_like_one_rank_with_all_of_it() {
+    let out = tempfile::tempdir().unwrap();
+    let t = Instant::now();
+    spawn_group("updates", 2, out.path());
+    let spawned = t.elapsed();
+    let init_actor = as_map(policy_params(&tiny_policy()));
+    let init_critic = as_map(named_params(tiny_critic().var_store()));
+    for (case, want) in run_updates(None) {
+        let want = as_map(want);
+        let r0 = read(&out.path().join(format!("{case}-rank0.safetensors")));
+        let r1 = read(&out.path().join(format!("{case}-rank1.safetensors")));
+        assert_eq!(max_diff(&r0, &r1), 0.0, "{case}: ranks differ");
+        let diff = max_diff(&r0, &want);
+        let init = if case == "critic" {
+            &init_critic
+        } else {
+            &init_actor
+        };
+        let moved = max_diff(&want, init);
+        println!(
+            "{case}: world 2 vs world 1 max |param diff| = {diff:.2e} (update moved {moved:.2e})"
+        );
+        assert!(
+            diff < 1e-5,
+            "{case}: world 2 differs from world 1 by {diff}"
+        );
+        assert!(moved > 1e-4, "{case}: the update did not move the weights");
+    }
+    println!("2-rank group took {spawned:?}");
+}
+
+// ---------------------------------------------------------------- GRPO on the tiny task
+
+const STEPS: u64 = 3;
+
+fn grpo_config(task: &TinyTask) -> ExperimentConfig {
+    let mut cfg = ExperimentConfig {
+        data: tiny_data_config(task, 4, 3),
+        ..ExperimentConfig::default()
+    };
+    cfg.actor_rollout_ref.rollout = RolloutConfig {
+        n: 4,
+        response_length: 4,
+        seed: 3,
+        ..RolloutConfig::default()
+    };
+    cfg.actor_rollout_ref.actor = ActorConfig {
+        ppo_mini_batch_size: 2,
+        ppo_epochs: 2,
+        shuffle: true,
+        optim: OptimConfig {
+            lr: 1e-3,
+            lr_warmup_steps: 2,
+            ..OptimConfig::default()
+        },
+        ..ActorConfig::default()
+    };
+    cfg.actor_rollout_ref.actor_loss.use_kl_loss = true;
+    cfg.algorithm.adv_estimator = AdvEstimator::Grpo;
+    cfg.trainer.total_training_steps = Some(STEPS);
+    cfg
+}
+
+fn grpo_task() -> TinyTask {
+    tiny_task(9, 60, 10, 1).unwrap()
+}
+
+/// The GRPO trainer of [`grpo_config`] on a fresh seeded policy: one process without a group,
+/// or this rank of `group` (sharded loader, data-parallel actor and trainer). Returns the
+/// trainer and the policy it trains.
+fn grpo_trainer(
+    task: &TinyTask,
+    group: Option<&SharedCollective>,
+) -> (OnPolicyTrainer, SharedPolicy) {
+    let cfg = grpo_config(task);
+    cfg.check().unwrap();
+    let tokenizer: &Arc<Tokenizer> = &task.tokenizer;
+    let policy = fresh_tiny_policy(tokenizer.vocab_size() as i64, 1).unwrap();
+    let (mut train, val) = loaders(&cfg, tokenizer).unwrap();
+    let arr = &cfg.actor_rollout_ref;
+    let reference = ReferenceWorker::from_policy(&policy, None).unwrap();
+    let eos = tokenizer.eos_token_id().unwrap() as i64;
+    let pad = tokenizer.pad_id_or_eos().unwrap() as i64;
+    let rollout = RolloutWorker::new(
+        policy.clone(),
+        arr.rollout.clone(),
+        arr.val_kwargs.clone(),
+        vec![eos],
+        pad,
+    )
+    .unwrap();
+    let mut actor = ActorWorker::new(policy.clone(), arr.actor.clone(), arr.rollout.n).unwrap();
+    if let Some(g) = group {
+        let (rank, world) = {
+            let g = rl_core::dist::lock(g).unwrap();
+            (g.rank(), g.world_size())
+        };
+        train = LoaderSource(train.0.with_shard(rank, world).unwrap());
+        actor = actor.with_group(g.clone()).unwrap();
+    }
+    let batches_per_epoch = train.0.batches_per_epoch();
+    let roles = Roles {
+        actor: Box::new(actor),
+        rollout: Box::new(rollout),
+        reference: Some(Box::new(reference)),
+        critic: None,
+        reward: Box::new(RuleReward::new(
+            tokenizer.clone(),
+            RewardRegistry::verl_default(),
+        )),
+    };
+    let mut trainer = OnPolicyTrainer::new(
+        cfg.on_policy(batches_per_epoch),
+        roles,
+        Box::new(train),
+        val,
+    )
+    .unwrap();
+    if let Some(g) = group {
+        trainer = trainer.with_group(g.clone()).unwrap();
+    }
+    (trainer, policy)
+}
+
+fn grpo_run_child(group: &SharedCollective, rank: usize, out: &Path) {
+    let task = grpo_task();
+    let (mut trainer, policy) = grpo_trainer(&task, Some(group));
+    let mut log = Vec::new();
+    while trainer.global_step() < trainer.total_steps() {
+        let m = trainer.step().unwrap();
+        log.push(m);
+    }
+    let (val, _) = trainer.validate().unwrap();
+    write(
+        &out.join(format!("grpo-rank{rank}.safetensors")),
+        &policy_params(&policy),
+    );
+    let metrics = serde_json::json!({ "steps": log, "val": val });
+    std::fs::write(
+        out.join(format!("grpo-metrics-rank{rank}.json")),
+        metrics.to_string(),
+    )
+    .unwrap();
+}
+
+#[test]
+fn two_rank_grpo_run_keeps_identical_weights_and_logs_global_metrics() {
+    let out = tempfile::tempdir().unwrap();
+    let t = Instant::now();
+    spawn_group("grpo_run", 2, out.path());
+    println!("2-rank GRPO run of {STEPS} steps took {:?}", t.elapsed());
+    let r0 = read(&out.path().join("grpo-rank0.safetensors"));
+    let r1 = read(&out.path().join("grpo-rank1.safetensors"));
+    assert_eq!(max_diff(&r0, &r1), 0.0, "the ranks' weights differ");
+    let init = as_map(policy_params(
+        &fresh_tiny_policy(grpo_task().tokenizer.vocab_size() as i64, 1).unwrap(),
+    ));
+    assert!(
+        max_diff(&r0, &init) > 1e-4,
+        "training did not move the weights"
+    );
+    let load = |r: usize| -> Value {
+        let text =
+            std::fs::read_to_string(out.path().join(format!("grpo-metrics-rank{r}.json"))).unwrap();
+        serde_json::from_str(&text).unwrap()
+    };
+    let (m0, m1) = (load(0), load(1));
+    // every rank returns the reduced (global) figures
+    assert_eq!(m0["val"], m1["val"]);
+    let steps = m0["steps"].as_array().unwrap();
+    assert_eq!(steps.len(), STEPS as usize);
+    for (a, b) in steps.iter().zip(m1["steps"].as_array().unwrap()) {
+        for key in ["actor/pg_loss", "critic/score/mean", "response_length/mean"] {
+            assert_eq!(a[key], b[key], "{key}");
+        }
+        // 4 prompts x 4 responses over both ranks
+        let tokens = a["perf/total_num_tokens"].as_f64().unwrap();
+        assert!(tokens > 16.0, "{tokens}");
+    }
+    assert!(
+        m0["val"]
+            .as_object()
+            .unwrap()
+            .keys()
+            .any(|k| k.starts_with("val/test_score/"))
+    );
+}
+
+// ---------------------------------------------------------------- resume across world sizes
+
+/// The loader position saved in a checkpoint's `trainer_state.json`, and its step.
+fn saved_state(dir: &Path) -> (Value, u64) {
+    let text = std::fs::read_to_string(dir.join("trainer_state.json")).unwrap();
+    let v: Value = serde_json::from_str(&text).unwrap();
+    (
+        v["train_source"].clone(),
+        v["global_step"].as_u64().unwrap(),
+    )
+}
+
+fn checkpoint(trainer: &OnPolicyTrainer, dir: &Path) {
+    std::fs::create_dir_all(dir).unwrap();
+    trainer.save_checkpoint(dir).unwrap();
+}
+
+/// On 2 ranks: (a) a fresh run takes a step and checkpoints into `ckpt2` (rank 0 writes), then
+/// takes one more and checkpoints into `after2`; (b) a fresh trainer loads the 1-rank
+/// checkpoint `ckpt1` (written by the parent), dumps its weights, takes one step and
+/// checkpoints into `from1`.
+fn resume_child(group: &SharedCollective, rank: usize, out: &Path) {
+    let task = grpo_task();
+    let (mut a, policy) = grpo_trainer(&task, Some(group));
+    a.step().unwrap();
+    checkpoint(&a, &out.join("ckpt2"));
+    write(
+        &out.join(format!("ckpt2-rank{rank}.safetensors")),
+        &policy_params(&policy),
+    );
+    a.step().unwrap();
+    checkpoint(&a, &out.join("after2"));
+    write(
+        &out.join(format!("after2-rank{rank}.safetensors")),
+        &policy_params(&policy),
+    );
+
+    let (mut b, policy) = grpo_trainer(&task, Some(group));
+    b.load_checkpoint(&out.join("ckpt1")).unwrap();
+    assert_eq!(b.global_step(), 1);
+    write(
+        &out.join(format!("loaded1-rank{rank}.safetensors")),
+        &policy_params(&policy),
+    );
+    b.step().unwrap();
+    checkpoint(&b, &out.join("from1"));
+    write(
+        &out.join(format!("from1-rank{rank}.safetensors")),
+        &policy_params(&policy),
+    );
+}
+
+#[test]
+fn checkpoints_resume_at_another_world_size() {
+    let out = tempfile::tempdir().unwrap();
+    let task = grpo_task();
+    // one process: a step, a checkpoint for the 2-rank resume, a second step
+    let (mut one, one_policy) = grpo_trainer(&task, None);
+    one.step().unwrap();
+    checkpoint(&one, &out.path().join("ckpt1"));
+    let ckpt1_weights = as_map(policy_params(&one_policy));
+    one.step().unwrap();
+    checkpoint(&one, &out.path().join("after1"));
+
+    let t = Instant::now();
+    spawn_group("resume", 2, out.path());
+    println!("2-rank resume group took {:?}", t.elapsed());
+
+    // only rank 0 wrote, and the 2-rank checkpoint holds what a 1-rank one does
+    let ckpt2 = out.path().join("ckpt2");
+    assert_eq!(saved_state(&ckpt2), saved_state(&out.path().join("ckpt1")));
+    assert_eq!(
+        saved_state(&out.path().join("after2")),
+        saved_state(&out.path().join("after1")),
+        "2 ranks consume the global batches 1 rank does"
+    );
+
+    // 2 -> 1: a fresh 1-rank trainer resumes the 2-rank checkpoint
+    let (mut resumed, policy) = grpo_trainer(&task, None);
+    resumed.load_checkpoint(&ckpt2).unwrap();
+    assert_eq!(resumed.global_step(), 1);
+    let saved = read(&out.path().join("ckpt2-rank1.safetensors"));
+    let loaded = as_map(policy_params(&policy));
+    assert_eq!(
+        max_diff(&saved, &loaded),
+        0.0,
+        "the 2-rank weights load on 1 rank"
+    );
+    resumed.step().unwrap();
+    let again = out.path().join("resumed1");
+    checkpoint(&resumed, &again);
+    assert_eq!(
+        saved_state(&again),
+        saved_state(&out.path().join("after2")),
+        "1 rank continues from the 2-rank loader position"
+    );
+
+    // 1 -> 2: both ranks loaded the 1-rank weights, continued from its loader position, and
+    // stayed identical
+    for r in 0..2 {
+        let loaded = read(&out.path().join(format!("loaded1-rank{r}.safetensors")));
+        assert_eq!(
+            max_diff(&loaded, &ckpt1_weights),
+            0.0,
+            "rank {r} loaded ckpt1"
+        );
+    }
+    let f0 = read(&out.path().join("from1-rank0.safetensors"));
+    let f1 = read(&out.path().join("from1-rank1.safetensors"));
+    assert_eq!(max_diff(&f0, &f1), 0.0, "the resumed ranks stay identical");
+    assert_eq!(
+        saved_state(&out.path().join("from1")),
+        saved_state(&out.path().join("after1")),
+        "2 ranks continue from the 1-rank loader position"
+    );
+    let a0 = read(&out.path().join("after2-rank0.safetensors"));
+    let a1 = read(&out.path().join("after2-rank1.safetensors"));
+    assert_eq!(max_diff(&a0, &a1), 0.0);
+}
