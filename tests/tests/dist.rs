@@ -7,7 +7,8 @@
 //!   weights of 1 rank with all of them (token-mean and seq-mean-token-sum);
 //! - a 2-rank GRPO run keeps bit-identical weights on both ranks;
 //! - checkpoints are independent of the world size: 2 ranks -> 1 and 1 -> 2 resume from the
-//!   same weights and the same global loader position.
+//!   same weights and the same global loader position, and 2 -> 2 resumes exactly (the same
+//!   metrics as the uninterrupted 2-rank run).
 
 use std::collections::BTreeMap;
 use std::net::TcpListener;
@@ -134,6 +135,8 @@ fn child_entry() {
         return;
     };
     let out = PathBuf::from(std::env::var(OUT).expect("RL_E2E_DIST_OUT"));
+    // ranks share the cores: one intra-op thread each, as torchrun's OMP_NUM_THREADS=1 default
+    tch::set_num_threads(1);
     let pg = rl_dist::ProcessGroup::from_env(TIMEOUT).expect("join the group");
     let (rank, world) = (pg.rank(), pg.world_size());
     let group = rl_core::dist::share(pg);
@@ -535,15 +538,25 @@ fn saved_state(dir: &Path) -> (Value, u64) {
     )
 }
 
+/// Metrics without the wall-clock ones.
+fn comparable(m: &rl_core::StepMetrics) -> Vec<(String, f64)> {
+    m.iter()
+        .filter(|(k, _)| !k.starts_with("timing_s/") && *k != "perf/throughput")
+        .map(|(k, v)| (k.clone(), *v))
+        .collect()
+}
+
 fn checkpoint(trainer: &OnPolicyTrainer, dir: &Path) {
     std::fs::create_dir_all(dir).unwrap();
     trainer.save_checkpoint(dir).unwrap();
 }
 
 /// On 2 ranks: (a) a fresh run takes a step and checkpoints into `ckpt2` (rank 0 writes), then
-/// takes one more and checkpoints into `after2`; (b) a fresh trainer loads the 1-rank
+/// takes two more; a fresh trainer resumed from `ckpt2` re-runs steps 2 and 3 with the same
+/// metrics (checkpointing into `after2` after step 2); (b) a fresh trainer loads the 1-rank
 /// checkpoint `ckpt1` (written by the parent), dumps its weights, takes one step and
-/// checkpoints into `from1`.
+/// checkpoints into `from1`. Rank 1 reads `ckpt2` only after a step's collectives, which
+/// rank 0 enters after writing it.
 fn resume_child(group: &SharedCollective, rank: usize, out: &Path) {
     let task = grpo_task();
     let (mut a, policy) = grpo_trainer(&task, Some(group));
@@ -553,12 +566,26 @@ fn resume_child(group: &SharedCollective, rank: usize, out: &Path) {
         &out.join(format!("ckpt2-rank{rank}.safetensors")),
         &policy_params(&policy),
     );
-    a.step().unwrap();
-    checkpoint(&a, &out.join("after2"));
+    let uninterrupted = vec![a.step().unwrap(), a.step().unwrap()];
+    // after2 is the state after step 2 (the 1-rank side compares with it); step 3 ran already,
+    // so write it from a trainer resumed at step 1 that re-runs step 2: exact resume at world 2
+    let (mut c, policy) = grpo_trainer(&task, Some(group));
+    c.load_checkpoint(&out.join("ckpt2")).unwrap();
+    let resumed = vec![c.step().unwrap()];
+    checkpoint(&c, &out.join("after2"));
     write(
         &out.join(format!("after2-rank{rank}.safetensors")),
         &policy_params(&policy),
     );
+    let resumed = [resumed, vec![c.step().unwrap()]].concat();
+    for (step, (want, got)) in uninterrupted.iter().zip(&resumed).enumerate() {
+        assert_eq!(
+            comparable(got),
+            comparable(want),
+            "rank {rank}: resumed step {} differs from the uninterrupted 2-rank run",
+            step + 2
+        );
+    }
 
     let (mut b, policy) = grpo_trainer(&task, Some(group));
     b.load_checkpoint(&out.join("ckpt1")).unwrap();
