@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::bandit::BanditConfig;
+use crate::experiment::{ActorRolloutRef, CriticGroup, RewardModelGroup, SftGroup};
 
 /// Which trainer drives the run (`trainer.algorithm`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -21,6 +22,20 @@ pub enum TrainerKind {
     /// (`[bandit]` group): seconds on CPU, used by the harness's tests and the quickstart.
     #[default]
     Bandit,
+    /// Supervised fine-tuning of `actor_rollout_ref.model` on the `data` group's files, the
+    /// target response read from `sft.response_key` (verl's SFT trainer).
+    Sft,
+    /// The on-policy family (verl's `main_ppo`): PPO with a critic, GRPO, Dr.GRPO, RLOO,
+    /// REINFORCE++, DAPO, GSPO; `algorithm.adv_estimator` and
+    /// `actor_rollout_ref.actor.{policy_loss.loss_mode, loss_agg_mode}` choose which.
+    OnPolicy,
+}
+
+impl TrainerKind {
+    /// Whether this kind trains a Hugging Face policy (and so exports one at the end).
+    pub fn trains_policy(self) -> bool {
+        !matches!(self, TrainerKind::Bandit)
+    }
 }
 
 /// Remote tracker kinds (`trainer.tracker.kind`).
@@ -86,6 +101,13 @@ pub struct HarnessConfig {
     pub test_freq: i64,
     /// Validate before the first step. Default true.
     pub val_before_train: bool,
+    /// Validation generations printed to the log per validation. Default 0.
+    pub log_val_generations: usize,
+    /// Steps during which only the critic is updated (PPO with a critic). Default 0.
+    pub critic_warmup: u64,
+    /// Where the trained policy is written at the end as a Hugging Face folder (weights,
+    /// `config.json`, tokenizer files); absent = `<run dir>/model` only.
+    pub export_dir: Option<PathBuf>,
     /// Keep at most this many checkpoints (oldest deleted first); absent = keep all.
     pub max_ckpt_to_keep: Option<u64>,
     /// `cpu`, `cuda` or `cuda:N`. Default `cpu`.
@@ -114,6 +136,9 @@ impl Default for HarnessConfig {
             save_freq: -1,
             test_freq: -1,
             val_before_train: true,
+            log_val_generations: 0,
+            critic_warmup: 0,
+            export_dir: None,
             max_ckpt_to_keep: None,
             device: "cpu".into(),
             seed: 1,
@@ -134,16 +159,6 @@ impl HarnessConfig {
     }
 }
 
-/// verl's `actor_rollout_ref` group.
-#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct ActorRolloutRefConfig {
-    /// The actor's policy-loss keys (`clip_ratio`, `loss_agg_mode`, `policy_loss.loss_mode`, ...).
-    pub actor: rl_algos::PolicyLossConfig,
-    /// Sampling settings of the rollout.
-    pub rollout: rl_workers::RolloutConfig,
-}
-
 /// One experiment: every config group, as the TOML file spells it.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -153,9 +168,15 @@ pub struct ExperimentConfig {
     /// verl's `data` group.
     pub data: rl_data::DataConfig,
     /// verl's `actor_rollout_ref` group.
-    pub actor_rollout_ref: ActorRolloutRefConfig,
+    pub actor_rollout_ref: ActorRolloutRef,
+    /// verl's `critic` group (PPO with `algorithm.adv_estimator = "gae"`).
+    pub critic: CriticGroup,
+    /// verl's `reward_model` group.
+    pub reward_model: RewardModelGroup,
     /// verl's `algorithm` group.
     pub algorithm: rl_algos::AlgoConfig,
+    /// The SFT trainer's group.
+    pub sft: SftGroup,
     /// The bandit trainer's group.
     pub bandit: BanditConfig,
 }
@@ -172,6 +193,8 @@ pub const RESUME_SAFE_KEYS: &[&str] = &[
     "trainer.heartbeat_s",
     "trainer.experiment_name",
     "trainer.tracker.",
+    "trainer.log_val_generations",
+    "trainer.export_dir",
     "bandit.step_delay_ms",
 ];
 
@@ -350,15 +373,8 @@ pub fn validate(cfg: &ExperimentConfig) -> Result<()> {
     cfg.algorithm
         .validate()
         .map_err(|e| anyhow!("config group `algorithm`: {e}"))?;
-    cfg.actor_rollout_ref
-        .actor
-        .validate()
-        .map_err(|e| anyhow!("config group `actor_rollout_ref.actor`: {e}"))?;
-    cfg.actor_rollout_ref
-        .rollout
-        .validate()
-        .map_err(|e| anyhow!("config group `actor_rollout_ref.rollout`: {e}"))?;
     cfg.bandit.validate()?;
+    crate::compose::check(cfg)?;
     Ok(())
 }
 

@@ -2,7 +2,8 @@
 //! ([`config`]), the SQLite run store ([`Store`]), the training loop with exact
 //! checkpoint/resume ([`train`]), sweeps ([`sweep`]), comparisons and plots ([`compare`]), the
 //! `runs --filter` language ([`filter`]), the MLflow tracker ([`tracker`]) and a small
-//! deterministic trainer of its own ([`bandit`]) for fast tests and the quickstart.
+//! deterministic trainer of its own ([`bandit`]) for fast tests. [`experiment`] holds the LLM
+//! config groups under verl's names and [`compose`] builds the LLM trainers from them.
 //!
 //! This crate is the only one that knows the CLI, figment, SQLite, the run directory and
 //! wall-clock time. `main.rs` only parses the command line and prints errors.
@@ -10,8 +11,10 @@
 pub mod bandit;
 mod cli;
 pub mod compare;
+pub mod compose;
 pub mod config;
 pub mod device;
+pub mod experiment;
 pub mod filter;
 mod logging;
 mod store;

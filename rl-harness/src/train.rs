@@ -12,6 +12,7 @@ use rl_core::{StepMetrics, Trainer};
 use serde::{Deserialize, Serialize};
 use tokio::runtime::Runtime;
 
+use crate::compose::{self, Built};
 use crate::config::{self, ExperimentConfig, Override, TrainerKind};
 use crate::store::{self, Store, now};
 use crate::{logging, tracker};
@@ -45,7 +46,7 @@ enum Outcome {
 }
 
 /// Builds the trainer the config selects.
-pub fn build_trainer(cfg: &ExperimentConfig) -> Result<Box<dyn Trainer>> {
+pub fn build_trainer(cfg: &ExperimentConfig) -> Result<Built> {
     let device = crate::device::open(&cfg.trainer.device)?;
     match cfg.trainer.algorithm {
         TrainerKind::Bandit => {
@@ -53,15 +54,36 @@ pub fn build_trainer(cfg: &ExperimentConfig) -> Result<Box<dyn Trainer>> {
                 .trainer
                 .total_training_steps
                 .unwrap_or(cfg.trainer.total_epochs * cfg.bandit.steps_per_epoch);
-            Ok(Box::new(crate::bandit::BanditTrainer::new(
-                &cfg.bandit,
-                cfg.trainer.seed,
-                total,
-                cfg.algorithm.kl_ctrl.kl_coef,
-                device,
-            )?))
+            Ok(Built {
+                trainer: Box::new(crate::bandit::BanditTrainer::new(
+                    &cfg.bandit,
+                    cfg.trainer.seed,
+                    total,
+                    cfg.algorithm.kl_ctrl.kl_coef,
+                    device,
+                )?),
+                policy: None,
+                source_dir: None,
+            })
         }
+        _ => compose::build(cfg, device),
     }
+}
+
+/// After a finished run: the trained policy as a Hugging Face folder in `<run dir>/model` and,
+/// when set, in `trainer.export_dir`.
+fn export(built: &Built, run_dir: &Path, cfg: &ExperimentConfig) -> Result<()> {
+    let (Some(policy), Some(src)) = (&built.policy, &built.source_dir) else {
+        return Ok(());
+    };
+    let mut outs = vec![run_dir.join("model")];
+    outs.extend(cfg.trainer.export_dir.clone());
+    for out in outs {
+        compose::export_policy(policy, src, &out)?;
+        tracing::info!("policy exported to {}", out.display());
+        eprintln!("harness: trained policy written to {}", out.display());
+    }
+    Ok(())
 }
 
 fn git_info() -> (Option<String>, Option<bool>) {
@@ -165,8 +187,13 @@ pub fn train(rt: &Runtime, cfg: ExperimentConfig, member: Membership) -> Result<
         run.name,
         run_dir.display()
     );
-    let result = build_trainer(&cfg)
-        .and_then(|trainer| drive(rt, &store, run_id, &run_dir, &cfg, trainer, true));
+    let result = build_trainer(&cfg).and_then(|mut built| {
+        let outcome = drive(rt, &store, run_id, &run_dir, &cfg, &mut built, true)?;
+        if matches!(outcome, Outcome::Finished) {
+            export(&built, &run_dir, &cfg)?;
+        }
+        Ok(outcome)
+    });
     finish(rt, &store, run_id, &cfg, result)
 }
 
@@ -290,7 +317,8 @@ pub fn resume(
         ckpt_dir.display()
     );
     eprintln!("harness: resuming run {id} from {}", ckpt_dir.display());
-    let result = build_trainer(&cfg).and_then(|mut trainer| {
+    let result = build_trainer(&cfg).and_then(|mut built| {
+        let trainer = &mut built.trainer;
         trainer
             .load_checkpoint(&ckpt_dir.join("trainer"))
             .with_context(|| format!("resuming run {id} from {}", ckpt_dir.display()))?;
@@ -301,7 +329,11 @@ pub fn resume(
                 trainer.global_step()
             );
         }
-        drive(rt, &store, id, &run_dir, &cfg, trainer, false)
+        let outcome = drive(rt, &store, id, &run_dir, &cfg, &mut built, false)?;
+        if matches!(outcome, Outcome::Finished) {
+            export(&built, &run_dir, &cfg)?;
+        }
+        Ok(outcome)
     });
     finish(rt, &store, id, &cfg, result)
 }
@@ -375,9 +407,10 @@ fn drive(
     run_id: i64,
     run_dir: &Path,
     cfg: &ExperimentConfig,
-    mut trainer: Box<dyn Trainer>,
+    built: &mut Built,
     fresh: bool,
 ) -> Result<Outcome> {
+    let trainer = &mut built.trainer;
     let t = &cfg.trainer;
     let total = trainer.total_steps();
     let stop = Arc::new(AtomicBool::new(false));

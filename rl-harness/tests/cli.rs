@@ -1,6 +1,6 @@
 //! The command line end to end on the bandit trainer: help everywhere, one-line errors,
 //! `config show` layering, train → runs (with filters) → show → compare (tables, config diffs,
-//! SVG and PNG plots) → export, concurrent writers on one store, and the quickstart files.
+//! SVG and PNG plots) → export, concurrent writers on one store, and the bandit experiment files.
 
 mod common;
 
@@ -249,10 +249,10 @@ fn two_processes_write_one_store_at_once_without_locking_errors_or_lost_metrics(
 }
 
 #[test]
-fn the_quickstart_experiment_trains_and_plots_its_learning_curve() {
+fn the_bandit_experiment_trains_and_plots_its_learning_curve() {
     let env = Env::new();
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let quick = root.join("experiments/quickstart.toml");
+    let quick = root.join("experiments/bandit.toml");
     env.ok(&["train", quick.to_str().unwrap()]);
     env.ok(&[
         "compare",
@@ -262,10 +262,10 @@ fn the_quickstart_experiment_trains_and_plots_its_learning_curve() {
         "--metric",
         "val/test_score",
         "--plot",
-        "quickstart.svg",
+        "bandit.svg",
     ]);
-    assert!(env.path().join("quickstart.svg").is_file());
-    let sweep = root.join("experiments/kl_coef.toml");
+    assert!(env.path().join("bandit.svg").is_file());
+    let sweep = root.join("experiments/bandit_sweep.toml");
     let shown = env.ok(&["config", "show", sweep.to_str().unwrap()]);
     assert!(
         !shown.contains("[sweep"),

@@ -1,0 +1,509 @@
+//! Composing an LLM trainer from the resolved config: the tokenizer and policy from
+//! `actor_rollout_ref.model`, rl-data's loaders as the trainers' batch sources, the roles
+//! (actor, rollout, reference, critic, rule reward) from rl-workers and rl-data, and the
+//! trainer from rl-algos. Every check runs before any model loads, each error naming its key.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{Context, Result, anyhow, bail};
+use rl_algos::trainer::{
+    BatchSource, OnPolicyConfig, OnPolicyTrainer, Roles, SftConfig, SftTrainer, TrainerSection,
+};
+use rl_core::{Batch, Trainer, keys};
+use rl_data::reward::RewardRegistry;
+use rl_data::reward::role::RuleReward;
+use rl_data::{DataLoader, LoaderOptions, LoaderState, RlDataset, RlRow, Sampler, Tokenizer};
+use rl_workers::roles::{
+    ActorWorker, CriticWorker, ReferenceWorker, RolloutWorker, SharedPolicy, share,
+};
+use rl_workers::{CausalLm, ValueModel};
+use serde_json::Value;
+use tch::{Device, Kind, Tensor};
+
+use crate::config::{ExperimentConfig, TrainerKind};
+
+/// A trainer ready to drive, with the policy it trains (to export it at the end).
+pub struct Built {
+    /// The trainer.
+    pub trainer: Box<dyn Trainer>,
+    /// The policy's weights, shared with the trainer's actor; `None` for the bandit.
+    pub policy: Option<SharedPolicy>,
+    /// The folder the policy and its tokenizer came from.
+    pub source_dir: Option<PathBuf>,
+}
+
+impl std::fmt::Debug for Built {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Built")
+            .field("global_step", &self.trainer.global_step())
+            .field("source_dir", &self.source_dir)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The trainer's plan of an on-policy experiment (`batches_per_epoch` from the loader).
+pub fn on_policy_config(cfg: &ExperimentConfig, batches_per_epoch: usize) -> OnPolicyConfig {
+    let arr = &cfg.actor_rollout_ref;
+    let t = &cfg.trainer;
+    OnPolicyConfig {
+        algorithm: cfg.algorithm.clone(),
+        actor: arr.actor_loss,
+        critic: cfg.critic.loss,
+        trainer: TrainerSection {
+            total_epochs: t.total_epochs as usize,
+            total_training_steps: t.total_training_steps,
+            test_freq: t.test_freq,
+            val_before_train: t.val_before_train,
+            log_val_generations: t.log_val_generations,
+            critic_warmup: t.critic_warmup,
+            save_freq: t.save_freq,
+        },
+        train_batch_size: cfg.data.train_batch_size,
+        rollout_n: arr.rollout.n,
+        temperature: arr.rollout.temperature,
+        max_response_length: arr.rollout.response_length,
+        actor_ppo_mini_batch_size: arr.actor.ppo_mini_batch_size,
+        critic_ppo_mini_batch_size: cfg.critic.worker.ppo_mini_batch_size,
+        overlong_buffer: cfg.reward_model.overlong_buffer,
+        batches_per_epoch,
+    }
+}
+
+/// The checks of the LLM groups the selected trainer reads (none for the bandit), each error
+/// naming the key.
+pub fn check(cfg: &ExperimentConfig) -> Result<()> {
+    let kind = cfg.trainer.algorithm;
+    if !kind.trains_policy() {
+        return Ok(());
+    }
+    let arr = &cfg.actor_rollout_ref;
+    if arr.model.path.as_os_str().is_empty() {
+        bail!(
+            "config key `actor_rollout_ref.model.path`: trainer.algorithm = {kind:?} needs a \
+             Hugging Face model folder"
+        );
+    }
+    arr.actor
+        .validate("actor_rollout_ref.actor")
+        .map_err(|e| anyhow!("{e}"))?;
+    if kind == TrainerKind::Sft {
+        if cfg.sft.train_batch_size == 0 {
+            bail!("config key `sft.train_batch_size`: must be at least 1");
+        }
+        ResponseKey::parse(&cfg.sft.response_key)?;
+        return Ok(());
+    }
+    arr.rollout
+        .validate()
+        .map_err(|e| anyhow!("config group `actor_rollout_ref.rollout`: {e}"))?;
+    if cfg.algorithm.adv_estimator.needs_critic() {
+        cfg.critic
+            .worker
+            .validate("critic")
+            .map_err(|e| anyhow!("{e}"))?;
+    }
+    on_policy_config(cfg, 1)
+        .check()
+        .map_err(|e| anyhow!("{e}"))?;
+    Ok(())
+}
+
+/// Builds the trainer `cfg` selects, on `device`; `tch::manual_seed(trainer.seed)` first, so
+/// fresh heads start the same every time.
+pub fn build(cfg: &ExperimentConfig, device: Device) -> Result<Built> {
+    check(cfg)?;
+    tch::manual_seed(cfg.trainer.seed as i64);
+    let dir = cfg.actor_rollout_ref.model.path.clone();
+    let kind = cfg.actor_rollout_ref.model.dtype.kind();
+    let tok_dir = cfg.data.tokenizer.clone().unwrap_or_else(|| dir.clone());
+    let tokenizer = Arc::new(
+        Tokenizer::from_dir(&tok_dir)
+            .with_context(|| format!("loading the tokenizer of {}", tok_dir.display()))?,
+    );
+    let policy = share(
+        CausalLm::from_pretrained(&dir, device, kind)
+            .with_context(|| format!("loading actor_rollout_ref.model.path {}", dir.display()))?,
+    );
+    let trainer: Box<dyn Trainer> = match cfg.trainer.algorithm {
+        TrainerKind::Sft => Box::new(build_sft(cfg, policy.clone(), &tokenizer)?),
+        TrainerKind::OnPolicy => {
+            let critic = if cfg.algorithm.adv_estimator.needs_critic() {
+                let path = cfg.critic.model.path.clone().unwrap_or_else(|| dir.clone());
+                Some(
+                    ValueModel::from_pretrained(&path, device, kind)
+                        .with_context(|| format!("loading critic.model.path {}", path.display()))?,
+                )
+            } else {
+                None
+            };
+            Box::new(build_on_policy(cfg, policy.clone(), critic, &tokenizer)?)
+        }
+        TrainerKind::Bandit => bail!("the bandit trainer is built by the harness itself"),
+    };
+    Ok(Built {
+        trainer,
+        policy: Some(policy),
+        source_dir: Some(tok_dir),
+    })
+}
+
+/// rl-data's loader as a [`BatchSource`] of prompt batches.
+#[derive(Debug)]
+pub struct LoaderSource(pub DataLoader);
+
+impl BatchSource for LoaderSource {
+    fn next_batch(&mut self) -> rl_core::Result<Batch> {
+        let pb = self.0.next_batch_cycling().map_err(data_err)?;
+        pb.into_batch().map_err(data_err)
+    }
+    fn state(&self) -> Value {
+        serde_json::to_value(self.0.state()).unwrap_or(Value::Null)
+    }
+    fn load_state(&mut self, state: &Value) -> rl_core::Result<()> {
+        let s: LoaderState = serde_json::from_value(state.clone()).map_err(|e| role_err(&e))?;
+        self.0.load_state(s).map_err(data_err)
+    }
+}
+
+fn data_err(e: rl_data::Error) -> rl_core::Error {
+    rl_core::Error::Role {
+        role: "data",
+        source: Box::new(e),
+    }
+}
+
+fn role_err(e: &dyn std::fmt::Display) -> rl_core::Error {
+    rl_core::Error::Role {
+        role: "loader",
+        source: e.to_string().into(),
+    }
+}
+
+/// Left-pads prompts and right-pads responses into the rollout layout (`input_ids`,
+/// `attention_mask`, `position_ids`, `prompts`, `responses`, `response_mask`).
+pub fn rollout_layout(prompts: &[Vec<u32>], responses: &[Vec<u32>], pad: u32) -> Result<Batch> {
+    let (p_ids, p_mask, p_pos) = rl_data::collate_left_padded(prompts, pad, None)?;
+    let b = prompts.len() as i64;
+    let width = responses.iter().map(Vec::len).max().unwrap_or(1).max(1);
+    let mut r = vec![i64::from(pad); b as usize * width];
+    let mut m = vec![0f32; b as usize * width];
+    for (i, resp) in responses.iter().enumerate() {
+        for (j, &t) in resp.iter().enumerate() {
+            r[i * width + j] = i64::from(t);
+            m[i * width + j] = 1.0;
+        }
+    }
+    let responses = Tensor::from_slice(&r).view([b, width as i64]);
+    let response_mask = Tensor::from_slice(&m).view([b, width as i64]);
+    let last = p_pos.narrow(1, p_pos.size()[1] - 1, 1);
+    let r_pos =
+        last + Tensor::arange_start(1, width as i64 + 1, (Kind::Int64, Device::Cpu)).unsqueeze(0);
+    let mut batch = Batch::new();
+    batch.insert(keys::INPUT_IDS, Tensor::cat(&[&p_ids, &responses], 1))?;
+    batch.insert(
+        keys::ATTENTION_MASK,
+        Tensor::cat(&[&p_mask, &response_mask.to_kind(Kind::Int64)], 1),
+    )?;
+    batch.insert(keys::POSITION_IDS, Tensor::cat(&[&p_pos, &r_pos], 1))?;
+    batch.insert(keys::PROMPTS, p_ids)?;
+    batch.insert(keys::RESPONSES, responses)?;
+    batch.insert(keys::RESPONSE_MASK, response_mask)?;
+    Ok(batch)
+}
+
+/// Where an SFT row's target response is (`sft.response_key`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ResponseKey {
+    /// `extra_info.<field>`.
+    ExtraInfo(String),
+    /// `reward_model.ground_truth`.
+    GroundTruth,
+}
+
+impl ResponseKey {
+    /// Parses `extra_info.<field>` or `reward_model.ground_truth`.
+    pub fn parse(key: &str) -> Result<Self> {
+        if key == "reward_model.ground_truth" {
+            return Ok(ResponseKey::GroundTruth);
+        }
+        match key.strip_prefix("extra_info.") {
+            Some(field) if !field.is_empty() => Ok(ResponseKey::ExtraInfo(field.into())),
+            _ => bail!(
+                "config key `sft.response_key`: {key:?} is neither `extra_info.<field>` nor \
+                 `reward_model.ground_truth`"
+            ),
+        }
+    }
+
+    fn text(&self, row: &RlRow) -> Result<String> {
+        let (value, name) = match self {
+            ResponseKey::ExtraInfo(f) => (row.extra_info.get(f), format!("extra_info.{f}")),
+            ResponseKey::GroundTruth => {
+                (Some(&row.ground_truth), "reward_model.ground_truth".into())
+            }
+        };
+        match value {
+            Some(Value::String(s)) => Ok(s.clone()),
+            Some(Value::Number(n)) => Ok(n.to_string()),
+            other => bail!(
+                "{} row {}: `{name}` (sft.response_key) is {}, expected a string",
+                row.source.path.display(),
+                row.source.row,
+                other.map_or("absent".to_string(), Value::to_string)
+            ),
+        }
+    }
+}
+
+/// SFT batches from an RL parquet: the prompt rendered with the chat template and the
+/// generation prompt, the response the row's target (`sft.response_key`) plus eos, in the
+/// rollout layout so the actor's SFT loss reads `response_mask`.
+#[derive(Debug)]
+pub struct SftSource {
+    dataset: Arc<RlDataset>,
+    tokenizer: Arc<Tokenizer>,
+    response: ResponseKey,
+    sampler: Sampler,
+}
+
+impl SftSource {
+    /// Shuffled batches of `batch_size` rows per epoch, seeded with `seed`.
+    pub fn new(
+        dataset: Arc<RlDataset>,
+        tokenizer: Arc<Tokenizer>,
+        response: ResponseKey,
+        batch_size: usize,
+        seed: u64,
+    ) -> Result<Self> {
+        let sampler = Sampler::new(dataset.len(), batch_size, true, true, seed)?;
+        Ok(SftSource {
+            dataset,
+            tokenizer,
+            response,
+            sampler,
+        })
+    }
+
+    /// Batches per epoch.
+    pub fn batches_per_epoch(&self) -> usize {
+        self.sampler.batches_per_epoch()
+    }
+
+    /// The batch of rows `idx`.
+    pub fn batch(&self, idx: &[usize]) -> Result<Batch> {
+        let mut prompts = Vec::with_capacity(idx.len());
+        let mut responses = Vec::with_capacity(idx.len());
+        for &i in idx {
+            let row = self.dataset.row(i)?;
+            let answer = self.response.text(&row)?;
+            let ex = rl_data::tokenize_prompt_response(&self.tokenizer, &row.prompt, &answer)?;
+            let split = ex
+                .loss_mask
+                .iter()
+                .position(|&m| m == 1)
+                .unwrap_or(ex.input_ids.len());
+            prompts.push(ex.input_ids[..split].to_vec());
+            responses.push(ex.input_ids[split..].to_vec());
+        }
+        rollout_layout(&prompts, &responses, self.tokenizer.pad_id_or_eos()?)
+    }
+}
+
+impl BatchSource for SftSource {
+    fn next_batch(&mut self) -> rl_core::Result<Batch> {
+        let idx =
+            match self.sampler.next_indices() {
+                Some((idx, _)) => idx,
+                // the epoch ended: the sampler starts the next one
+                None => self.sampler.next_indices().map(|(i, _)| i).ok_or_else(|| {
+                    rl_core::Error::Role {
+                        role: "data",
+                        source: "an epoch produced no batch".into(),
+                    }
+                })?,
+            };
+        self.batch(&idx).map_err(|e| rl_core::Error::Role {
+            role: "data",
+            source: e.into(),
+        })
+    }
+    fn state(&self) -> Value {
+        serde_json::to_value(self.sampler.state()).unwrap_or(Value::Null)
+    }
+    fn load_state(&mut self, state: &Value) -> rl_core::Result<()> {
+        let s: LoaderState = serde_json::from_value(state.clone()).map_err(|e| role_err(&e))?;
+        self.sampler.load_state(s).map_err(data_err)
+    }
+}
+
+/// The training loader and the validation batches of `cfg.data`.
+pub fn loaders(
+    cfg: &ExperimentConfig,
+    tokenizer: &Arc<Tokenizer>,
+) -> Result<(LoaderSource, Vec<Batch>)> {
+    let train = Arc::new(RlDataset::train(&cfg.data)?);
+    let loader = DataLoader::new(train, tokenizer.clone(), LoaderOptions::train(&cfg.data))?;
+    let val = Arc::new(RlDataset::val(&cfg.data)?);
+    let n = val.len();
+    let mut vl = DataLoader::new(val, tokenizer.clone(), LoaderOptions::val(&cfg.data, n))?;
+    let mut val_batches = Vec::new();
+    while let Some(b) = vl.next_batch()? {
+        val_batches.push(b.into_batch()?);
+    }
+    Ok((LoaderSource(loader), val_batches))
+}
+
+/// Builds the on-policy trainer of `cfg` over the policy weights in `policy` (checked first,
+/// so a bad config fails before any model is touched by the trainer). The reference is a
+/// frozen copy of `policy` as it is now; the critic (GAE only) starts from `critic_init`.
+pub fn build_on_policy(
+    cfg: &ExperimentConfig,
+    policy: SharedPolicy,
+    critic_init: Option<ValueModel>,
+    tokenizer: &Arc<Tokenizer>,
+) -> Result<OnPolicyTrainer> {
+    check(cfg)?;
+    let (train, val) = loaders(cfg, tokenizer)?;
+    let arr = &cfg.actor_rollout_ref;
+    let n = arr.rollout.n;
+    let need_ref = arr.actor_loss.use_kl_loss || cfg.algorithm.use_kl_in_reward;
+    let reference = if need_ref {
+        Some(Box::new(ReferenceWorker::from_policy(
+            &policy,
+            arr.ref_micro_batch_size,
+        )?) as Box<dyn rl_core::roles::Reference>)
+    } else {
+        None
+    };
+    let eos = tokenizer
+        .eos_token_id()
+        .ok_or_else(|| anyhow!("the tokenizer has no eos token (tokenizer_config.json)"))?;
+    let pad = tokenizer.pad_id_or_eos()?;
+    let rollout = RolloutWorker::new(
+        policy.clone(),
+        arr.rollout.clone(),
+        arr.val_kwargs.clone(),
+        vec![i64::from(eos)],
+        i64::from(pad),
+    )?;
+    let actor = ActorWorker::new(policy, arr.actor.clone(), n)?;
+    let critic = match (cfg.algorithm.adv_estimator.needs_critic(), critic_init) {
+        (true, Some(vm)) => Some(
+            Box::new(CriticWorker::new(vm, cfg.critic.worker.clone(), n)?)
+                as Box<dyn rl_core::roles::Critic>,
+        ),
+        (true, None) => bail!("algorithm.adv_estimator = \"gae\" needs a critic model"),
+        _ => None,
+    };
+    let reward = RuleReward::new(tokenizer.clone(), RewardRegistry::verl_default());
+    let batches_per_epoch = train.0.batches_per_epoch();
+    let roles = Roles {
+        actor: Box::new(actor),
+        rollout: Box::new(rollout),
+        reference,
+        critic,
+        reward: Box::new(reward),
+    };
+    Ok(OnPolicyTrainer::new(
+        on_policy_config(cfg, batches_per_epoch),
+        roles,
+        Box::new(train),
+        val,
+    )?)
+}
+
+/// Builds the SFT trainer of `cfg`: `data.train_files` rows with their `sft.response_key`
+/// targets, `sft.train_batch_size` rows a step, validated on `data.val_files`.
+pub fn build_sft(
+    cfg: &ExperimentConfig,
+    policy: SharedPolicy,
+    tokenizer: &Arc<Tokenizer>,
+) -> Result<SftTrainer> {
+    check(cfg)?;
+    let response = ResponseKey::parse(&cfg.sft.response_key)?;
+    let seed = cfg.data.seed.unwrap_or(cfg.trainer.seed);
+    let bs = cfg.sft.train_batch_size;
+    let train = Arc::new(RlDataset::train(&cfg.data)?);
+    let val = Arc::new(RlDataset::val(&cfg.data)?);
+    let source = SftSource::new(train, tokenizer.clone(), response.clone(), bs, seed)?;
+    let total = cfg
+        .trainer
+        .total_training_steps
+        .unwrap_or(cfg.trainer.total_epochs * source.batches_per_epoch() as u64);
+    let val_source = SftSource::new(val.clone(), tokenizer.clone(), response, bs, seed)?;
+    let val_bs = cfg.data.val_batch_size.unwrap_or(bs).max(1);
+    let all: Vec<usize> = (0..val.len()).collect();
+    let val_batches = all
+        .chunks(val_bs)
+        .map(|idx| val_source.batch(idx))
+        .collect::<Result<Vec<_>>>()?;
+    let actor = ActorWorker::new(policy, cfg.actor_rollout_ref.actor.clone(), 1)?;
+    Ok(SftTrainer::new(
+        SftConfig {
+            total_training_steps: total,
+        },
+        Box::new(actor),
+        Box::new(source),
+        val_batches,
+    )?)
+}
+
+/// Writes the trained policy as a Hugging Face folder: weights and `config.json` from the
+/// policy, the tokenizer files copied from `source_dir`.
+pub fn export_policy(policy: &SharedPolicy, source_dir: &Path, out: &Path) -> Result<()> {
+    let lm = policy
+        .lock()
+        .map_err(|_| anyhow!("the policy's lock is poisoned"))?;
+    lm.save_pretrained(out)
+        .with_context(|| format!("exporting the policy to {}", out.display()))?;
+    for name in [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "generation_config.json",
+        "chat_template.jinja",
+    ] {
+        let from = source_dir.join(name);
+        if from.is_file() && !out.join(name).exists() {
+            std::fs::copy(&from, out.join(name))
+                .with_context(|| format!("copying {} to {}", from.display(), out.display()))?;
+        }
+    }
+    Ok(())
+}
+
+/// The tiny Llama of the quickstart and the tests: hidden 64, 2 layers, 4 heads, tied
+/// embeddings, eos `<|im_end|>` (3) and pad 0 of the character-level tokenizer.
+pub fn tiny_llama_config(vocab: i64) -> rl_workers::Config {
+    let mut cfg = rl_workers::Config::tiny();
+    cfg.vocab_size = vocab;
+    cfg.hidden_size = 64;
+    cfg.intermediate_size = 192;
+    cfg.num_hidden_layers = 2;
+    cfg.num_attention_heads = 4;
+    cfg.num_key_value_heads = Some(4);
+    cfg.bos_token_id = None;
+    cfg.eos_token_id = Some(rl_workers::TokenIds::One(3));
+    cfg.pad_token_id = Some(0);
+    cfg.tie_word_embeddings = true;
+    cfg
+}
+
+/// Writes the character-level tokenizer and a tiny Llama initialised with `seed` into `dir`
+/// as a Hugging Face folder; returns the parameter count.
+pub fn init_tiny(dir: &Path, seed: i64) -> Result<i64> {
+    let vocab = rl_data::tasks::tiny_vocab::write_tiny_tokenizer(dir)
+        .with_context(|| format!("writing the tiny tokenizer to {}", dir.display()))?;
+    tch::manual_seed(seed);
+    let lm = CausalLm::new(&tiny_llama_config(vocab as i64), Device::Cpu, Kind::Float)?;
+    lm.save_pretrained(dir)
+        .with_context(|| format!("writing the tiny model to {}", dir.display()))?;
+    let params = lm
+        .var_store()
+        .trainable_variables()
+        .iter()
+        .map(Tensor::numel)
+        .sum::<usize>();
+    Ok(params as i64)
+}

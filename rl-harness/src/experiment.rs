@@ -1,0 +1,302 @@
+//! The LLM experiment's config groups under verl's names, composed from the crates' own config
+//! structs: `actor_rollout_ref.{model, actor, rollout, ref}`, `critic`, `reward_model` and
+//! `sft`. verl puts keys that two crates read into one table (`actor_rollout_ref.actor` holds
+//! both the worker's batch sizes and the loss's clip ratios); [`Merged`] reads such a table into
+//! the two structs, every key going to the one that knows it, an unknown key named with the
+//! nearest known one.
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+
+use serde::de::{DeserializeOwned, Error as _};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use serde_json::{Map, Value};
+
+use rl_algos::OverlongBufferConfig;
+use rl_algos::trainer::{ActorLossConfig, CriticLossConfig};
+use rl_workers::RolloutConfig;
+use rl_workers::roles::{ActorConfig, CriticConfig, ValKwargs};
+
+/// Two config structs read from, and written to, one table.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Merged<A, B>(pub A, pub B);
+
+fn object_of<T: Serialize>(value: &T) -> Map<String, Value> {
+    match serde_json::to_value(value) {
+        Ok(Value::Object(map)) => map,
+        _ => Map::new(),
+    }
+}
+
+fn keys_of<T: Serialize + Default>() -> BTreeSet<String> {
+    object_of(&T::default()).keys().cloned().collect()
+}
+
+fn drop_nulls(map: Map<String, Value>) -> Map<String, Value> {
+    map.into_iter()
+        .filter(|(_, v)| !v.is_null())
+        .map(|(k, v)| match v {
+            Value::Object(inner) => (k, Value::Object(drop_nulls(inner))),
+            other => (k, other),
+        })
+        .collect()
+}
+
+impl<A: Serialize, B: Serialize> Serialize for Merged<A, B> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        // Absent optional keys are left out, as TOML has no null.
+        let mut map = drop_nulls(object_of(&self.0));
+        map.extend(drop_nulls(object_of(&self.1)));
+        map.serialize(s)
+    }
+}
+
+/// Which side of a [`Merged`] takes `key`: the one whose defaults have it, else the one that
+/// accepts it alone (an optional key absent from the defaults).
+fn side_of<A, B>(
+    key: &str,
+    value: &Value,
+    a: &BTreeSet<String>,
+    b: &BTreeSet<String>,
+) -> Option<bool>
+where
+    A: DeserializeOwned,
+    B: DeserializeOwned,
+{
+    if a.contains(key) {
+        return Some(true);
+    }
+    if b.contains(key) {
+        return Some(false);
+    }
+    let alone = Value::Object(Map::from_iter([(key.to_string(), value.clone())]));
+    if serde_json::from_value::<A>(alone.clone()).is_ok() {
+        Some(true)
+    } else if serde_json::from_value::<B>(alone).is_ok() {
+        Some(false)
+    } else {
+        None
+    }
+}
+
+impl<'de, A, B> Deserialize<'de> for Merged<A, B>
+where
+    A: DeserializeOwned + Serialize + Default,
+    B: DeserializeOwned + Serialize + Default,
+{
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let table = match Value::deserialize(d)? {
+            Value::Object(map) => map,
+            other => {
+                return Err(D::Error::custom(format!("expected a table, found {other}")));
+            }
+        };
+        let (ka, kb) = (keys_of::<A>(), keys_of::<B>());
+        let (mut ma, mut mb) = (Map::new(), Map::new());
+        for (key, value) in table {
+            match side_of::<A, B>(&key, &value, &ka, &kb) {
+                Some(true) => ma.insert(key, value),
+                Some(false) => mb.insert(key, value),
+                None => {
+                    let known: Vec<String> = ka.iter().chain(&kb).cloned().collect();
+                    let hint = crate::config::nearest_key(&key, &known)
+                        .map(|k| format!("; did you mean `{k}`?"))
+                        .unwrap_or_default();
+                    return Err(D::Error::custom(format!("unknown key `{key}`{hint}")));
+                }
+            };
+        }
+        let a = serde_json::from_value(Value::Object(ma)).map_err(D::Error::custom)?;
+        let b = serde_json::from_value(Value::Object(mb)).map_err(D::Error::custom)?;
+        Ok(Merged(a, b))
+    }
+}
+
+/// Compute precision of a model's weights (`actor_rollout_ref.model.dtype`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Dtype {
+    /// 32-bit floats (the default; the only exact choice on CPU).
+    #[default]
+    Float32,
+    /// bfloat16 (GPU training).
+    Bfloat16,
+}
+
+impl Dtype {
+    /// The tch kind.
+    pub fn kind(self) -> tch::Kind {
+        match self {
+            Dtype::Float32 => tch::Kind::Float,
+            Dtype::Bfloat16 => tch::Kind::BFloat16,
+        }
+    }
+}
+
+/// `actor_rollout_ref.model`: the Hugging Face checkpoint the policy starts from.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelConfig {
+    /// A Hugging Face model folder (`config.json`, `model.safetensors` or a sharded index,
+    /// `tokenizer.json`, `tokenizer_config.json`).
+    pub path: PathBuf,
+    /// Weight precision. Default `float32`.
+    pub dtype: Dtype,
+}
+
+/// `critic.model`: where the critic starts; absent path = the policy's checkpoint with a fresh
+/// value head (verl's default).
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CriticModelConfig {
+    /// A Hugging Face folder; absent = `actor_rollout_ref.model.path`.
+    pub path: Option<PathBuf>,
+}
+
+/// The keys of `critic` beyond the worker's and the loss's.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CriticModelGroup {
+    /// `critic.model`.
+    pub model: CriticModelConfig,
+}
+
+/// `actor_rollout_ref.rollout.val_kwargs`.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ValKwargsGroup {
+    /// Sampling settings of validation.
+    pub val_kwargs: ValKwargs,
+}
+
+/// `actor_rollout_ref.ref`.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RefConfig {
+    /// Rows per reference forward; absent = all at once.
+    pub log_prob_micro_batch_size_per_gpu: Option<usize>,
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct ActorRolloutRefWire {
+    model: ModelConfig,
+    actor: Merged<ActorConfig, ActorLossConfig>,
+    rollout: Merged<RolloutConfig, ValKwargsGroup>,
+    #[serde(rename = "ref")]
+    reference: RefConfig,
+}
+
+/// verl's `actor_rollout_ref` group: the policy's checkpoint, the actor's worker and loss keys,
+/// the rollout's sampling and the reference's batch size.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(from = "ActorRolloutRefWire", into = "ActorRolloutRefWire")]
+pub struct ActorRolloutRef {
+    /// `actor_rollout_ref.model`.
+    pub model: ModelConfig,
+    /// `actor_rollout_ref.actor` (the worker's keys: batch sizes, optimiser, clipping).
+    pub actor: ActorConfig,
+    /// `actor_rollout_ref.actor` (the loss's keys: clip ratios, aggregation, KL loss).
+    pub actor_loss: ActorLossConfig,
+    /// `actor_rollout_ref.rollout`.
+    pub rollout: RolloutConfig,
+    /// `actor_rollout_ref.rollout.val_kwargs`.
+    pub val_kwargs: ValKwargs,
+    /// `actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu`.
+    pub ref_micro_batch_size: Option<usize>,
+}
+
+impl From<ActorRolloutRefWire> for ActorRolloutRef {
+    fn from(w: ActorRolloutRefWire) -> Self {
+        ActorRolloutRef {
+            model: w.model,
+            actor: w.actor.0,
+            actor_loss: w.actor.1,
+            rollout: w.rollout.0,
+            val_kwargs: w.rollout.1.val_kwargs,
+            ref_micro_batch_size: w.reference.log_prob_micro_batch_size_per_gpu,
+        }
+    }
+}
+
+impl From<ActorRolloutRef> for ActorRolloutRefWire {
+    fn from(a: ActorRolloutRef) -> Self {
+        ActorRolloutRefWire {
+            model: a.model,
+            actor: Merged(a.actor, a.actor_loss),
+            rollout: Merged(
+                a.rollout,
+                ValKwargsGroup {
+                    val_kwargs: a.val_kwargs,
+                },
+            ),
+            reference: RefConfig {
+                log_prob_micro_batch_size_per_gpu: a.ref_micro_batch_size,
+            },
+        }
+    }
+}
+
+/// verl's `critic` group: the worker's keys, the value loss's keys and `critic.model`.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(
+    from = "Merged<CriticConfig, Merged<CriticLossConfig, CriticModelGroup>>",
+    into = "Merged<CriticConfig, Merged<CriticLossConfig, CriticModelGroup>>"
+)]
+pub struct CriticGroup {
+    /// The worker's keys (batch sizes, optimiser, clipping).
+    pub worker: CriticConfig,
+    /// The loss's keys (`cliprange_value`, `loss_agg_mode`).
+    pub loss: CriticLossConfig,
+    /// `critic.model`.
+    pub model: CriticModelConfig,
+}
+
+impl From<Merged<CriticConfig, Merged<CriticLossConfig, CriticModelGroup>>> for CriticGroup {
+    fn from(m: Merged<CriticConfig, Merged<CriticLossConfig, CriticModelGroup>>) -> Self {
+        CriticGroup {
+            worker: m.0,
+            loss: m.1.0,
+            model: m.1.1.model,
+        }
+    }
+}
+
+impl From<CriticGroup> for Merged<CriticConfig, Merged<CriticLossConfig, CriticModelGroup>> {
+    fn from(c: CriticGroup) -> Self {
+        Merged(
+            c.worker,
+            Merged(c.loss, CriticModelGroup { model: c.model }),
+        )
+    }
+}
+
+/// verl's `reward_model` group (the parts beyond the rule reward, which `data.reward_fn_key`
+/// selects per row).
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RewardModelGroup {
+    /// DAPO's overlong-response penalty.
+    pub overlong_buffer: OverlongBufferConfig,
+}
+
+/// `sft`: supervised fine-tuning on the `data` group's files (`trainer.algorithm = "sft"`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SftGroup {
+    /// Where each row's target response is: `extra_info.<field>` (verl's GSM8K and arithmetic
+    /// parquet keep the worked answer there) or `reward_model.ground_truth`. Default
+    /// `extra_info.answer`.
+    pub response_key: String,
+    /// Rows per optimiser step. Default 32.
+    pub train_batch_size: usize,
+}
+
+impl Default for SftGroup {
+    fn default() -> Self {
+        SftGroup {
+            response_key: "extra_info.answer".into(),
+            train_batch_size: 32,
+        }
+    }
+}
