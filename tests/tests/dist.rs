@@ -566,18 +566,18 @@ fn resume_child(group: &SharedCollective, rank: usize, out: &Path) {
         &out.join(format!("ckpt2-rank{rank}.safetensors")),
         &policy_params(&policy),
     );
-    let uninterrupted = vec![a.step().unwrap(), a.step().unwrap()];
+    let uninterrupted = [a.step().unwrap(), a.step().unwrap()];
     // after2 is the state after step 2 (the 1-rank side compares with it); step 3 ran already,
     // so write it from a trainer resumed at step 1 that re-runs step 2: exact resume at world 2
     let (mut c, policy) = grpo_trainer(&task, Some(group));
     c.load_checkpoint(&out.join("ckpt2")).unwrap();
-    let resumed = vec![c.step().unwrap()];
+    let step2 = c.step().unwrap();
     checkpoint(&c, &out.join("after2"));
     write(
         &out.join(format!("after2-rank{rank}.safetensors")),
         &policy_params(&policy),
     );
-    let resumed = [resumed, vec![c.step().unwrap()]].concat();
+    let resumed = [step2, c.step().unwrap()];
     for (step, (want, got)) in uninterrupted.iter().zip(&resumed).enumerate() {
         assert_eq!(
             comparable(got),
