@@ -15,6 +15,7 @@
 //! ```
 
 mod batch;
+mod cuda_link;
 pub mod dist;
 mod error;
 pub mod keys;
