@@ -97,7 +97,8 @@ pub fn wait_for(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
     }
 }
 
-/// Every recorded metric of a run except timings: (step, key, value bits).
+/// Every recorded metric of a run except timings and the throughput derived from them:
+/// (step, key, value bits).
 pub fn metrics_of(
     rt: &tokio::runtime::Runtime,
     store: &rl_harness::Store,
@@ -106,7 +107,7 @@ pub fn metrics_of(
     rt.block_on(store.all_metrics(run))
         .unwrap()
         .into_iter()
-        .filter(|(_, k, _, _)| !k.starts_with("timing_s/"))
+        .filter(|(_, k, _, _)| !k.starts_with("timing_s/") && k != "perf/throughput")
         .map(|(s, k, v, _)| (s, k, v.to_bits()))
         .collect()
 }
@@ -126,3 +127,26 @@ seed = 7
 [bandit]
 batch_size = 32
 "#;
+
+/// The repository's root (experiments/ lives there).
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// Writes the tiny addition data (`data/tiny-addition`) and a tiny random Llama
+/// (`models/tiny-llama`) into the env's folder, as the quickstart does but smaller.
+pub fn tiny_llm(env: &Env, train: usize, test: usize) {
+    let (train, test) = (train.to_string(), test.to_string());
+    env.ok(&[
+        "data",
+        "tiny-addition",
+        "data/tiny-addition",
+        "--train",
+        &train,
+        "--test",
+        &test,
+        "--seed",
+        "7",
+    ]);
+    env.ok(&["model", "init-tiny", "models/tiny-llama", "--seed", "7"]);
+}

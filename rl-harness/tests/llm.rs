@@ -1,0 +1,182 @@
+//! `harness train` driving the LLM trainers on the tiny character-level Llama: the quickstart's
+//! SFT → GRPO path through the CLI (the exported policy is a Hugging Face folder the next run
+//! loads), and the kill -9 exactness test against a real GRPO run.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{Env, metrics_of, repo_root, tiny_llm, wait_for};
+
+#[test]
+fn the_quickstart_path_sft_then_grpo_runs_through_the_cli() {
+    let env = Env::new();
+    tiny_llm(&env, 256, 32);
+    let sft = repo_root().join("experiments/quickstart_sft.toml");
+    let out = env.ok(&[
+        "train",
+        sft.to_str().unwrap(),
+        "trainer.total_training_steps=12",
+        "trainer.test_freq=6",
+        "trainer.save_freq=6",
+    ]);
+    assert!(out.contains("val/loss:"), "{out}");
+    let exported = env.path().join("models/tiny-llama-sft");
+    for f in [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ] {
+        assert!(exported.join(f).is_file(), "export lacks {f}");
+    }
+    assert!(
+        env.path()
+            .join("runs/1-quickstart-sft/model/model.safetensors")
+            .is_file()
+    );
+
+    let grpo = repo_root().join("experiments/quickstart.toml");
+    let out = env.ok(&[
+        "train",
+        grpo.to_str().unwrap(),
+        "trainer.total_training_steps=2",
+        "trainer.test_freq=2",
+        "data.train_batch_size=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.rollout.n=2",
+    ]);
+    assert!(out.contains("val/test_score/arithmetic:"), "{out}");
+    let (rt, store) = env.store();
+    let run = rt.block_on(store.resolve_run("quickstart-grpo")).unwrap();
+    assert_eq!(run.status, "finished");
+    let m = rt.block_on(store.all_metrics(run.id)).unwrap();
+    let has = |step: i64, key: &str| m.iter().any(|(s, k, _, _)| *s == step && k == key);
+    assert!(
+        has(0, "val/test_score/arithmetic"),
+        "validation before training"
+    );
+    assert!(has(2, "val/test_score/arithmetic"), "validation at the end");
+    for key in [
+        "actor/pg_loss",
+        "actor/kl_loss",
+        "critic/score/mean",
+        "timing_s/gen",
+    ] {
+        assert!(has(1, key) && has(2, key), "step metrics lack {key}");
+    }
+    // The on-policy run started from the SFT export: its stored config names it.
+    assert!(
+        run.config.contains("models/tiny-llama-sft"),
+        "{}",
+        run.config
+    );
+}
+
+#[test]
+fn an_llm_config_error_names_the_key_before_any_model_loads() {
+    let env = Env::new();
+    let grpo = repo_root().join("experiments/quickstart.toml");
+    let grpo = grpo.to_str().unwrap();
+    // a typo in a key that verl's actor table shares between the worker and the loss
+    let err = env.fails(&[
+        "config",
+        "show",
+        grpo,
+        "actor_rollout_ref.actor.clip_ration=0.3",
+    ]);
+    assert!(
+        err.contains("clip_ration") && err.contains("did you mean `clip_ratio`"),
+        "{err}"
+    );
+    // a cross-group rule: the mini-batch must divide the prompt batch
+    let err = env.fails(&[
+        "train",
+        grpo,
+        "actor_rollout_ref.actor.ppo_mini_batch_size=5",
+    ]);
+    assert!(err.contains("ppo_mini_batch_size"), "{err}");
+    // the model folder is checked when the trainer is built
+    let err = env.fails(&["train", grpo, "actor_rollout_ref.model.path=nowhere"]);
+    assert!(err.contains("nowhere"), "{err}");
+    let err = env.fails(&["config", "show", grpo, "trainer.algorithm=ppo"]);
+    assert!(err.contains("on_policy"), "{err}");
+}
+
+/// GRPO on the tiny model through the CLI: an uninterrupted run, and a run killed with SIGKILL
+/// mid-step after a checkpoint then resumed, record identical metrics (timings aside).
+#[test]
+fn kill_9_mid_grpo_step_after_a_checkpoint_then_resume_matches_an_uninterrupted_run() {
+    let env = Env::new();
+    tiny_llm(&env, 128, 16);
+    let grpo = repo_root().join("experiments/quickstart.toml");
+    let grpo = grpo.to_str().unwrap();
+    let common = [
+        "actor_rollout_ref.model.path=models/tiny-llama",
+        "trainer.total_training_steps=8",
+        "trainer.save_freq=2",
+        "trainer.test_freq=4",
+        "trainer.max_ckpt_to_keep=4",
+        "trainer.heartbeat_s=0.5",
+        "data.train_batch_size=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.rollout.n=4",
+    ];
+    let args = |name: &'static str| {
+        let mut a = vec!["train", grpo];
+        a.extend(common);
+        a.push(name);
+        a
+    };
+    env.ok(&args("trainer.experiment_name=a"));
+    let mut child = env.spawn(&args("trainer.experiment_name=b"));
+    wait_for("the run store", Duration::from_secs(60), || {
+        env.db().exists()
+    });
+    let (rt, store) = env.store();
+    wait_for(
+        "run b's checkpoint at step 2",
+        Duration::from_secs(300),
+        || {
+            rt.block_on(store.checkpoints(2))
+                .map(|c| c.iter().any(|c| c.step == 2))
+                .unwrap_or(false)
+        },
+    );
+    std::thread::sleep(Duration::from_millis(150));
+    child.kill().unwrap(); // SIGKILL, in the middle of step 3 or a later one
+    child.wait().unwrap();
+    let b = rt.block_on(store.run(2)).unwrap().unwrap();
+    assert_eq!(
+        b.status, "running",
+        "a killed process cannot record its end"
+    );
+    let last = rt
+        .block_on(store.checkpoints(2))
+        .unwrap()
+        .last()
+        .unwrap()
+        .step;
+    assert!(
+        last < 8,
+        "the run finished before the kill; nothing was tested"
+    );
+    wait_for("run b to be seen dead", Duration::from_secs(10), || {
+        rt.block_on(store.run(2))
+            .map(|r| r.is_some_and(|r| r.effective_status() == "dead"))
+            .unwrap_or(false)
+    });
+    env.ok(&["resume", "b"]);
+    let a_metrics = metrics_of(&rt, &store, 1);
+    let b_metrics = metrics_of(&rt, &store, 2);
+    assert!(a_metrics.len() > 100, "{}", a_metrics.len());
+    assert_eq!(
+        a_metrics, b_metrics,
+        "the resumed GRPO run differs from the uninterrupted one"
+    );
+    let b = rt.block_on(store.run(2)).unwrap().unwrap();
+    assert_eq!(
+        (b.status.as_str(), b.resumed_from),
+        ("finished", Some(last))
+    );
+}
