@@ -140,6 +140,7 @@ fn child_entry() {
         "stalled_peer" => stalled_peer(),
         "missing_port" => missing_port(),
         "lonely" => lonely(),
+        "core_helpers" => core_helpers(),
         other => panic!("unknown role {other}"),
     }
     println!("{role} ok");
@@ -352,6 +353,89 @@ fn missing_port() {
         "{err:?}"
     );
     assert!(err.to_string().contains("MASTER_PORT"), "{err}");
+}
+
+/// rl-core's data-parallel helpers over a real group, through the `Collective` impl: counts,
+/// uneven byte strings, ragged rows, metric reduction and the replica check.
+fn core_helpers() {
+    use std::collections::BTreeMap;
+
+    use rl_core::dist::{self, Collective, MetricReduce};
+
+    let pg = ProcessGroup::from_env(SLOW_OK).expect("join");
+    let (rank, world) = (pg.rank(), pg.world_size());
+    let group = dist::share(pg);
+    let mut g = dist::lock(&group).unwrap();
+    let c: &mut dyn Collective = &mut *g;
+    assert_eq!((c.rank(), c.world_size()), (rank, world));
+
+    let mut counts = [rank as f64 + 1.0, 10.0];
+    dist::all_reduce_f64(c, &mut counts, dist::ReduceOp::Sum).unwrap();
+    let w = world as f64;
+    assert_eq!(counts, [w * (w + 1.0) / 2.0, 10.0 * w]);
+
+    // rank r sends r + 1 bytes
+    let mine: Vec<u8> = (0..=rank as u8).collect();
+    let all = dist::all_gather_bytes(c, &mine).unwrap();
+    for (r, b) in all.iter().enumerate() {
+        assert_eq!(b, &(0..=r as u8).collect::<Vec<u8>>());
+    }
+
+    // rank r holds r + 1 rows of width 2 + r, filled with r
+    let rows = rank as i64 + 1;
+    let t = Tensor::full(
+        [rows, 2 + rank as i64],
+        rank as f64,
+        (Kind::Float, Device::Cpu),
+    );
+    let got = dist::gather_rows(c, &t).unwrap();
+    let total: i64 = (1..=world as i64).sum();
+    assert_eq!(got.size(), vec![total, 1 + world as i64]);
+    let mut row = 0;
+    for r in 0..world as i64 {
+        for _ in 0..=r {
+            let line = to_f64(&got.get(row));
+            let width = (2 + r) as usize;
+            assert!(line[..width].iter().all(|&v| v == r as f64), "{line:?}");
+            assert!(line[width..].iter().all(|&v| v == 0.0), "{line:?}");
+            row += 1;
+        }
+    }
+
+    let mut m = BTreeMap::new();
+    m.insert("a/mean".to_owned(), (rank as f64, rank as f64 + 1.0));
+    m.insert("a/max".to_owned(), (rank as f64, 1.0));
+    m.insert("perf/total_num_tokens".to_owned(), (2.0, 1.0));
+    if rank == 0 {
+        m.insert("only/rank0".to_owned(), (7.0, 1.0));
+    }
+    let red = dist::reduce_metrics(c, &m, dist::default_reduce).unwrap();
+    let weights: f64 = (1..=world).map(|r| r as f64).sum();
+    let mean: f64 = (0..world).map(|r| r as f64 * (r as f64 + 1.0)).sum::<f64>() / weights;
+    assert!((red["a/mean"] - mean).abs() < 1e-12);
+    assert_eq!(red["a/max"], w - 1.0);
+    assert_eq!(red["perf/total_num_tokens"], 2.0 * w);
+    assert_eq!(red["only/rank0"], 7.0);
+    assert_eq!(dist::default_reduce("a/max"), MetricReduce::Max);
+
+    let same = Tensor::from_slice(&[1.0f32, 2.0]);
+    dist::check_replicas(c, "weights", &[same.shallow_clone()]).unwrap();
+    let differs = if rank == world - 1 {
+        Tensor::from_slice(&[1.0f32, 2.5])
+    } else {
+        same
+    };
+    let err = dist::check_replicas(c, "weights", &[differs]).unwrap_err();
+    assert!(
+        err.to_string().contains(&format!("[{}]", world - 1)),
+        "{err}"
+    );
+}
+
+#[test]
+fn core_helpers_work_over_three_ranks() {
+    let outputs = spawn_group("core_helpers", 3, None);
+    assert_all_ok("core_helpers", &outputs);
 }
 
 #[test]
