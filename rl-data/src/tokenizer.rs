@@ -21,6 +21,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 
+mod fast;
+
 /// A value handed to a chat template (minijinja's dynamic value; maps keep their key order,
 /// so `tools | tojson` writes keys in the order the JSON had them, as Python does).
 pub type TemplateValue = Value;
@@ -401,6 +403,17 @@ pub struct Tokenizer {
     eos_id: Option<u32>,
     pad_id: Option<u32>,
     segmenter: Option<Segmenter>,
+    /// Byte-level BPE without the tokenizers crate's pipeline, for ASCII pieces between added
+    /// tokens (only with a segmenter).
+    fast: Option<fast::AsciiByteLevel>,
+}
+
+/// What one encoding call (or one thread of a batch) has already encoded: pieces between added
+/// tokens and, for the byte-level shortcut, words; both keyed by slices of the input texts.
+#[derive(Default)]
+struct EncodeCache<'a> {
+    pieces: std::collections::HashMap<&'a str, Vec<u32>>,
+    words: fast::WordCache<'a>,
 }
 
 /// Splits text at added tokens the way `tokenizers` does before it pre-tokenises, so the pieces
@@ -548,8 +561,12 @@ impl Tokenizer {
             eos_id: None,
             pad_id: None,
             segmenter: None,
+            fast: None,
         };
         tok.segmenter = Segmenter::new(&tok.inner);
+        if tok.segmenter.is_some() {
+            tok.fast = fast::AsciiByteLevel::new(&tok.inner);
+        }
         if let Some(cp) = config {
             let cfg = read_json(cp)?;
             tok.special = SpecialTokens {
@@ -689,7 +706,7 @@ impl Tokenizer {
 
     /// `tokenizer.encode(text, add_special_tokens=...)`.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
-        self.encode_cached(text, add_special_tokens, None)
+        self.encode_cached(text, add_special_tokens, &mut EncodeCache::default())
     }
 
     /// The tokenizers crate's own encoding of `text`.
@@ -702,36 +719,38 @@ impl Tokenizer {
     }
 
     /// Encodes `text`; without special tokens and with a segmenter, piece by piece between added
-    /// tokens, looking pieces up in `cache` first.
-    fn encode_cached(
+    /// tokens, looking pieces up in `cache` first, and ASCII pieces through the byte-level
+    /// shortcut when the tokenizer has one.
+    fn encode_cached<'a>(
         &self,
-        text: &str,
+        text: &'a str,
         add_special_tokens: bool,
-        mut cache: Option<&mut std::collections::HashMap<String, Vec<u32>>>,
+        cache: &mut EncodeCache<'a>,
     ) -> Result<Vec<u32>> {
         let seg = match &self.segmenter {
             Some(seg) if !add_special_tokens => seg,
             _ => return self.encode_plain(text, add_special_tokens),
         };
-        let mut out = Vec::new();
-        let mut piece = |s: &str, out: &mut Vec<u32>| -> Result<()> {
+        let mut out = Vec::with_capacity(text.len() / 3);
+        let mut piece = |s: &'a str, out: &mut Vec<u32>| -> Result<()> {
             if s.is_empty() {
                 return Ok(());
             }
-            if let Some(c) = cache.as_deref_mut() {
-                if let Some(ids) = c.get(s) {
-                    out.extend_from_slice(ids);
-                    return Ok(());
-                }
-                let ids = self.encode_plain(s, false)?;
-                out.extend_from_slice(&ids);
-                // Short pieces are the ones that repeat (template text); keep the map small.
-                if s.len() <= 512 && c.len() < 4096 {
-                    c.insert(s.to_string(), ids);
-                }
+            if let Some(ids) = cache.pieces.get(s) {
+                out.extend_from_slice(ids);
                 return Ok(());
             }
-            out.extend(self.encode_plain(s, false)?);
+            let start = out.len();
+            match &self.fast {
+                Some(fast) if s.is_ascii() => fast
+                    .encode_into(self.inner.get_model(), s, &mut cache.words, out)
+                    .map_err(|e| Error::Encode(e.to_string()))?,
+                _ => out.extend(self.encode_plain(s, false)?),
+            }
+            // Short pieces are the ones that repeat (template text); keep the map small.
+            if s.len() <= 512 && cache.pieces.len() < 4096 {
+                cache.pieces.insert(s, out[start..].to_vec());
+            }
             Ok(())
         };
         let mut last = 0;
@@ -758,10 +777,10 @@ impl Tokenizer {
             .min(texts.len() / MIN_PER_THREAD)
             .max(1);
         let serial = |chunk: &[String]| -> Result<Vec<Vec<u32>>> {
-            let mut cache = std::collections::HashMap::new();
+            let mut cache = EncodeCache::default();
             chunk
                 .iter()
-                .map(|t| self.encode_cached(t, add_special_tokens, Some(&mut cache)))
+                .map(|t| self.encode_cached(t, add_special_tokens, &mut cache))
                 .collect()
         };
         if threads == 1 {

@@ -257,12 +257,18 @@ fn strftime_formats_known_dates() {
 
 #[test]
 fn segmented_encoding_equals_the_tokenizers_crate() {
-    for name in ["chatml", "qwen2_5", "llama3", "smollm2"] {
+    for name in [
+        "chatml", "qwen2_5", "qwen3", "llama3", "llama3_1", "smollm2",
+    ] {
         let (dir, exp) = case_dir(name);
         let tok = Tokenizer::from_dir(dir.path()).unwrap();
         assert!(
             tok.segmenter.is_some(),
             "{name}: fixture tokenizers qualify for segmenting"
+        );
+        assert!(
+            tok.fast.is_some(),
+            "{name}: fixture tokenizers qualify for the byte-level shortcut"
         );
         let mut texts: Vec<String> = exp.encodes.iter().map(|c| c.text.clone()).collect();
         texts.extend(exp.chats.iter().map(|c| c.rendered.clone()));
@@ -291,5 +297,172 @@ proptest::proptest! {
         let text: String = parts.concat();
         let seg = tok.encode_batch(std::slice::from_ref(&text), false).unwrap().remove(0);
         proptest::prop_assert_eq!(seg, tok.encode_plain(&text, false).unwrap());
+    }
+}
+
+/// ASCII text heavy in what the pre-tokenizer regexes treat specially: whitespace runs before
+/// words and line breaks, contractions in either case, digit runs, punctuation runs, control
+/// bytes and DEL.
+fn ascii_text() -> impl proptest::strategy::Strategy<Value = String> {
+    use proptest::strategy::Strategy as _;
+    proptest::collection::vec(
+        proptest::prop_oneof![
+            proptest::string::string_regex("[ \t\n\r]{1,4}").unwrap(),
+            proptest::string::string_regex("[a-zA-Z]{1,8}").unwrap(),
+            proptest::string::string_regex("[0-9]{1,6}").unwrap(),
+            proptest::string::string_regex("[!-/:-@\\[-`{-~]{1,3}").unwrap(),
+            proptest::string::string_regex("[\\x00-\\x7f]{1,4}").unwrap(),
+            proptest::sample::select(vec![
+                "'s",
+                "'S",
+                "'t",
+                "'re",
+                "'VE",
+                "'m",
+                "'ll",
+                "'Ll",
+                "'d",
+                "'x",
+                " '",
+                "\r\n",
+                "  \n",
+                " \x0b\x0c ",
+                "\x1c\x1d\x1e\x1f",
+                "\x7f",
+            ])
+            .prop_map(str::to_string),
+        ],
+        0..24,
+    )
+    .prop_map(|parts| parts.concat())
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(512))]
+    /// The byte-level shortcut gives the tokenizers crate's ids on any ASCII text, for each
+    /// pre-tokenizer it supports: GPT-2's regex after `Digits` (SmolLM2), Qwen2's and
+    /// Llama-3's `Split` regexes.
+    #[test]
+    fn ascii_shortcut_equals_the_tokenizers_crate(text in ascii_text()) {
+        for name in ["smollm2", "qwen2_5", "llama3"] {
+            let tok = crate::test_support::tokenizer(name);
+            let fast = tok.fast.as_ref().unwrap();
+            let mut ids = Vec::new();
+            fast.encode_into(tok.inner.get_model(), &text, &mut fast::WordCache::default(), &mut ids)
+                .unwrap();
+            proptest::prop_assert_eq!(&ids, &tok.encode_plain(&text, false).unwrap(), "{} {:?}", name, text);
+            proptest::prop_assert_eq!(tok.encode(&text, false).unwrap(), ids);
+        }
+    }
+}
+
+#[test]
+fn ascii_shortcut_only_for_the_pre_tokenizers_it_reproduces() {
+    let base: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("tokenizers/smollm2.json")).unwrap(),
+    )
+    .unwrap();
+    let with = |edit: &dyn Fn(&mut serde_json::Value)| {
+        let mut v = base.clone();
+        edit(&mut v);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tokenizer.json");
+        std::fs::write(&path, v.to_string()).unwrap();
+        Tokenizer::from_files(&path, None).unwrap()
+    };
+    assert!(with(&|_| {}).fast.is_some());
+    type Edit<'a> = &'a dyn Fn(&mut serde_json::Value);
+    let unsupported: [(&str, Edit); 5] = [
+        ("prefix space", &|v| {
+            v["pre_tokenizer"]["pretokenizers"][1]["add_prefix_space"] = true.into()
+        }),
+        ("lowercasing normalizer", &|v| {
+            v["normalizer"] = serde_json::json!({"type": "Lowercase"})
+        }),
+        ("bpe dropout", &|v| v["model"]["dropout"] = 0.1.into()),
+        ("another split regex", &|v| {
+            v["pre_tokenizer"] = serde_json::json!({"type": "Sequence", "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": "\\w+|\\s+(?!\\S)|\\s+"},
+                 "behavior": "Isolated", "invert": false},
+                {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true,
+                 "use_regex": false}]})
+        }),
+        ("a stripped added token", &|v| {
+            v["added_tokens"][0]["rstrip"] = true.into()
+        }),
+    ];
+    for (what, edit) in unsupported {
+        let tok = with(edit);
+        assert!(tok.fast.is_none(), "{what}: no shortcut");
+        let text = "Hello  world 123's\n\n <|im_start|>x";
+        assert_eq!(
+            tok.encode(text, false).unwrap(),
+            tok.encode_plain(text, false).unwrap(),
+            "{what}"
+        );
+    }
+    let nfc = with(&|v| v["normalizer"] = serde_json::json!({"type": "NFC"}));
+    assert!(nfc.fast.is_some(), "NFC is the identity on ASCII");
+}
+
+/// Many rendered prompts of every task generator, through every fixture chat template: the
+/// batched encoder (segments, piece cache, ASCII shortcut, threads) equals the tokenizers
+/// crate row by row.
+#[test]
+fn batched_prompts_equal_the_tokenizers_crate_over_many_rows() {
+    use crate::dataset::{ReadOptions, RlDataset};
+    use crate::tasks::{self, SplitSizes};
+    let dir = tempfile::tempdir().unwrap();
+    let sizes = SplitSizes {
+        train: 400,
+        test: 0,
+    };
+    let files = [
+        tasks::generate_word_problems(
+            &dir.path().join("wp"),
+            &tasks::WordProblemsConfig::default(),
+            sizes,
+            3,
+        )
+        .unwrap(),
+        tasks::generate_arithmetic(
+            &dir.path().join("ar"),
+            &tasks::ArithmeticConfig::default(),
+            sizes,
+            3,
+        )
+        .unwrap(),
+        tasks::generate_countdown(
+            &dir.path().join("cd"),
+            &tasks::CountdownConfig::default(),
+            sizes,
+            3,
+        )
+        .unwrap(),
+    ];
+    let opts = ReadOptions {
+        prompt_key: "prompt".into(),
+        reward_fn_key: "data_source".into(),
+        max_samples: None,
+    };
+    let mut prompts = Vec::new();
+    for f in &files {
+        let ds = RlDataset::open(std::slice::from_ref(&f.train), &opts).unwrap();
+        for i in 0..ds.len() {
+            prompts.push(ds.row(i).unwrap().prompt);
+        }
+    }
+    for name in [
+        "chatml", "qwen2_5", "qwen3", "llama3", "llama3_1", "smollm2",
+    ] {
+        let tok = crate::test_support::tokenizer(name);
+        let texts: Vec<String> = prompts
+            .iter()
+            .map(|p| tok.apply_chat_template(p, true).unwrap())
+            .collect();
+        let batch = tok.encode_batch(&texts, false).unwrap();
+        for (t, ids) in texts.iter().zip(batch) {
+            assert_eq!(ids, tok.encode_plain(t, false).unwrap(), "{name}: {t:?}");
+        }
     }
 }
