@@ -143,6 +143,8 @@ fn child_entry() {
     match role.as_str() {
         "updates" => updates_child(&group, rank, world, &out),
         "grpo_run" => grpo_run_child(&group, rank, &out),
+        "ppo_run" => ppo_run_child(&group, rank, &out),
+        "greedy_run" => greedy_run_child(&group, rank, &out),
         "resume" => resume_child(&group, rank, &out),
         other => panic!("unknown role {other}"),
     }
@@ -412,7 +414,17 @@ fn grpo_trainer(
     task: &TinyTask,
     group: Option<&SharedCollective>,
 ) -> (OnPolicyTrainer, SharedPolicy) {
-    let cfg = grpo_config(task);
+    let (trainer, policy, _) = on_policy_trainer(task, group, grpo_config(task));
+    (trainer, policy)
+}
+
+/// The on-policy trainer of `cfg` (with a critic when the estimator needs one), one process
+/// or this rank of `group`; returns it, the policy, and the critic's live parameters.
+fn on_policy_trainer(
+    task: &TinyTask,
+    group: Option<&SharedCollective>,
+    cfg: ExperimentConfig,
+) -> (OnPolicyTrainer, SharedPolicy, Vec<(String, Tensor)>) {
     cfg.check().unwrap();
     let tokenizer: &Arc<Tokenizer> = &task.tokenizer;
     let policy = fresh_tiny_policy(tokenizer.vocab_size() as i64, 1).unwrap();
@@ -438,12 +450,32 @@ fn grpo_trainer(
         train = LoaderSource(train.0.with_shard(rank, world).unwrap());
         actor = actor.with_group(g.clone()).unwrap();
     }
+    let mut critic_vars = Vec::new();
+    let critic = if cfg.algorithm.adv_estimator.needs_critic() {
+        tch::manual_seed(11);
+        let vm = ValueModel::new(
+            &tiny_llama_config(tokenizer.vocab_size() as i64),
+            Device::Cpu,
+            Kind::Float,
+        )
+        .unwrap();
+        let mut critic = CriticWorker::new(vm, cfg.critic.clone(), arr.rollout.n).unwrap();
+        if let Some(g) = group {
+            critic = critic.with_group(g.clone()).unwrap();
+        }
+        // shallow clones: they follow the live parameters
+        critic_vars = critic.model().var_store().variables().into_iter().collect();
+        critic_vars.sort_by(|a, b| a.0.cmp(&b.0));
+        Some(Box::new(critic) as Box<dyn rl_core::roles::Critic>)
+    } else {
+        None
+    };
     let batches_per_epoch = train.0.batches_per_epoch();
     let roles = Roles {
         actor: Box::new(actor),
         rollout: Box::new(rollout),
         reference: Some(Box::new(reference)),
-        critic: None,
+        critic,
         reward: Box::new(RuleReward::new(
             tokenizer.clone(),
             RewardRegistry::verl_default(),
@@ -459,7 +491,7 @@ fn grpo_trainer(
     if let Some(g) = group {
         trainer = trainer.with_group(g.clone()).unwrap();
     }
-    (trainer, policy)
+    (trainer, policy, critic_vars)
 }
 
 fn grpo_run_child(group: &SharedCollective, rank: usize, out: &Path) {
@@ -524,6 +556,171 @@ fn two_rank_grpo_run_keeps_identical_weights_and_logs_global_metrics() {
             .keys()
             .any(|k| k.starts_with("val/test_score/"))
     );
+}
+
+/// PPO with a critic (GAE): the critic's data-parallel update and the values gathered for the
+/// advantage.
+fn ppo_config(task: &TinyTask) -> ExperimentConfig {
+    let mut cfg = grpo_config(task);
+    cfg.algorithm.adv_estimator = AdvEstimator::Gae;
+    cfg.critic = CriticConfig {
+        ppo_mini_batch_size: 2,
+        ppo_micro_batch_size_per_gpu: Some(4),
+        optim: OptimConfig {
+            lr: 1e-3,
+            ..OptimConfig::default()
+        },
+        ..CriticConfig::default()
+    };
+    cfg.trainer.total_training_steps = Some(2);
+    cfg
+}
+
+fn ppo_run_child(group: &SharedCollective, rank: usize, out: &Path) {
+    let task = grpo_task();
+    let (mut trainer, policy, critic) = on_policy_trainer(&task, Some(group), ppo_config(&task));
+    let mut log = Vec::new();
+    while trainer.global_step() < trainer.total_steps() {
+        log.push(trainer.step().unwrap());
+    }
+    write(
+        &out.join(format!("ppo-actor-rank{rank}.safetensors")),
+        &policy_params(&policy),
+    );
+    let critic: Vec<(String, Tensor)> = critic.into_iter().map(|(k, t)| (k, t.copy())).collect();
+    write(
+        &out.join(format!("ppo-critic-rank{rank}.safetensors")),
+        &critic,
+    );
+    std::fs::write(
+        out.join(format!("ppo-metrics-rank{rank}.json")),
+        serde_json::to_string(&log).unwrap(),
+    )
+    .unwrap();
+}
+
+#[test]
+fn two_rank_ppo_run_keeps_actor_and_critic_identical() {
+    let out = tempfile::tempdir().unwrap();
+    let t = Instant::now();
+    spawn_group("ppo_run", 2, out.path());
+    println!("2-rank PPO run of 2 steps took {:?}", t.elapsed());
+    for role in ["actor", "critic"] {
+        let r0 = read(&out.path().join(format!("ppo-{role}-rank0.safetensors")));
+        let r1 = read(&out.path().join(format!("ppo-{role}-rank1.safetensors")));
+        assert_eq!(max_diff(&r0, &r1), 0.0, "the ranks' {role} weights differ");
+    }
+    let load = |r: usize| -> Value {
+        let text =
+            std::fs::read_to_string(out.path().join(format!("ppo-metrics-rank{r}.json"))).unwrap();
+        serde_json::from_str(&text).unwrap()
+    };
+    let (m0, m1) = (load(0), load(1));
+    for (a, b) in m0.as_array().unwrap().iter().zip(m1.as_array().unwrap()) {
+        for key in [
+            "critic/vf_loss",
+            "critic/values/mean",
+            "critic/advantages/mean",
+        ] {
+            assert!(a[key].is_number(), "{key} missing: {a}");
+            assert_eq!(a[key], b[key], "{key}");
+        }
+    }
+}
+
+/// REINFORCE++ (advantages whitened over the whole batch) with an adaptive KL-in-reward
+/// controller and a greedy rollout: nothing depends on the sampler, so a 2-rank run must
+/// follow the 1-rank run step for step, through the gathered advantage inputs, the global
+/// KL controller, the global loss normalisers and the averaged gradients.
+fn greedy_config(task: &TinyTask) -> ExperimentConfig {
+    let mut cfg = grpo_config(task);
+    cfg.actor_rollout_ref.rollout.do_sample = false;
+    cfg.actor_rollout_ref.rollout.n = 2;
+    cfg.actor_rollout_ref.actor.ppo_mini_batch_size = 4;
+    cfg.actor_rollout_ref.actor.shuffle = false;
+    cfg.actor_rollout_ref.actor_loss.use_kl_loss = false;
+    cfg.algorithm.adv_estimator = AdvEstimator::ReinforcePlusPlus;
+    cfg.algorithm.use_kl_in_reward = true;
+    cfg.algorithm.kl_ctrl = rl_algos::KlCtrlConfig {
+        kind: rl_algos::KlCtrlType::Adaptive,
+        kl_coef: 0.05,
+        horizon: 10,
+        target_kl: 0.001,
+    };
+    cfg
+}
+
+/// The figures a 2-rank run must share with the 1-rank run (means over rows or tokens, sums,
+/// the loss and the gradient norm).
+const GREEDY_KEYS: [&str; 10] = [
+    "critic/score/mean",
+    "critic/rewards/mean",
+    "critic/advantages/mean",
+    "critic/returns/mean",
+    "response_length/mean",
+    "perf/total_num_tokens",
+    "actor/pg_loss",
+    "actor/grad_norm",
+    "actor/reward_kl_penalty",
+    "actor/reward_kl_penalty_coeff",
+];
+
+fn greedy_run(
+    group: Option<&SharedCollective>,
+) -> (Vec<rl_core::StepMetrics>, Vec<(String, Tensor)>) {
+    let task = grpo_task();
+    let (mut trainer, policy, _) = on_policy_trainer(&task, group, greedy_config(&task));
+    let mut log = Vec::new();
+    while trainer.global_step() < trainer.total_steps() {
+        log.push(trainer.step().unwrap());
+    }
+    (log, policy_params(&policy))
+}
+
+fn greedy_run_child(group: &SharedCollective, rank: usize, out: &Path) {
+    let (log, params) = greedy_run(Some(group));
+    write(&out.join(format!("greedy-rank{rank}.safetensors")), &params);
+    std::fs::write(
+        out.join(format!("greedy-metrics-rank{rank}.json")),
+        serde_json::to_string(&log).unwrap(),
+    )
+    .unwrap();
+}
+
+#[test]
+fn greedy_two_rank_run_follows_the_one_rank_run_step_for_step() {
+    let out = tempfile::tempdir().unwrap();
+    let t = Instant::now();
+    spawn_group("greedy_run", 2, out.path());
+    println!("2-rank greedy REINFORCE++ run took {:?}", t.elapsed());
+    let (want_log, want) = greedy_run(None);
+    let want = as_map(want);
+    let r0 = read(&out.path().join("greedy-rank0.safetensors"));
+    let r1 = read(&out.path().join("greedy-rank1.safetensors"));
+    assert_eq!(max_diff(&r0, &r1), 0.0, "the ranks' weights differ");
+    let init = as_map(policy_params(
+        &fresh_tiny_policy(grpo_task().tokenizer.vocab_size() as i64, 1).unwrap(),
+    ));
+    let diff = max_diff(&r0, &want);
+    let moved = max_diff(&want, &init);
+    println!(
+        "after {STEPS} steps: world 2 vs world 1 max |param diff| = {diff:.2e} (moved {moved:.2e})"
+    );
+    assert!(moved > 1e-4, "training did not move the weights");
+    assert!(diff < 1e-5, "world 2 differs from world 1 by {diff}");
+    let text = std::fs::read_to_string(out.path().join("greedy-metrics-rank0.json")).unwrap();
+    let got: Vec<rl_core::StepMetrics> = serde_json::from_str(&text).unwrap();
+    assert_eq!(got.len(), want_log.len());
+    for (step, (g, w)) in got.iter().zip(&want_log).enumerate() {
+        for key in GREEDY_KEYS {
+            let (a, b) = (g[key], w[key]);
+            assert!(
+                (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                "step {}: {key} is {a} at world 2 and {b} at world 1",
+                step + 1
+            );
+        }
+    }
 }
 
 // ---------------------------------------------------------------- resume across world sizes
