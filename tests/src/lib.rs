@@ -454,3 +454,35 @@ pub fn parse_algorithm(v: &Value) -> AnyResult<AlgoConfig> {
     }
     serde_json::from_value(v.clone()).map_err(|e| format!("algorithm: {e}").into())
 }
+
+// ---- preference-test helpers (issue 8): appended block, owned by the preference tests ----
+
+/// SFT of `policy` on `task` until the held-out loss first drops below `target` (checked every
+/// 10 steps) or `max_steps` pass; returns the held-out losses (before training, then every 10
+/// steps). The loss curve of the tiny task has a sharp transition whose step varies, so a loss
+/// target gives a steadier starting accuracy than a fixed step count.
+pub fn sft_until_loss(
+    task: &TinyTask,
+    policy: SharedPolicy,
+    actor_cfg: ActorConfig,
+    max_steps: u64,
+    target: f64,
+    seed: u64,
+) -> AnyResult<Vec<f64>> {
+    use rl_core::Trainer;
+    let mut sft = build_sft(task, policy, actor_cfg, max_steps, seed)?;
+    let mut losses = vec![sft.validate()?.0["val/loss"]];
+    while sft.global_step() < max_steps {
+        sft.step()?;
+        if sft.global_step().is_multiple_of(10) {
+            let loss = sft.validate()?.0["val/loss"];
+            losses.push(loss);
+            if loss < target {
+                break;
+            }
+        }
+    }
+    Ok(losses)
+}
+
+// ---- end of the preference-test helpers ----
