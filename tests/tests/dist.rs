@@ -341,6 +341,7 @@ fn updates_child(group: &SharedCollective, rank: usize, world: usize, out: &Path
 
 #[test]
 fn two_ranks_with_half_the_batch_each_update_like_one_rank_with_all_of_it() {
+    tch::set_num_threads(1);
     let out = tempfile::tempdir().unwrap();
     let t = Instant::now();
     spawn_group("updates", 2, out.path());
@@ -689,6 +690,8 @@ fn greedy_run_child(group: &SharedCollective, rank: usize, out: &Path) {
 
 #[test]
 fn greedy_two_rank_run_follows_the_one_rank_run_step_for_step() {
+    // like a rank: one intra-op thread (OpenMP's spinning threads fight over shared cores)
+    tch::set_num_threads(1);
     let out = tempfile::tempdir().unwrap();
     let t = Instant::now();
     spawn_group("greedy_run", 2, out.path());
@@ -711,6 +714,14 @@ fn greedy_two_rank_run_follows_the_one_rank_run_step_for_step() {
     let text = std::fs::read_to_string(out.path().join("greedy-metrics-rank0.json")).unwrap();
     let got: Vec<rl_core::StepMetrics> = serde_json::from_str(&text).unwrap();
     assert_eq!(got.len(), want_log.len());
+    let mean_step = |log: &[rl_core::StepMetrics]| {
+        log.iter().map(|m| m["timing_s/step"]).sum::<f64>() / log.len() as f64
+    };
+    println!(
+        "mean step time: world 1 {:.3} s, world 2 {:.3} s (slowest rank)",
+        mean_step(&want_log),
+        mean_step(&got)
+    );
     for (step, (g, w)) in got.iter().zip(&want_log).enumerate() {
         for key in GREEDY_KEYS {
             let (a, b) = (g[key], w[key]);
@@ -801,6 +812,7 @@ fn resume_child(group: &SharedCollective, rank: usize, out: &Path) {
 
 #[test]
 fn checkpoints_resume_at_another_world_size() {
+    tch::set_num_threads(1);
     let out = tempfile::tempdir().unwrap();
     let task = grpo_task();
     // one process: a step, a checkpoint for the 2-rank resume, a second step
