@@ -66,27 +66,35 @@ fn free_port() -> u16 {
 }
 
 /// Runs `role` as `world_size` ranks of this test binary writing under `out`, and asserts
-/// every rank succeeded. A store port taken between picking and binding is retried.
+/// every rank succeeded.
 fn spawn_group(role: &str, world_size: usize, out: &Path) {
+    let outputs = spawn_outputs(role, world_size, out);
+    for rank in 0..world_size {
+        assert_rank_ok(role, rank, &outputs[rank]);
+    }
+}
+
+fn assert_rank_ok(role: &str, rank: usize, o: &Output) {
+    assert!(
+        o.status.success() && String::from_utf8_lossy(&o.stdout).contains("role ok"),
+        "{role}: rank {rank} failed ({})\nstdout:\n{}\nstderr:\n{}",
+        o.status,
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr),
+    );
+}
+
+/// Every rank's output of `role`; a store port taken between picking and binding is retried.
+fn spawn_outputs(role: &str, world_size: usize, out: &Path) -> Vec<Output> {
     for _ in 0..3 {
         let outputs = spawn_once(role, world_size, out);
         let port_taken = outputs.iter().any(|o| {
             let err = String::from_utf8_lossy(&o.stderr);
             err.contains("EADDRINUSE") || err.to_lowercase().contains("address already in use")
         });
-        if port_taken {
-            continue;
+        if !port_taken {
+            return outputs;
         }
-        for (rank, o) in outputs.iter().enumerate() {
-            assert!(
-                o.status.success() && String::from_utf8_lossy(&o.stdout).contains("role ok"),
-                "{role}: rank {rank} failed ({})\nstdout:\n{}\nstderr:\n{}",
-                o.status,
-                String::from_utf8_lossy(&o.stdout),
-                String::from_utf8_lossy(&o.stderr),
-            );
-        }
-        return;
     }
     panic!("{role}: no free port for the store after 3 tries");
 }
@@ -137,7 +145,10 @@ fn child_entry() {
     let out = PathBuf::from(std::env::var(OUT).expect("RL_E2E_DIST_OUT"));
     // ranks share the cores: one intra-op thread each, as torchrun's OMP_NUM_THREADS=1 default
     tch::set_num_threads(1);
-    let pg = rl_dist::ProcessGroup::from_env(TIMEOUT).expect("join the group");
+    let mut pg = rl_dist::ProcessGroup::from_env(TIMEOUT).expect("join the group");
+    if role == "lost_rank" {
+        pg.set_timeout(LOST_RANK_TIMEOUT).unwrap();
+    }
     let (rank, world) = (pg.rank(), pg.world_size());
     let group = rl_core::dist::share(pg);
     match role.as_str() {
@@ -145,6 +156,7 @@ fn child_entry() {
         "grpo_run" => grpo_run_child(&group, rank, &out),
         "ppo_run" => ppo_run_child(&group, rank, &out),
         "greedy_run" => greedy_run_child(&group, rank, &out),
+        "lost_rank" => lost_rank_child(&group, rank),
         "resume" => resume_child(&group, rank, &out),
         other => panic!("unknown role {other}"),
     }
@@ -732,6 +744,45 @@ fn greedy_two_rank_run_follows_the_one_rank_run_step_for_step() {
             );
         }
     }
+}
+
+// ---------------------------------------------------------------- a rank dies mid-run
+
+/// The collective timeout of the lost-rank scenario.
+const LOST_RANK_TIMEOUT: Duration = Duration::from_secs(10);
+/// How rank 1 leaves the lost-rank scenario.
+const LOST_RANK_EXIT: i32 = 3;
+
+/// Both ranks take a step; then rank 1 dies, and rank 0's next step must fail, promptly, with
+/// an error naming the rank that saw it and the collective, instead of hanging.
+fn lost_rank_child(group: &SharedCollective, rank: usize) {
+    let task = grpo_task();
+    let (mut trainer, _) = grpo_trainer(&task, Some(group));
+    trainer.step().unwrap();
+    if rank == 1 {
+        std::process::exit(LOST_RANK_EXIT);
+    }
+    let t = Instant::now();
+    let err = trainer.step().unwrap_err().to_string();
+    let took = t.elapsed();
+    println!("rank 0 failed after {took:?}: {err}");
+    assert!(err.contains("rank 0 of 2"), "{err}");
+    assert!(took < 3 * LOST_RANK_TIMEOUT, "{took:?}");
+}
+
+#[test]
+fn a_rank_lost_mid_run_fails_the_others_step_instead_of_hanging() {
+    let out = tempfile::tempdir().unwrap();
+    let outputs = spawn_outputs("lost_rank", 2, out.path());
+    assert_eq!(outputs[1].status.code(), Some(LOST_RANK_EXIT));
+    assert_rank_ok("lost_rank", 0, &outputs[0]);
+    let said = String::from_utf8_lossy(&outputs[0].stdout);
+    println!(
+        "{}",
+        said.lines()
+            .find(|l| l.contains("failed after"))
+            .unwrap_or("")
+    );
 }
 
 // ---------------------------------------------------------------- resume across world sizes
