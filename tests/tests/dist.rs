@@ -69,8 +69,8 @@ fn free_port() -> u16 {
 /// every rank succeeded.
 fn spawn_group(role: &str, world_size: usize, out: &Path) {
     let outputs = spawn_outputs(role, world_size, out);
-    for rank in 0..world_size {
-        assert_rank_ok(role, rank, &outputs[rank]);
+    for (rank, o) in outputs.iter().enumerate() {
+        assert_rank_ok(role, rank, o);
     }
 }
 
