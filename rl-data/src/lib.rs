@@ -32,7 +32,9 @@ pub use loader::Sampler;
 pub use loader::{
     DataLoader, LoaderOptions, LoaderState, PromptBatch, collate_left_padded, epoch_order,
 };
-pub use parquet_io::{RlRecord, write_batches, write_rl_parquet};
+pub use parquet_io::{
+    PreferenceRecord, RlRecord, write_batches, write_preference_parquet, write_rl_parquet,
+};
 pub use sft::{
     PreferenceBatch, PreferenceDataset, PreferenceExample, SftBatch, SftDataset, SftExample,
     collate_right_padded, tokenize_conversation, tokenize_prompt_response,

@@ -427,22 +427,7 @@ pub fn write_rl_parquet(path: &Path, records: &[RlRecord]) -> Result<()> {
     let data_source = utf8(records.iter().map(|r| r.data_source.clone()));
     let ability = utf8(records.iter().map(|r| r.ability.clone()));
 
-    let msg_fields = Fields::from(vec![
-        Field::new("role", DataType::Utf8, true),
-        Field::new("content", DataType::Utf8, true),
-    ]);
-    let flat: Vec<&Message> = records.iter().flat_map(|r| r.prompt.iter()).collect();
-    let msgs = StructArray::new(
-        msg_fields.clone(),
-        vec![
-            utf8(flat.iter().map(|m| m.role.clone())),
-            utf8(flat.iter().map(|m| m.content.clone())),
-        ],
-        None,
-    );
-    let offsets = OffsetBuffer::from_lengths(records.iter().map(|r| r.prompt.len()));
-    let item = Arc::new(Field::new("item", DataType::Struct(msg_fields), true));
-    let prompt: ArrayRef = Arc::new(ListArray::new(item, offsets, Arc::new(msgs), None));
+    let prompt = messages_column(records.iter().map(|r| r.prompt.as_slice()));
 
     let (gt_type, gt) = json_column(&records.iter().map(|r| &r.ground_truth).collect::<Vec<_>>());
     let rm_fields = Fields::from(vec![
@@ -477,6 +462,56 @@ pub fn write_rl_parquet(path: &Path, records: &[RlRecord]) -> Result<()> {
         ));
         columns.push(extra_info);
     }
+    let batch = RecordBatch::try_new(Arc::new(Schema::new(fields)), columns)
+        .map_err(|e| parquet_err(path, e))?;
+    write_batches(path, &[batch])
+}
+
+/// A `list<struct<role, content>>` column of chat messages, one list per row.
+fn messages_column<'a>(lists: impl Iterator<Item = &'a [Message]> + Clone) -> ArrayRef {
+    let msg_fields = Fields::from(vec![
+        Field::new("role", DataType::Utf8, true),
+        Field::new("content", DataType::Utf8, true),
+    ]);
+    let flat: Vec<&Message> = lists.clone().flatten().collect();
+    let msgs = StructArray::new(
+        msg_fields.clone(),
+        vec![
+            utf8(flat.iter().map(|m| m.role.clone())),
+            utf8(flat.iter().map(|m| m.content.clone())),
+        ],
+        None,
+    );
+    let offsets = OffsetBuffer::from_lengths(lists.map(<[Message]>::len));
+    let item = Arc::new(Field::new("item", DataType::Struct(msg_fields), true));
+    Arc::new(ListArray::new(item, offsets, Arc::new(msgs), None))
+}
+
+/// One preference pair in TRL's schema.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PreferenceRecord {
+    /// `prompt`: the chat messages.
+    pub prompt: Vec<Message>,
+    /// `chosen`: the preferred response.
+    pub chosen: String,
+    /// `rejected`: the dispreferred response.
+    pub rejected: String,
+}
+
+/// Writes preference pairs as TRL's `prompt` (messages) / `chosen` / `rejected` columns, the
+/// schema [`PreferenceDataset`](crate::PreferenceDataset) reads.
+pub fn write_preference_parquet(path: &Path, records: &[PreferenceRecord]) -> Result<()> {
+    let prompt = messages_column(records.iter().map(|r| r.prompt.as_slice()));
+    let fields = vec![
+        Field::new("prompt", prompt.data_type().clone(), true),
+        Field::new("chosen", DataType::Utf8, true),
+        Field::new("rejected", DataType::Utf8, true),
+    ];
+    let columns = vec![
+        prompt,
+        utf8(records.iter().map(|r| r.chosen.clone())),
+        utf8(records.iter().map(|r| r.rejected.clone())),
+    ];
     let batch = RecordBatch::try_new(Arc::new(Schema::new(fields)), columns)
         .map_err(|e| parquet_err(path, e))?;
     write_batches(path, &[batch])

@@ -229,6 +229,10 @@ pub enum DataCommand {
         /// Do not zero-pad operands to a fixed width.
         #[arg(long)]
         no_zero_pad: bool,
+        /// Also write train_pairs.parquet and test_pairs.parquet: the right sum as `chosen`,
+        /// a wrong one as `rejected` (TRL's preference schema, for offline DPO).
+        #[arg(long)]
+        pairs: bool,
     },
 }
 
@@ -446,6 +450,7 @@ fn data(d: DataCommand) -> Result<()> {
             max_operand,
             carry,
             no_zero_pad,
+            pairs,
         } => {
             mkdir(&g.out_dir)?;
             let task = tasks::tiny_vocab::TinyAddition {
@@ -453,16 +458,17 @@ fn data(d: DataCommand) -> Result<()> {
                 no_carry: !carry,
                 zero_pad: !no_zero_pad,
             };
-            tasks::tiny_vocab::generate_tiny_addition(
-                &g.out_dir,
-                task,
-                SplitSizes {
-                    train: g.train,
-                    test: g.test,
-                },
-                g.seed,
-            )
-            .with_context(|| format!("writing tiny addition data to {}", g.out_dir.display()))?
+            let sizes = SplitSizes {
+                train: g.train,
+                test: g.test,
+            };
+            let generate = if pairs {
+                tasks::tiny_vocab::generate_tiny_preferences
+            } else {
+                tasks::tiny_vocab::generate_tiny_addition
+            };
+            generate(&g.out_dir, task, sizes, g.seed)
+                .with_context(|| format!("writing tiny addition data to {}", g.out_dir.display()))?
         }
     };
     println!(

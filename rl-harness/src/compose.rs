@@ -8,12 +8,16 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result, anyhow, bail};
 use rl_algos::trainer::{
-    BatchSource, OnPolicyConfig, OnPolicyTrainer, Roles, SftConfig, SftTrainer, TrainerSection,
+    BatchSource, DpoTrainer, DpoTrainerConfig, OnPolicyConfig, OnPolicyTrainer, OnlineDpoTrainer,
+    RefInit, ReferenceFactory, Roles, SftConfig, SftTrainer, SpinTrainer, TrainerSection,
 };
+use rl_core::roles::Reference;
 use rl_core::{Batch, Trainer, keys};
 use rl_data::reward::RewardRegistry;
 use rl_data::reward::role::RuleReward;
-use rl_data::{DataLoader, LoaderOptions, LoaderState, RlDataset, RlRow, Sampler, Tokenizer};
+use rl_data::{
+    DataLoader, LoaderOptions, LoaderState, PreferenceDataset, RlDataset, RlRow, Sampler, Tokenizer,
+};
 use rl_workers::roles::{
     ActorWorker, CriticWorker, ReferenceWorker, RolloutWorker, SharedPolicy, share,
 };
@@ -87,16 +91,51 @@ pub fn check(cfg: &ExperimentConfig) -> Result<()> {
     arr.actor
         .validate("actor_rollout_ref.actor")
         .map_err(|e| anyhow!("{e}"))?;
-    if kind == TrainerKind::Sft {
-        if cfg.sft.train_batch_size == 0 {
-            bail!("config key `sft.train_batch_size`: must be at least 1");
+    let mini = arr.actor.ppo_mini_batch_size;
+    let divides = |key: &str, batch: usize| {
+        if batch == 0 || !batch.is_multiple_of(mini) {
+            bail!(
+                "config key `actor_rollout_ref.actor.ppo_mini_batch_size`: {mini} must divide \
+                 `{key}` ({batch}), the rows (pairs for the preference trainers) of a step"
+            );
         }
+        Ok(())
+    };
+    if matches!(kind, TrainerKind::Sft | TrainerKind::Spin) {
+        divides("sft.train_batch_size", cfg.sft.train_batch_size)?;
         ResponseKey::parse(&cfg.sft.response_key)?;
+    }
+    if kind == TrainerKind::Dpo {
+        divides(
+            "preference_data.train_batch_size",
+            cfg.preference_data.train_batch_size,
+        )?;
+    }
+    if matches!(
+        kind,
+        TrainerKind::Dpo | TrainerKind::OnlineDpo | TrainerKind::Spin
+    ) {
+        dpo_config(cfg, 1)?;
+        if kind == TrainerKind::Dpo {
+            let p = &cfg.preference_data;
+            if p.train_files.is_empty() || p.val_files.is_empty() {
+                bail!(
+                    "config keys `preference_data.train_files` and `preference_data.val_files`: \
+                     offline DPO needs both"
+                );
+            }
+            return Ok(());
+        }
+    }
+    if kind == TrainerKind::Sft {
         return Ok(());
     }
     arr.rollout
         .validate()
         .map_err(|e| anyhow!("config group `actor_rollout_ref.rollout`: {e}"))?;
+    if kind != TrainerKind::OnPolicy {
+        return Ok(());
+    }
     if cfg.algorithm.adv_estimator.needs_critic() {
         cfg.critic
             .worker
@@ -139,6 +178,9 @@ pub fn build(cfg: &ExperimentConfig, device: Device) -> Result<Built> {
             };
             Box::new(build_on_policy(cfg, policy.clone(), critic, &tokenizer)?)
         }
+        TrainerKind::Dpo => Box::new(build_dpo(cfg, policy.clone(), &tokenizer)?),
+        TrainerKind::OnlineDpo => Box::new(build_online_dpo(cfg, policy.clone(), &tokenizer)?),
+        TrainerKind::Spin => Box::new(build_spin(cfg, policy.clone(), &tokenizer, device)?),
         TrainerKind::Bandit => bail!("the bandit trainer is built by the harness itself"),
     };
     Ok(Built {
@@ -506,4 +548,236 @@ pub fn init_tiny(dir: &Path, seed: i64) -> Result<i64> {
         .map(Tensor::numel)
         .sum::<usize>();
     Ok(params as i64)
+}
+
+/// The preference trainers' config: `dpo` with the step count of `trainer`
+/// (`total_training_steps`, else `total_epochs` epochs of `batches_per_epoch`).
+pub fn dpo_config(cfg: &ExperimentConfig, batches_per_epoch: usize) -> Result<DpoTrainerConfig> {
+    let mut d = cfg.dpo.0.clone();
+    d.total_training_steps = cfg
+        .trainer
+        .total_training_steps
+        .unwrap_or(cfg.trainer.total_epochs * batches_per_epoch as u64);
+    d.check().map_err(|e| anyhow!("config group `dpo`: {e}"))?;
+    Ok(d)
+}
+
+/// Offline DPO pairs from a TRL-schema parquet, each batch `[chosen_0, rejected_0, chosen_1,
+/// ...]` in the rollout layout.
+#[derive(Debug)]
+pub struct PreferenceSource {
+    dataset: Arc<PreferenceDataset>,
+    tokenizer: Arc<Tokenizer>,
+    sampler: Sampler,
+}
+
+impl PreferenceSource {
+    /// Shuffled batches of `pairs` pairs per epoch, seeded with `seed`.
+    pub fn new(
+        dataset: Arc<PreferenceDataset>,
+        tokenizer: Arc<Tokenizer>,
+        pairs: usize,
+        seed: u64,
+    ) -> Result<Self> {
+        let sampler = Sampler::new(dataset.len(), pairs, true, true, seed)?;
+        Ok(PreferenceSource {
+            dataset,
+            tokenizer,
+            sampler,
+        })
+    }
+
+    /// The interleaved pairs of rows `idx`.
+    pub fn batch(&self, idx: &[usize]) -> Result<Batch> {
+        let mut prompts = Vec::with_capacity(2 * idx.len());
+        let mut responses = Vec::with_capacity(2 * idx.len());
+        for &i in idx {
+            let ex = self.dataset.example(i, &self.tokenizer)?;
+            for side in [ex.chosen, ex.rejected] {
+                let split = side
+                    .loss_mask
+                    .iter()
+                    .position(|&m| m == 1)
+                    .unwrap_or(side.input_ids.len());
+                prompts.push(side.input_ids[..split].to_vec());
+                responses.push(side.input_ids[split..].to_vec());
+            }
+        }
+        rollout_layout(&prompts, &responses, self.tokenizer.pad_id_or_eos()?)
+    }
+}
+
+impl BatchSource for PreferenceSource {
+    fn next_batch(&mut self) -> rl_core::Result<Batch> {
+        let idx =
+            match self.sampler.next_indices() {
+                Some((idx, _)) => idx,
+                None => self.sampler.next_indices().map(|(i, _)| i).ok_or_else(|| {
+                    rl_core::Error::Role {
+                        role: "data",
+                        source: "an epoch produced no batch".into(),
+                    }
+                })?,
+            };
+        self.batch(&idx).map_err(|e| rl_core::Error::Role {
+            role: "data",
+            source: e.into(),
+        })
+    }
+    fn state(&self) -> Value {
+        serde_json::to_value(self.sampler.state()).unwrap_or(Value::Null)
+    }
+    fn load_state(&mut self, state: &Value) -> rl_core::Result<()> {
+        let s: LoaderState = serde_json::from_value(state.clone()).map_err(|e| role_err(&e))?;
+        self.sampler.load_state(s).map_err(data_err)
+    }
+}
+
+/// The actor of the pair trainers: one optimiser step per `ppo_mini_batch_size` pairs.
+fn pair_actor(cfg: &ExperimentConfig, policy: SharedPolicy) -> Result<ActorWorker> {
+    Ok(ActorWorker::new(
+        policy,
+        cfg.actor_rollout_ref.actor.clone(),
+        2,
+    )?)
+}
+
+fn frozen_reference(
+    cfg: &ExperimentConfig,
+    policy: &SharedPolicy,
+) -> Result<Option<Box<dyn Reference>>> {
+    if cfg.dpo.0.reference_free {
+        return Ok(None);
+    }
+    Ok(Some(Box::new(ReferenceWorker::from_policy(
+        policy,
+        cfg.actor_rollout_ref.ref_micro_batch_size,
+    )?)))
+}
+
+/// Builds offline DPO on `preference_data`.
+pub fn build_dpo(
+    cfg: &ExperimentConfig,
+    policy: SharedPolicy,
+    tokenizer: &Arc<Tokenizer>,
+) -> Result<DpoTrainer> {
+    check(cfg)?;
+    let p = &cfg.preference_data;
+    let open = |files: &[PathBuf], what: &str| {
+        PreferenceDataset::open(files, p)
+            .map(Arc::new)
+            .with_context(|| format!("reading preference_data.{what}"))
+    };
+    let train = open(&p.train_files, "train_files")?;
+    let val = open(&p.val_files, "val_files")?;
+    let seed = cfg.data.seed.unwrap_or(cfg.trainer.seed);
+    let source = PreferenceSource::new(train, tokenizer.clone(), p.train_batch_size, seed)?;
+    let val_source = PreferenceSource::new(val.clone(), tokenizer.clone(), 1, seed)?;
+    let all: Vec<usize> = (0..val.len()).collect();
+    let val_batches = all
+        .chunks(p.train_batch_size)
+        .map(|idx| val_source.batch(idx))
+        .collect::<Result<Vec<_>>>()?;
+    let dcfg = dpo_config(cfg, source.sampler.batches_per_epoch())?;
+    let reference = frozen_reference(cfg, &policy)?;
+    let actor = pair_actor(cfg, policy)?;
+    Ok(DpoTrainer::new(
+        dcfg,
+        Box::new(actor),
+        reference,
+        Box::new(source),
+        val_batches,
+    )?)
+}
+
+fn rollout_worker(
+    cfg: &ExperimentConfig,
+    policy: &SharedPolicy,
+    tokenizer: &Tokenizer,
+    n: usize,
+) -> Result<RolloutWorker> {
+    let arr = &cfg.actor_rollout_ref;
+    let eos = tokenizer
+        .eos_token_id()
+        .ok_or_else(|| anyhow!("the tokenizer has no eos token (tokenizer_config.json)"))?;
+    let mut rollout = arr.rollout.clone();
+    rollout.n = n;
+    Ok(RolloutWorker::new(
+        policy.clone(),
+        rollout,
+        arr.val_kwargs.clone(),
+        vec![i64::from(eos)],
+        i64::from(tokenizer.pad_id_or_eos()?),
+    )?)
+}
+
+/// Builds online DPO on the `data` prompts: `dpo.n` generations each, ranked by the rule
+/// reward, `actor_rollout_ref.actor.ppo_mini_batch_size` pairs per update.
+pub fn build_online_dpo(
+    cfg: &ExperimentConfig,
+    policy: SharedPolicy,
+    tokenizer: &Arc<Tokenizer>,
+) -> Result<OnlineDpoTrainer> {
+    check(cfg)?;
+    let (train, val) = loaders(cfg, tokenizer)?;
+    let dcfg = dpo_config(cfg, train.0.batches_per_epoch())?;
+    let rollout = rollout_worker(cfg, &policy, tokenizer, dcfg.n)?;
+    let reference = frozen_reference(cfg, &policy)?;
+    let pairs = cfg.actor_rollout_ref.actor.ppo_mini_batch_size;
+    let actor = pair_actor(cfg, policy)?;
+    let reward = RuleReward::new(tokenizer.clone(), RewardRegistry::verl_default());
+    Ok(OnlineDpoTrainer::new(
+        dcfg,
+        Box::new(actor),
+        Box::new(rollout),
+        reference,
+        Box::new(reward),
+        Box::new(train),
+        val,
+        pairs,
+    )?)
+}
+
+/// Builds SPIN: the rows' answers (`sft.response_key`) against one generation each, the
+/// reference reloaded from the starting checkpoint at first and then set to the policy every
+/// `dpo.ref_update_freq` steps.
+pub fn build_spin(
+    cfg: &ExperimentConfig,
+    policy: SharedPolicy,
+    tokenizer: &Arc<Tokenizer>,
+    device: Device,
+) -> Result<SpinTrainer> {
+    check(cfg)?;
+    let (_, val) = loaders(cfg, tokenizer)?;
+    let response = ResponseKey::parse(&cfg.sft.response_key)?;
+    let seed = cfg.data.seed.unwrap_or(cfg.trainer.seed);
+    let train = SftSource::new(
+        Arc::new(RlDataset::train(&cfg.data)?),
+        tokenizer.clone(),
+        response,
+        cfg.sft.train_batch_size,
+        seed,
+    )?;
+    let dcfg = dpo_config(cfg, train.batches_per_epoch())?;
+    let rollout = rollout_worker(cfg, &policy, tokenizer, 1)?;
+    let actor = pair_actor(cfg, policy.clone())?;
+    let start = cfg.actor_rollout_ref.model.path.clone();
+    let kind = cfg.actor_rollout_ref.model.dtype.kind();
+    let micro = cfg.actor_rollout_ref.ref_micro_batch_size;
+    let make_reference: ReferenceFactory = Box::new(move |init| {
+        Ok(Box::new(match init {
+            RefInit::Initial => ReferenceWorker::from_pretrained(&start, device, kind, micro)?,
+            RefInit::Policy => ReferenceWorker::from_policy(&policy, micro)?,
+        }) as Box<dyn Reference>)
+    });
+    let reward = RuleReward::new(tokenizer.clone(), RewardRegistry::verl_default());
+    Ok(SpinTrainer::new(
+        dcfg,
+        Box::new(actor),
+        Box::new(rollout),
+        make_reference,
+        Box::new(reward),
+        Box::new(train),
+        val,
+    )?)
 }

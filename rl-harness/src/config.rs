@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::bandit::BanditConfig;
-use crate::experiment::{ActorRolloutRef, CriticGroup, RewardModelGroup, SftGroup};
+use crate::experiment::{ActorRolloutRef, CriticGroup, DpoGroup, RewardModelGroup, SftGroup};
 
 /// Which trainer drives the run (`trainer.algorithm`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -29,6 +29,15 @@ pub enum TrainerKind {
     /// REINFORCE++, DAPO, GSPO; `algorithm.adv_estimator` and
     /// `actor_rollout_ref.actor.{policy_loss.loss_mode, loss_agg_mode}` choose which.
     OnPolicy,
+    /// Offline DPO (and IPO, hinge, reference-free: `dpo.loss_type`) on the
+    /// `preference_data` pairs.
+    Dpo,
+    /// Online DPO: `dpo.n` generations per `data` prompt, the best and worst by the rule reward
+    /// as the pair (TRL's OnlineDPOTrainer).
+    OnlineDpo,
+    /// SPIN: the row's answer (`sft.response_key`) against the policy's own generation, the
+    /// reference replaced by the policy every `dpo.ref_update_freq` steps.
+    Spin,
 }
 
 impl TrainerKind {
@@ -177,6 +186,10 @@ pub struct ExperimentConfig {
     pub algorithm: rl_algos::AlgoConfig,
     /// The SFT trainer's group.
     pub sft: SftGroup,
+    /// The preference trainers' group (`trainer.algorithm` = `dpo`, `online_dpo` or `spin`).
+    pub dpo: DpoGroup,
+    /// Offline DPO's pairs, in TRL's schema (`prompt`, `chosen`, `rejected` columns).
+    pub preference_data: rl_data::PreferenceDataConfig,
     /// The bandit trainer's group.
     pub bandit: BanditConfig,
 }

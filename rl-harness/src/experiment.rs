@@ -300,3 +300,36 @@ impl Default for SftGroup {
         }
     }
 }
+
+/// `dpo`: the preference trainers' settings (offline DPO, online DPO, SPIN) under TRL's names.
+/// The step count is `trainer.total_training_steps`, so `dpo.total_training_steps` is refused.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct DpoGroup(pub rl_algos::trainer::DpoTrainerConfig);
+
+const DPO_STEPS_KEY: &str = "total_training_steps";
+
+impl Serialize for DpoGroup {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut map = drop_nulls(object_of(&self.0));
+        map.remove(DPO_STEPS_KEY);
+        map.serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for DpoGroup {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let mut value = Value::deserialize(d)?;
+        if let Value::Object(map) = &mut value {
+            if map.contains_key(DPO_STEPS_KEY) {
+                return Err(D::Error::custom(
+                    "`dpo.total_training_steps` is not read: set `trainer.total_training_steps`",
+                ));
+            }
+            // the harness fills it from trainer.total_training_steps when it builds the trainer
+            map.insert(DPO_STEPS_KEY.into(), Value::from(1));
+        }
+        serde_json::from_value(value)
+            .map(DpoGroup)
+            .map_err(D::Error::custom)
+    }
+}

@@ -32,3 +32,20 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     logging::init();
     cli::run(cli)
 }
+
+/// An error and its causes on one line, `outer: cause: root`, leaving out a cause whose text
+/// the line already ends with (errors that print their source as part of their own message).
+pub fn one_line(e: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if line.ends_with(&text) {
+            continue;
+        }
+        if !line.is_empty() {
+            line.push_str(": ");
+        }
+        line.push_str(&text);
+    }
+    line
+}

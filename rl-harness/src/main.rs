@@ -5,7 +5,7 @@ use clap::Parser;
 fn main() {
     let cli = rl_harness::Cli::parse();
     if let Err(e) = rl_harness::run(cli) {
-        eprintln!("harness: error: {e:#}");
+        eprintln!("harness: error: {}", rl_harness::one_line(&e));
         std::process::exit(1);
     }
 }

@@ -349,7 +349,7 @@ fn finish(
     let (status, error) = match &result {
         Ok(Outcome::Finished) => ("finished", None),
         Ok(Outcome::Killed) => ("killed", None),
-        Err(e) => ("failed", Some(format!("{e:#}"))),
+        Err(e) => ("failed", Some(crate::one_line(e))),
     };
     let err2 = error.clone();
     let recorded = rt.block_on(store.write(move |c| {

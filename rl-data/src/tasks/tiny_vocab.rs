@@ -157,6 +157,67 @@ pub fn generate_tiny_addition(
     )
 }
 
+/// [`generate_tiny_addition`], plus `train_pairs.parquet` and `test_pairs.parquet`: each row's
+/// prompt with the right sum as `chosen` and a wrong one (fixed per row) as `rejected`, in
+/// TRL's preference schema, for offline DPO. Returns the pair files.
+pub fn generate_tiny_preferences(
+    dir: &Path,
+    task: TinyAddition,
+    sizes: SplitSizes,
+    seed: u64,
+) -> Result<GeneratedFiles> {
+    let rl = generate_tiny_addition(dir, task, sizes, seed)?;
+    let opts = crate::dataset::ReadOptions {
+        prompt_key: "prompt".into(),
+        reward_fn_key: "data_source".into(),
+        max_samples: None,
+    };
+    let span = if task.no_carry {
+        task.max_operand
+    } else {
+        2 * task.max_operand
+    };
+    let mut out = Vec::new();
+    for (split, file) in [("train", &rl.train), ("test", &rl.test)] {
+        let ds = crate::RlDataset::open(std::slice::from_ref(file), &opts)?;
+        let mut pairs = Vec::with_capacity(ds.len());
+        for i in 0..ds.len() {
+            let row = ds.row(i)?;
+            let chosen = row
+                .extra_info
+                .get("answer")
+                .and_then(Value::as_str)
+                .ok_or_else(|| Error::Config {
+                    key: "extra_info.answer".into(),
+                    message: format!("row {i} of {} has none", file.display()),
+                })?
+                .to_string();
+            let answer: i64 = chosen.parse().map_err(|_| Error::Config {
+                key: "extra_info.answer".into(),
+                message: format!("{chosen:?} is not a number"),
+            })?;
+            // a wrong sum in 0..=span, fixed by the row's index
+            let h = ((i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 33) as i64;
+            let mut wrong = h % span.max(1);
+            if wrong >= answer {
+                wrong += 1;
+            }
+            let rejected = format!("{wrong:0width$}", width = chosen.len());
+            pairs.push(crate::PreferenceRecord {
+                prompt: row.prompt.clone(),
+                chosen,
+                rejected,
+            });
+        }
+        let path = dir.join(format!("{split}_pairs.parquet"));
+        crate::write_preference_parquet(&path, &pairs)?;
+        out.push(path);
+    }
+    let test = out.pop().unwrap_or_default();
+    let train = out.pop().unwrap_or_default();
+    Ok(GeneratedFiles { train, test })
+}
+
 /// Whether adding `a` and `b` (non-negative) carries at any digit.
 fn carries(mut a: i64, mut b: i64) -> bool {
     while a > 0 || b > 0 {
