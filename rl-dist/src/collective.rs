@@ -1,10 +1,23 @@
 //! [`rl_core::dist::Collective`] for [`ProcessGroup`]: how the workers and trainers, which know
 //! only rl-core's trait, reach c10d.
 
-use rl_core::dist::{Collective, ReduceOp as CoreOp};
+use std::time::Duration;
+
+use rl_core::dist::{Collective, ReduceOp as CoreOp, SharedCollective};
 use tch::Tensor;
 
+use crate::error::Result;
 use crate::group::{ProcessGroup, ReduceOp};
+
+/// Joins the group torchrun's environment describes ([`ProcessGroup::from_env`]) and wraps it
+/// for the roles and the trainer of this rank; `None` when `WORLD_SIZE` is not set, i.e. a plain
+/// one-process run (with `WORLD_SIZE` set, even to 1, the group is created as torchrun asks).
+pub fn shared_from_env(timeout: Duration) -> Result<Option<SharedCollective>> {
+    if std::env::var_os("WORLD_SIZE").is_none() {
+        return Ok(None);
+    }
+    Ok(Some(rl_core::dist::share(ProcessGroup::from_env(timeout)?)))
+}
 
 fn op(o: CoreOp) -> ReduceOp {
     match o {

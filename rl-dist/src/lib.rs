@@ -22,5 +22,6 @@ mod error;
 mod ffi;
 mod group;
 
+pub use collective::shared_from_env;
 pub use error::{Error, Result};
 pub use group::{Backend, DEFAULT_BUCKET_BYTES, ENV_VARS, InitOptions, ProcessGroup, ReduceOp};

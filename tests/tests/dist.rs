@@ -145,12 +145,20 @@ fn child_entry() {
     let out = PathBuf::from(std::env::var(OUT).expect("RL_E2E_DIST_OUT"));
     // ranks share the cores: one intra-op thread each, as torchrun's OMP_NUM_THREADS=1 default
     tch::set_num_threads(1);
-    let mut pg = rl_dist::ProcessGroup::from_env(TIMEOUT).expect("join the group");
-    if role == "lost_rank" {
+    let group = if role == "lost_rank" {
+        let mut pg = rl_dist::ProcessGroup::from_env(TIMEOUT).expect("join the group");
         pg.set_timeout(LOST_RANK_TIMEOUT).unwrap();
-    }
-    let (rank, world) = (pg.rank(), pg.world_size());
-    let group = rl_core::dist::share(pg);
+        rl_core::dist::share(pg)
+    } else {
+        // what a launcher does: join when torchrun's variables are there
+        rl_dist::shared_from_env(TIMEOUT)
+            .expect("join the group")
+            .expect("WORLD_SIZE is set")
+    };
+    let (rank, world) = {
+        let g = rl_core::dist::lock(&group).unwrap();
+        (g.rank(), g.world_size())
+    };
     match role.as_str() {
         "updates" => updates_child(&group, rank, world, &out),
         "grpo_run" => grpo_run_child(&group, rank, &out),
