@@ -114,6 +114,48 @@ pub fn interleave_pairs(chosen: &Batch, rejected: &Batch) -> rl_core::Result<Bat
     both.reorder(&order)
 }
 
+/// Each row's response tokens under its `response_mask`.
+///
+/// # Shapes
+/// - `batch`: `responses` and `response_mask` `[batch, response_len]`
+/// - returns: `batch` token lists
+fn masked_responses(batch: &Batch) -> rl_core::Result<Vec<Vec<i64>>> {
+    let ids = Vec::<Vec<i64>>::try_from(batch.get(keys::RESPONSES)?.to_kind(Kind::Int64))?;
+    let mask = Vec::<Vec<f64>>::try_from(batch.get(keys::RESPONSE_MASK)?.to_kind(Kind::Double))?;
+    Ok(ids
+        .into_iter()
+        .zip(mask)
+        .map(|(r, m)| {
+            r.into_iter()
+                .zip(m)
+                .filter(|&(_, m)| m != 0.0)
+                .map(|(t, _)| t)
+                .collect()
+        })
+        .collect())
+}
+
+/// The share of rows whose generated response equals the ground truth token for token: such
+/// a SPIN pair has chosen = rejected, so it carries no gradient. Near 1, the policy imitates
+/// the data perfectly and SPIN has nothing left to learn.
+///
+/// # Shapes
+/// - `truth`, `generated`: `responses`, `response_mask` `[batch, response_len]` (the two
+///   response widths may differ)
+/// - returns: a share in `[0, 1]`
+pub(crate) fn identical_share(truth: &Batch, generated: &Batch) -> rl_core::Result<f64> {
+    let (a, b) = (masked_responses(truth)?, masked_responses(generated)?);
+    if a.len() != b.len() {
+        return Err(rl_core::Error::BatchSize {
+            key: "generated".into(),
+            expected: a.len(),
+            got: b.len(),
+        });
+    }
+    let same = a.iter().zip(&b).filter(|(x, y)| x == y).count();
+    Ok(same as f64 / a.len().max(1) as f64)
+}
+
 /// Task accuracy of validation prompt batches: generate (with `validate: true`), score, and
 /// average `token_level_scores` per `data_source` as `val/test_score/<data_source>`.
 pub(crate) fn task_validation(
@@ -262,6 +304,7 @@ impl Trainer for SpinTrainer {
                 ),
             });
         }
+        let identical = identical_share(&truth, &generated)?;
         let mut batch = interleave_pairs(&truth, &generated)?;
         let t_ref = Instant::now();
         let mut nocache = RefCache::new(false);
@@ -292,6 +335,7 @@ impl Trainer for SpinTrainer {
             mask.sum(Kind::Double).double_value(&[]) / truth.len().max(1) as f64,
         );
         m.insert("spin/ref_updated".into(), f64::from(u8::from(updated)));
+        m.insert("spin/identical_ratio".into(), identical);
         m.insert("timing_s/gen".into(), gen_s);
         m.insert("timing_s/ref".into(), ref_s);
         m.insert(
@@ -343,5 +387,41 @@ impl Trainer for SpinTrainer {
         self.reference = (self.make_reference)(init)?;
         self.global_step = step;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn responses(rows: &[&[i64]], width: i64) -> Batch {
+        let (mut ids, mut mask) = (Vec::new(), Vec::new());
+        for r in rows {
+            for j in 0..width as usize {
+                ids.push(r.get(j).copied().unwrap_or(0));
+                mask.push(if j < r.len() { 1.0f32 } else { 0.0 });
+            }
+        }
+        let n = rows.len() as i64;
+        let mut b = Batch::new();
+        b.insert(keys::RESPONSES, Tensor::from_slice(&ids).view([n, width]))
+            .unwrap();
+        b.insert(
+            keys::RESPONSE_MASK,
+            Tensor::from_slice(&mask).view([n, width]),
+        )
+        .unwrap();
+        b
+    }
+
+    #[test]
+    fn identical_share_compares_masked_tokens_across_widths() {
+        let truth = responses(&[&[5, 6, 3], &[7, 3], &[4, 4, 3]], 3);
+        // same tokens, wider padding; a prefix of the truth; a different token
+        let generated = responses(&[&[5, 6, 3], &[7], &[4, 5, 3]], 5);
+        let share = identical_share(&truth, &generated).unwrap();
+        assert!((share - 1.0 / 3.0).abs() < 1e-12, "{share}");
+        let short = responses(&[&[5]], 1);
+        assert!(identical_share(&truth, &short).is_err());
     }
 }
