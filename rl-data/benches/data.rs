@@ -75,5 +75,50 @@ fn bench_rewards(c: &mut Criterion) {
     });
 }
 
-criterion_group!(benches, bench_prompts, bench_rewards);
+/// The SmolLM2 tokenizer `scripts/import-smollm2` writes, or the fixture one without it.
+fn smollm2_tokenizer() -> Tokenizer {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/smollm2-135m-instruct");
+    if dir.join("tokenizer.json").exists() {
+        Tokenizer::from_dir(&dir).expect("models/smollm2-135m-instruct")
+    } else {
+        fixture_tokenizer()
+    }
+}
+
+/// Tokenising alone, 1024 rendered prompts: `Tokenizer::encode_batch` (pieces between added
+/// tokens, the ASCII byte-level shortcut) on one thread and on all, against the `tokenizers`
+/// crate's own `encode_fast` row by row.
+fn bench_encode(c: &mut Criterion) {
+    let tok = smollm2_tokenizer();
+    let texts: Vec<String> = prompts(1024)
+        .iter()
+        .map(|m| tok.apply_chat_template(m, true).expect("render"))
+        .collect();
+    c.bench_function("encode_batch 1024 prompts", |b| {
+        b.iter(|| black_box(tok.encode_batch(&texts, false).expect("encode")))
+    });
+    c.bench_function("encode 1024 prompts one by one", |b| {
+        b.iter(|| {
+            texts
+                .iter()
+                .map(|t| tok.encode(t, false).expect("encode").len())
+                .sum::<usize>()
+        })
+    });
+    c.bench_function("tokenizers encode_fast 1024 prompts one by one", |b| {
+        b.iter(|| {
+            texts
+                .iter()
+                .map(|t| {
+                    tok.inner()
+                        .encode_fast(t.as_str(), false)
+                        .expect("encode")
+                        .len()
+                })
+                .sum::<usize>()
+        })
+    });
+}
+
+criterion_group!(benches, bench_prompts, bench_encode, bench_rewards);
 criterion_main!(benches);

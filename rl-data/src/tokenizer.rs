@@ -706,7 +706,12 @@ impl Tokenizer {
 
     /// `tokenizer.encode(text, add_special_tokens=...)`.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
-        self.encode_cached(text, add_special_tokens, &mut EncodeCache::default())
+        self.encode_cached(
+            text,
+            add_special_tokens,
+            self.fast.as_ref(),
+            &mut EncodeCache::default(),
+        )
     }
 
     /// The tokenizers crate's own encoding of `text`.
@@ -719,12 +724,13 @@ impl Tokenizer {
     }
 
     /// Encodes `text`; without special tokens and with a segmenter, piece by piece between added
-    /// tokens, looking pieces up in `cache` first, and ASCII pieces through the byte-level
-    /// shortcut when the tokenizer has one.
+    /// tokens, looking pieces up in `cache` first, and ASCII pieces through `fast` (the
+    /// tokenizer's byte-level shortcut or a thread's own copy of it) when there is one.
     fn encode_cached<'a>(
         &self,
         text: &'a str,
         add_special_tokens: bool,
+        fast: Option<&fast::AsciiByteLevel>,
         cache: &mut EncodeCache<'a>,
     ) -> Result<Vec<u32>> {
         let seg = match &self.segmenter {
@@ -741,7 +747,7 @@ impl Tokenizer {
                 return Ok(());
             }
             let start = out.len();
-            match &self.fast {
+            match fast {
                 Some(fast) if s.is_ascii() => fast
                     .encode_into(self.inner.get_model(), s, &mut cache.words, out)
                     .map_err(|e| Error::Encode(e.to_string()))?,
@@ -776,21 +782,26 @@ impl Tokenizer {
             .map_or(1, usize::from)
             .min(texts.len() / MIN_PER_THREAD)
             .max(1);
-        let serial = |chunk: &[String]| -> Result<Vec<Vec<u32>>> {
+        let serial = |chunk: &[String], fast: Option<&fast::AsciiByteLevel>| {
             let mut cache = EncodeCache::default();
             chunk
                 .iter()
-                .map(|t| self.encode_cached(t, add_special_tokens, &mut cache))
-                .collect()
+                .map(|t| self.encode_cached(t, add_special_tokens, fast, &mut cache))
+                .collect::<Result<Vec<_>>>()
         };
         if threads == 1 {
-            return serial(texts);
+            return serial(texts, self.fast.as_ref());
         }
         let per = texts.len().div_ceil(threads);
         let parts: Vec<Result<Vec<Vec<u32>>>> = std::thread::scope(|scope| {
             let handles: Vec<_> = texts
                 .chunks(per)
-                .map(|chunk| scope.spawn(move || serial(chunk)))
+                .map(|chunk| {
+                    // A copy per thread: its regexes' scratch space then belongs to that thread
+                    // (a `regex::Regex` shared across threads hands it out through a lock).
+                    let own = self.fast.clone();
+                    scope.spawn(move || serial(chunk, own.as_ref()))
+                })
                 .collect();
             handles
                 .into_iter()

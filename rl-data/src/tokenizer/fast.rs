@@ -17,6 +17,7 @@
 //! character, as the backtracking `\s+(?!\S)` does.
 
 use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 
 use tokenizers::Model as _;
 use tokenizers::models::ModelWrapper;
@@ -33,8 +34,11 @@ const TAIL: &str = r"|\s+(?!\S)|\s+";
 /// The pre-tokenizer regex without its look-ahead.
 #[derive(Clone, Debug)]
 struct SplitRegex {
-    /// `HEAD|\s+`.
+    /// `HEAD|\s+`, to find the next match anywhere.
     any: regex::Regex,
+    /// `^(?:HEAD|\s+)`: the match starting right here (one forward scan, where `any` also
+    /// scans back for the start); every supported pattern matches at every position.
+    here: regex::Regex,
     /// `^(?:HEAD)`: whether a whitespace-only match came from HEAD rather than from `\s+`.
     head: regex::Regex,
 }
@@ -44,6 +48,7 @@ impl SplitRegex {
         let head = pattern.strip_suffix(TAIL)?;
         Some(Self {
             any: regex::Regex::new(&format!(r"{head}|\s+")).ok()?,
+            here: regex::Regex::new(&format!(r"^(?:{head}|\s+)")).ok()?,
             head: regex::Regex::new(&format!("^(?:{head})")).ok()?,
         })
     }
@@ -53,24 +58,32 @@ impl SplitRegex {
     fn split<'a>(&self, text: &'a str, f: &mut impl FnMut(&'a str)) {
         let mut pos = 0;
         while pos < text.len() {
-            let Some(m) = self.any.find_at(text, pos) else {
-                f(&text[pos..]);
-                return;
+            // The regexes have no look-around, so matching on the rest of the text is matching
+            // in context.
+            let (start, len) = match self.here.find(&text[pos..]) {
+                Some(m) => (pos, m.len()),
+                None => match self.any.find_at(text, pos) {
+                    Some(m) => {
+                        f(&text[pos..m.start()]);
+                        (m.start(), m.len())
+                    }
+                    None => {
+                        f(&text[pos..]);
+                        return;
+                    }
+                },
             };
-            if m.start() > pos {
-                f(&text[pos..m.start()]);
-            }
-            let mut end = m.end();
-            if m.len() >= 2
+            let mut end = start + len;
+            if len >= 2
                 && end < text.len()
-                && m.as_str().bytes().all(is_space)
-                && !self.head.is_match(&text[m.start()..])
+                && text.as_bytes()[start..end].iter().all(|&b| is_space(b))
+                && !self.head.is_match(&text[start..])
             {
                 // `\s+(?!\S)` would have matched: it leaves the last whitespace byte (ASCII)
                 // to the next match.
                 end -= 1;
             }
-            f(&text[m.start()..end]);
+            f(&text[start..end]);
             pos = end;
         }
     }
@@ -102,8 +115,44 @@ pub(super) struct AsciiByteLevel {
 /// Words already encoded in this batch: the word (a slice of the input) to a range of `ids`.
 #[derive(Debug, Default)]
 pub(super) struct WordCache<'a> {
-    words: HashMap<&'a str, (u32, u32)>,
+    words: HashMap<&'a str, (u32, u32), BuildHasherDefault<FxHasher>>,
     ids: Vec<u32>,
+}
+
+/// rustc's Fx hash: a multiply-rotate per 8 bytes, several times cheaper than the default
+/// SipHash on words of a few bytes. (The cache lives for one batch, keyed by that batch's text.)
+#[derive(Debug, Default, Clone, Copy)]
+struct FxHasher(u64);
+
+impl FxHasher {
+    fn add(&mut self, word: u64) {
+        self.0 = (self.0.rotate_left(5) ^ word).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+    }
+}
+
+impl Hasher for FxHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        let mut chunks = bytes.chunks_exact(8);
+        for c in &mut chunks {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(c);
+            self.add(u64::from_le_bytes(w));
+        }
+        let rest = chunks.remainder();
+        if !rest.is_empty() {
+            let mut w = [0u8; 8];
+            w[..rest.len()].copy_from_slice(rest);
+            self.add(u64::from_le_bytes(w));
+        }
+    }
+
+    fn write_u8(&mut self, i: u8) {
+        self.add(u64::from(i));
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
+    }
 }
 
 impl AsciiByteLevel {
