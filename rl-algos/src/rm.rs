@@ -44,14 +44,14 @@ pub fn pairwise_loss(
     let mut gap = chosen_rewards - rejected_rewards;
     if let Some(m) = margin {
         let kind = gap.kind();
-        gap = gap - m.to_kind(kind);
+        gap -= m.to_kind(kind);
     }
     let mut loss = (-gap.log_sigmoid()).mean(None::<Kind>);
     if center_rewards_coefficient != 0.0 {
         let center = (chosen_rewards + rejected_rewards)
             .square()
             .mean(None::<Kind>);
-        loss = loss + center * center_rewards_coefficient;
+        loss += center * center_rewards_coefficient;
     }
     Ok(loss)
 }
