@@ -1,5 +1,6 @@
 //! The roles of rl-core implemented on a device: actor, rollout sharing the actor's weights,
-//! frozen reference, critic, with their configs and a checkpointable AdamW.
+//! frozen reference, critic, reward model (scoring and Bradley–Terry training), with their
+//! configs and a checkpointable AdamW.
 //!
 //! A worker never knows which algorithm trains it: the loss arrives as an
 //! [`rl_core::roles::PolicyObjective`] / [`rl_core::roles::ValueObjective`].
