@@ -298,12 +298,26 @@ pub fn check_replicas(c: &mut dyn Collective, what: &str, tensors: &[Tensor]) ->
     if c.world_size() == 1 {
         return Ok(());
     }
-    let d = digest(tensors)?;
-    let all = all_gather_bytes(c, &d.to_le_bytes())?;
+    check_digests(c, what, Some(digest(tensors)?))
+}
+
+/// Compares each rank's `digest` (of its weights) with rank 0's; the error names `what` and the
+/// ranks that differ. Ranks whose digest is `None` (the role cannot tell) are not compared.
+pub fn check_digests(c: &mut dyn Collective, what: &str, digest: Option<u64>) -> Result<()> {
+    if c.world_size() == 1 {
+        return Ok(());
+    }
+    let bytes: Vec<u8> = digest
+        .map(u64::to_le_bytes)
+        .map_or(Vec::new(), |b| b.to_vec());
+    let all = all_gather_bytes(c, &bytes)?;
+    if all[0].is_empty() {
+        return Ok(());
+    }
     let bad: Vec<usize> = all
         .iter()
         .enumerate()
-        .filter(|(_, b)| **b != all[0])
+        .filter(|(_, b)| !b.is_empty() && **b != all[0])
         .map(|(r, _)| r)
         .collect();
     if bad.is_empty() {

@@ -135,6 +135,17 @@ pub trait Actor {
         let _ = dir;
         Err(not_checkpointable("actor"))
     }
+    /// A digest of the trained weights (equal digests mean bit-identical weights, see
+    /// [`crate::dist::digest`]), which data-parallel trainers compare across ranks; `None`, the
+    /// default, when the role cannot tell.
+    fn weights_digest(&self) -> Result<Option<u64>> {
+        Ok(None)
+    }
+    /// The number of data-parallel ranks this role averages its gradients over (1, the default,
+    /// when it has no group).
+    fn data_parallel_ranks(&self) -> usize {
+        1
+    }
 }
 
 /// The frozen reference policy.
@@ -158,6 +169,14 @@ pub trait Critic {
     fn load_state(&mut self, dir: &Path) -> Result<()> {
         let _ = dir;
         Err(not_checkpointable("critic"))
+    }
+    /// A digest of the trained weights, as [`Actor::weights_digest`]; `None` by default.
+    fn weights_digest(&self) -> Result<Option<u64>> {
+        Ok(None)
+    }
+    /// The number of data-parallel ranks this role averages its gradients over (1 by default).
+    fn data_parallel_ranks(&self) -> usize {
+        1
     }
 }
 

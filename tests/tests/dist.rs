@@ -165,6 +165,7 @@ fn child_entry() {
         "ppo_run" => ppo_run_child(&group, rank, &out),
         "greedy_run" => greedy_run_child(&group, rank, &out),
         "lost_rank" => lost_rank_child(&group, rank),
+        "miswired" => miswired_child(&group),
         "resume" => resume_child(&group, rank, &out),
         other => panic!("unknown role {other}"),
     }
@@ -435,16 +436,18 @@ fn grpo_trainer(
     task: &TinyTask,
     group: Option<&SharedCollective>,
 ) -> (OnPolicyTrainer, SharedPolicy) {
-    let (trainer, policy, _) = on_policy_trainer(task, group, grpo_config(task));
+    let (trainer, policy, _) = on_policy_trainer(task, group, grpo_config(task), true);
     (trainer, policy)
 }
 
 /// The on-policy trainer of `cfg` (with a critic when the estimator needs one), one process
-/// or this rank of `group`; returns it, the policy, and the critic's live parameters.
+/// or this rank of `group` (the actor joins it only when `actor_dp`, to model a wiring
+/// mistake); returns it, the policy, and the critic's live parameters.
 fn on_policy_trainer(
     task: &TinyTask,
     group: Option<&SharedCollective>,
     cfg: ExperimentConfig,
+    actor_dp: bool,
 ) -> (OnPolicyTrainer, SharedPolicy, Vec<(String, Tensor)>) {
     cfg.check().unwrap();
     let tokenizer: &Arc<Tokenizer> = &task.tokenizer;
@@ -469,7 +472,9 @@ fn on_policy_trainer(
             (g.rank(), g.world_size())
         };
         train = LoaderSource(train.0.with_shard(rank, world).unwrap());
-        actor = actor.with_group(g.clone()).unwrap();
+        if actor_dp {
+            actor = actor.with_group(g.clone()).unwrap();
+        }
     }
     let mut critic_vars = Vec::new();
     let critic = if cfg.algorithm.adv_estimator.needs_critic() {
@@ -599,7 +604,8 @@ fn ppo_config(task: &TinyTask) -> ExperimentConfig {
 
 fn ppo_run_child(group: &SharedCollective, rank: usize, out: &Path) {
     let task = grpo_task();
-    let (mut trainer, policy, critic) = on_policy_trainer(&task, Some(group), ppo_config(&task));
+    let (mut trainer, policy, critic) =
+        on_policy_trainer(&task, Some(group), ppo_config(&task), true);
     let mut log = Vec::new();
     while trainer.global_step() < trainer.total_steps() {
         log.push(trainer.step().unwrap());
@@ -690,7 +696,7 @@ fn greedy_run(
     group: Option<&SharedCollective>,
 ) -> (Vec<rl_core::StepMetrics>, Vec<(String, Tensor)>) {
     let task = grpo_task();
-    let (mut trainer, policy, _) = on_policy_trainer(&task, group, greedy_config(&task));
+    let (mut trainer, policy, _) = on_policy_trainer(&task, group, greedy_config(&task), true);
     let mut log = Vec::new();
     while trainer.global_step() < trainer.total_steps() {
         log.push(trainer.step().unwrap());
@@ -791,6 +797,21 @@ fn a_rank_lost_mid_run_fails_the_others_step_instead_of_hanging() {
             .find(|l| l.contains("failed after"))
             .unwrap_or("")
     );
+}
+
+/// A trainer given the group whose actor was not is refused, naming the role: its gradients
+/// would not be averaged and the replicas would drift apart.
+fn miswired_child(group: &SharedCollective) {
+    let task = grpo_task();
+    let (trainer, _, _) = on_policy_trainer(&task, None, grpo_config(&task), false);
+    let err = trainer.with_group(group.clone()).unwrap_err().to_string();
+    assert!(err.contains("actor") && err.contains("with_group"), "{err}");
+}
+
+#[test]
+fn a_trainer_whose_actor_is_left_out_of_the_group_is_refused() {
+    let out = tempfile::tempdir().unwrap();
+    spawn_group("miswired", 2, out.path());
 }
 
 // ---------------------------------------------------------------- resume across world sizes

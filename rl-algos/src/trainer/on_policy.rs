@@ -93,6 +93,8 @@ pub struct OnPolicyTrainer {
     kl_ctrl: KlController,
     global_step: u64,
     group: Option<SharedCollective>,
+    /// Whether this process has compared the ranks' weights (after its first step).
+    replicas_checked: bool,
 }
 
 impl std::fmt::Debug for OnPolicyTrainer {
@@ -185,6 +187,7 @@ impl OnPolicyTrainer {
             kl_ctrl,
             global_step: 0,
             group: None,
+            replicas_checked: false,
         })
     }
 
@@ -198,13 +201,16 @@ impl OnPolicyTrainer {
     /// (scores, masks, log-probs, values, `uid`s) so KL-in-reward, the KL controller and every
     /// estimator see the whole global batch exactly as one process would, keeps this rank's
     /// rows, updates critic and actor (gradients averaged over ranks inside the workers), and
-    /// reduces the metrics over ranks, so every rank returns the global figures.
+    /// reduces the metrics over ranks, so every rank returns the global figures. After its first
+    /// step and at every validation the trainer compares the ranks' weights (a digest of the
+    /// actor's and critic's) and fails, naming the ranks that differ.
     /// Validation runs each rank on a contiguous shard of every validation batch and gathers
     /// the scores. Only rank 0 writes checkpoints ([`Trainer::save_checkpoint`] is a no-op on
     /// other ranks and issues no collective); every rank loads them, at any world size.
     ///
-    /// Errors when `data.train_batch_size` does not split over the ranks, or when DAPO's
-    /// dynamic sampling (`algorithm.filter_groups.enable`) is on, which is not data-parallel yet.
+    /// Errors when `data.train_batch_size` does not split over the ranks, when the actor (or
+    /// critic) was not given a group of the same size, or when DAPO's dynamic sampling
+    /// (`algorithm.filter_groups.enable`) is on, which is not data-parallel yet.
     pub fn with_group(mut self, group: SharedCollective) -> rl_core::Result<Self> {
         let world = dist::lock(&group)?.world_size();
         if !self.cfg.train_batch_size.is_multiple_of(world) {
@@ -222,6 +228,25 @@ impl OnPolicyTrainer {
             .filter_groups
             .as_ref()
             .is_some_and(|f| f.enable);
+        let roles = [
+            ("actor", Some(self.roles.actor.data_parallel_ranks())),
+            (
+                "critic",
+                self.roles.critic.as_ref().map(|c| c.data_parallel_ranks()),
+            ),
+        ];
+        for (role, ranks) in roles {
+            if let Some(ranks) = ranks
+                && ranks != world
+            {
+                return Err(role_err(
+                    "trainer",
+                    format!(
+                        "the {role} role averages gradients over {ranks} rank(s) but the trainer's group has {world}: build it with `with_group` on the same group"
+                    ),
+                ));
+            }
+        }
         if filter && world > 1 {
             return Err(role_err(
                 "trainer",
@@ -249,6 +274,19 @@ impl OnPolicyTrainer {
             Some(g) if dist::lock(g)?.world_size() > 1 => Ok(Some(g.clone())),
             _ => Ok(None),
         }
+    }
+
+    /// Compares the actor's (and critic's) weights across the ranks by digest (after this
+    /// process's first step and at every validation).
+    fn check_replicas(&self, group: &SharedCollective) -> rl_core::Result<()> {
+        let actor = self.roles.actor.weights_digest()?;
+        let critic = match &self.roles.critic {
+            Some(c) => c.weights_digest()?,
+            None => None,
+        };
+        let mut g = dist::lock(group)?;
+        dist::check_digests(&mut *g, "actor weights", actor)?;
+        dist::check_digests(&mut *g, "critic weights", critic)
     }
 
     /// The config.
@@ -652,6 +690,10 @@ impl Trainer for OnPolicyTrainer {
         m.insert("training/global_step".into(), self.global_step as f64);
         if let Some(g) = self.dp_group()? {
             m = reduce_step_metrics(&g, m, &batch)?;
+            if !self.replicas_checked {
+                self.check_replicas(&g)?;
+                self.replicas_checked = true;
+            }
         }
         Ok(m)
     }
@@ -709,6 +751,7 @@ impl Trainer for OnPolicyTrainer {
             })
             .collect();
         if let Some(g) = self.dp_group()? {
+            self.check_replicas(&g)?;
             let global =
                 dist::reduce_metrics(&mut *dist::lock(&g)?, &local, |_| dist::MetricReduce::Mean)?;
             local = global.into_iter().map(|(k, v)| (k, (v, 1.0))).collect();

@@ -381,6 +381,18 @@ impl Actor for ActorWorker {
         save_lm(&lm, &self.optim, dir)
     }
 
+    fn data_parallel_ranks(&self) -> usize {
+        self.group
+            .as_ref()
+            .and_then(|g| g.lock().ok().map(|g| g.world_size()))
+            .unwrap_or(1)
+    }
+
+    fn weights_digest(&self) -> rl_core::Result<Option<u64>> {
+        let lm = lock(&self.lm, "actor")?;
+        Ok(Some(dist::digest(&sorted_vars(lm.var_store()))?))
+    }
+
     fn load_state(&mut self, dir: &Path) -> rl_core::Result<()> {
         let mut lm = lock(&self.lm, "actor")?;
         let path = dir.join("model.safetensors");

@@ -135,6 +135,17 @@ impl Critic for CriticWorker {
         self.optim.save(dir).map_err(role_err("critic"))
     }
 
+    fn data_parallel_ranks(&self) -> usize {
+        self.group
+            .as_ref()
+            .and_then(|g| g.lock().ok().map(|g| g.world_size()))
+            .unwrap_or(1)
+    }
+
+    fn weights_digest(&self) -> rl_core::Result<Option<u64>> {
+        Ok(Some(dist::digest(&sorted_vars(self.model.var_store()))?))
+    }
+
     fn load_state(&mut self, dir: &Path) -> rl_core::Result<()> {
         let path = dir.join("model.safetensors");
         tch::no_grad(|| self.model.var_store_mut().load(&path)).map_err(|e| {
