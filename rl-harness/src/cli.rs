@@ -126,7 +126,8 @@ pub struct CompareArgs {
     /// Metrics to compare (repeatable); default: every metric all runs share.
     #[arg(long = "metric")]
     pub metrics: Vec<String>,
-    /// Rank this sweep's trials by the first `--metric` (default: the sweep's metric).
+    /// Rank this sweep's trials (its id, or its `[sweep] name` for the latest such sweep) by
+    /// the first `--metric` (default: the sweep's metric).
     #[arg(long)]
     pub sweep: Option<String>,
     /// Also show each metric's value at this step.
@@ -162,6 +163,8 @@ pub enum ConfigCommand {
         /// `key.path=value` overrides.
         overrides: Vec<String>,
     },
+    /// Print every config key with its default, as Markdown (docs/config.md).
+    Reference,
 }
 
 /// Split sizes and seed of a generator.
@@ -365,6 +368,7 @@ pub(crate) fn run(cli: Cli) -> Result<()> {
             })?;
             print!("{}", config::to_toml(&cfg)?);
         }
+        Command::Config(ConfigCommand::Reference) => print!("{}", config::reference_markdown()),
         Command::Data(d) => data(d)?,
         Command::Model(ModelCommand::InitTiny { out_dir, seed }) => {
             let n = crate::compose::init_tiny(&out_dir, seed)?;

@@ -42,11 +42,32 @@ fn drop_nulls(map: Map<String, Value>) -> Map<String, Value> {
         .collect()
 }
 
+thread_local! {
+    static KEEP_NULLS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` with absent optional keys serialised as `null` instead of left out (for listing
+/// every key: the config reference, the nearest-key suggestions).
+pub fn with_optional_keys<T>(f: impl FnOnce() -> T) -> T {
+    KEEP_NULLS.with(|k| k.set(true));
+    let out = f();
+    KEEP_NULLS.with(|k| k.set(false));
+    out
+}
+
+fn absent_left_out(map: Map<String, Value>) -> Map<String, Value> {
+    if KEEP_NULLS.with(std::cell::Cell::get) {
+        map
+    } else {
+        drop_nulls(map)
+    }
+}
+
 impl<A: Serialize, B: Serialize> Serialize for Merged<A, B> {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         // Absent optional keys are left out, as TOML has no null.
-        let mut map = drop_nulls(object_of(&self.0));
-        map.extend(drop_nulls(object_of(&self.1)));
+        let mut map = absent_left_out(object_of(&self.0));
+        map.extend(absent_left_out(object_of(&self.1)));
         map.serialize(s)
     }
 }
@@ -310,7 +331,7 @@ const DPO_STEPS_KEY: &str = "total_training_steps";
 
 impl Serialize for DpoGroup {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        let mut map = drop_nulls(object_of(&self.0));
+        let mut map = absent_left_out(object_of(&self.0));
         map.remove(DPO_STEPS_KEY);
         map.serialize(s)
     }

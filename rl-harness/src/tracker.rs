@@ -76,6 +76,38 @@ pub async fn enqueue_start(
     Ok(())
 }
 
+/// On resume, after the store dropped the metrics past `step`: a run that already exists
+/// remotely is replaced there, since MLflow cannot delete single metric values. The old remote
+/// run is deleted (MLflow keeps it in its trash) and a fresh one is created, to which the params
+/// and every remaining metric are pushed again, so the remote mirror holds exactly what the
+/// store holds. Returns whether a replacement was queued (inside the caller's transaction).
+pub async fn enqueue_rewind(
+    c: &mut SqliteConnection,
+    run_id: i64,
+    step: i64,
+    cfg: &ExperimentConfig,
+) -> Result<bool> {
+    let remote: Option<Option<String>> =
+        sqlx::query_scalar("SELECT remote_run_id FROM tracker_runs WHERE run_id = ?")
+            .bind(run_id)
+            .fetch_optional(&mut *c)
+            .await?;
+    // Not created remotely yet: no metric was pushed, nothing to take back.
+    let Some(Some(old)) = remote else {
+        return Ok(false);
+    };
+    let payload = json!({"remote_run_id": old, "step": step});
+    sqlx::query("INSERT INTO outbox (run_id, kind, payload, created) VALUES (?, 'rewind', ?, ?)")
+        .bind(run_id)
+        .bind(payload.to_string())
+        .bind(now())
+        .execute(&mut *c)
+        .await?;
+    // a fresh remote run, metrics pushed from the first one on
+    enqueue_start(c, run_id, cfg).await?;
+    Ok(true)
+}
+
 /// Records a status change in the outbox, for runs that are tracked.
 pub async fn enqueue_status(
     c: &mut SqliteConnection,
@@ -336,6 +368,17 @@ pub async fn sync_run(
             return pending(store, run_id).await;
         }
         let result = match kind.as_str() {
+            "rewind" => {
+                remote = None;
+                cursor = 0;
+                match payload["remote_run_id"].as_str() {
+                    Some(old) => client
+                        .post("runs/delete", json!({"run_id": old}))
+                        .await
+                        .map(|_| ()),
+                    None => Ok(()),
+                }
+            }
             "create" => push_create(&client, store, run_id, &payload)
                 .await
                 .map(|rid| {

@@ -257,6 +257,7 @@ pub fn resume(
         .filter(|c| c.step > step)
         .map(|c| c.path.clone())
         .collect();
+    let tracked = cfg.clone();
     let dropped = rt
         .block_on(store.write(move |c| {
             Box::pin(async move {
@@ -298,6 +299,19 @@ pub fn resume(
                         .bind(msg)
                         .execute(&mut *c)
                         .await?;
+                }
+                if dropped > 0
+                    && tracked.trainer.tracker.kind != config::TrackerKind::None
+                    && tracker::enqueue_rewind(c, id, step, &tracked).await?
+                {
+                    sqlx::query(
+                        "INSERT INTO events (run_id, time, kind, message) VALUES (?, ?, 'tracker', ?)",
+                    )
+                    .bind(id)
+                    .bind(t)
+                    .bind("the remote run is replaced by a fresh copy without the dropped metrics")
+                    .execute(&mut *c)
+                    .await?;
                 }
                 tracker::enqueue_status(c, id, "running", None).await?;
                 Ok(dropped as i64)

@@ -272,3 +272,21 @@ fn the_bandit_experiment_trains_and_plots_its_learning_curve() {
         "the sweep table is not part of the experiment"
     );
 }
+
+#[test]
+fn the_config_reference_in_docs_is_generated_from_the_code() {
+    let env = Env::new();
+    let generated = env.ok(&["config", "reference"]);
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let committed = std::fs::read_to_string(root.join("docs/config.md")).unwrap_or_default();
+    assert!(
+        generated.contains("| `actor_rollout_ref.actor.clip_ratio` | `0.2` |")
+            && generated.contains("`trainer.algorithm`"),
+        "{generated}"
+    );
+    assert!(
+        committed == generated,
+        "docs/config.md is stale: regenerate it with \
+         `target/debug/harness config reference > docs/config.md`"
+    );
+}

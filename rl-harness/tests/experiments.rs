@@ -163,11 +163,11 @@ fn the_kl_coef_sweep_runs_its_trials_over_the_quickstart() {
     let (rt, store) = env.store();
     let runs = rt.block_on(store.runs(None)).unwrap();
     assert_eq!(runs.len(), 4, "one run per kl_loss_coef");
-    let sweep = runs[0].sweep_id.clone().unwrap();
+    // by the sweep's name, as the README does
     let ranked = env.ok(&[
         "compare",
         "--sweep",
-        &sweep,
+        "kl_coef",
         "--metric",
         "val/test_score/arithmetic",
     ]);

@@ -277,3 +277,40 @@ fn a_server_stopped_mid_run_never_fails_training_and_sync_catches_up() {
         "steps 0, 5, ..., 40"
     );
 }
+
+#[test]
+fn a_resume_that_drops_metrics_replaces_the_remote_copy_so_it_equals_the_store() {
+    let server = server().lock().unwrap_or_else(|e| e.into_inner());
+    let port = server.port;
+    let env = Env::new();
+    let cfg = tracked_config(&env, port, "");
+    env.ok(&[
+        "train",
+        &cfg,
+        "trainer.total_training_steps=20",
+        "trainer.save_freq=5",
+        "trainer.experiment_name=rewound",
+    ]);
+    let (rt, store) = env.store();
+    let first = remote_run_id(&rt, &store, 1);
+    assert_eq!(history(port, &first, "critic/score/mean").len(), 20);
+    // steps 11..20 are dropped locally and trained again
+    env.ok(&["resume", "1", "--from-step", "10"]);
+    let second = remote_run_id(&rt, &store, 1);
+    assert_ne!(first, second, "the remote run was not replaced");
+    let local = rt.block_on(store.series(1, "critic/score/mean")).unwrap();
+    let remote = history(port, &second, "critic/score/mean");
+    assert_eq!(local.len(), 20);
+    assert_eq!(
+        remote.iter().map(|p| p.0).collect::<Vec<_>>(),
+        local.iter().map(|p| p.0).collect::<Vec<_>>(),
+        "the remote copy holds each step once"
+    );
+    for ((_, v1), (_, v2)) in local.iter().zip(&remote) {
+        assert!((v1 - v2).abs() < 1e-9, "{v1} vs {v2}");
+    }
+    let old = get(port, &format!("/api/2.0/mlflow/runs/get?run_id={first}")).expect("runs/get");
+    assert_eq!(old["run"]["info"]["lifecycle_stage"], "deleted", "{old}");
+    let events = rt.block_on(store.events(1)).unwrap();
+    assert!(events.iter().any(|e| e.kind == "tracker"), "{events:?}");
+}
