@@ -544,7 +544,7 @@ fn rm_plus_rule_is_the_weighted_sum_at_the_last_token() {
 }
 
 #[test]
-#[ignore = "issue 8 bar not met yet: GRPO hacks the tiny learned reward (every prompt collapses onto one answer the reward model prefers) and rule-checked held-out accuracy falls 26.5% -> 0% in 40 steps; see docs/algos/reward_model.md"]
+#[ignore = "issue 8 bar not met yet: GRPO hacks the tiny learned reward (every prompt collapses onto `99`, the answer it prefers) and rule-checked held-out accuracy falls 26.5% -> 4.0% in 40 steps; see docs/algos/reward_model.md"]
 fn grpo_with_the_learned_reward_raises_accuracy() {
     let w = warm();
     let rm = trained_rm();
