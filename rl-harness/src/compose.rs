@@ -19,7 +19,7 @@ use rl_data::{
     DataLoader, LoaderOptions, LoaderState, PreferenceDataset, RlDataset, RlRow, Sampler, Tokenizer,
 };
 use rl_workers::roles::{
-    ActorWorker, CriticWorker, ReferenceWorker, RolloutWorker, SharedPolicy, share,
+    ActorWorker, CriticWorker, ProgressHook, ReferenceWorker, RolloutWorker, SharedPolicy, share,
 };
 use rl_workers::{CausalLm, ValueModel};
 use serde_json::Value;
@@ -150,7 +150,11 @@ pub fn check(cfg: &ExperimentConfig) -> Result<()> {
 
 /// Builds the trainer `cfg` selects, on `device`; `tch::manual_seed(trainer.seed)` first, so
 /// fresh heads start the same every time.
-pub fn build(cfg: &ExperimentConfig, device: Device) -> Result<Built> {
+pub fn build(
+    cfg: &ExperimentConfig,
+    device: Device,
+    progress: Option<ProgressHook>,
+) -> Result<Built> {
     check(cfg)?;
     tch::manual_seed(cfg.trainer.seed as i64);
     let dir = cfg.actor_rollout_ref.model.path.clone();
@@ -176,11 +180,25 @@ pub fn build(cfg: &ExperimentConfig, device: Device) -> Result<Built> {
             } else {
                 None
             };
-            Box::new(build_on_policy(cfg, policy.clone(), critic, &tokenizer)?)
+            Box::new(build_on_policy(
+                cfg,
+                policy.clone(),
+                critic,
+                &tokenizer,
+                progress,
+            )?)
         }
         TrainerKind::Dpo => Box::new(build_dpo(cfg, policy.clone(), &tokenizer)?),
-        TrainerKind::OnlineDpo => Box::new(build_online_dpo(cfg, policy.clone(), &tokenizer)?),
-        TrainerKind::Spin => Box::new(build_spin(cfg, policy.clone(), &tokenizer, device)?),
+        TrainerKind::OnlineDpo => {
+            Box::new(build_online_dpo(cfg, policy.clone(), &tokenizer, progress)?)
+        }
+        TrainerKind::Spin => Box::new(build_spin(
+            cfg,
+            policy.clone(),
+            &tokenizer,
+            device,
+            progress,
+        )?),
         TrainerKind::Bandit => bail!("the bandit trainer is built by the harness itself"),
     };
     Ok(Built {
@@ -404,6 +422,7 @@ pub fn build_on_policy(
     policy: SharedPolicy,
     critic_init: Option<ValueModel>,
     tokenizer: &Arc<Tokenizer>,
+    progress: Option<ProgressHook>,
 ) -> Result<OnPolicyTrainer> {
     check(cfg)?;
     let (train, val) = loaders(cfg, tokenizer)?;
@@ -422,13 +441,16 @@ pub fn build_on_policy(
         .eos_token_id()
         .ok_or_else(|| anyhow!("the tokenizer has no eos token (tokenizer_config.json)"))?;
     let pad = tokenizer.pad_id_or_eos()?;
-    let rollout = RolloutWorker::new(
-        policy.clone(),
-        arr.rollout.clone(),
-        arr.val_kwargs.clone(),
-        vec![i64::from(eos)],
-        i64::from(pad),
-    )?;
+    let rollout = with_progress(
+        RolloutWorker::new(
+            policy.clone(),
+            arr.rollout.clone(),
+            arr.val_kwargs.clone(),
+            vec![i64::from(eos)],
+            i64::from(pad),
+        )?,
+        progress,
+    );
     let actor = ActorWorker::new(policy, arr.actor.clone(), n)?;
     let critic = match (cfg.algorithm.adv_estimator.needs_critic(), critic_init) {
         (true, Some(vm)) => Some(
@@ -690,11 +712,19 @@ pub fn build_dpo(
     )?)
 }
 
+fn with_progress(rollout: RolloutWorker, progress: Option<ProgressHook>) -> RolloutWorker {
+    match progress {
+        Some(hook) => rollout.with_progress(hook),
+        None => rollout,
+    }
+}
+
 fn rollout_worker(
     cfg: &ExperimentConfig,
     policy: &SharedPolicy,
     tokenizer: &Tokenizer,
     n: usize,
+    progress: Option<ProgressHook>,
 ) -> Result<RolloutWorker> {
     let arr = &cfg.actor_rollout_ref;
     let eos = tokenizer
@@ -702,13 +732,16 @@ fn rollout_worker(
         .ok_or_else(|| anyhow!("the tokenizer has no eos token (tokenizer_config.json)"))?;
     let mut rollout = arr.rollout.clone();
     rollout.n = n;
-    Ok(RolloutWorker::new(
-        policy.clone(),
-        rollout,
-        arr.val_kwargs.clone(),
-        vec![i64::from(eos)],
-        i64::from(tokenizer.pad_id_or_eos()?),
-    )?)
+    Ok(with_progress(
+        RolloutWorker::new(
+            policy.clone(),
+            rollout,
+            arr.val_kwargs.clone(),
+            vec![i64::from(eos)],
+            i64::from(tokenizer.pad_id_or_eos()?),
+        )?,
+        progress,
+    ))
 }
 
 /// Builds online DPO on the `data` prompts: `dpo.n` generations each, ranked by the rule
@@ -717,11 +750,12 @@ pub fn build_online_dpo(
     cfg: &ExperimentConfig,
     policy: SharedPolicy,
     tokenizer: &Arc<Tokenizer>,
+    progress: Option<ProgressHook>,
 ) -> Result<OnlineDpoTrainer> {
     check(cfg)?;
     let (train, val) = loaders(cfg, tokenizer)?;
     let dcfg = dpo_config(cfg, train.0.batches_per_epoch())?;
-    let rollout = rollout_worker(cfg, &policy, tokenizer, dcfg.n)?;
+    let rollout = rollout_worker(cfg, &policy, tokenizer, dcfg.n, progress)?;
     let reference = frozen_reference(cfg, &policy)?;
     let pairs = cfg.actor_rollout_ref.actor.ppo_mini_batch_size;
     let actor = pair_actor(cfg, policy)?;
@@ -746,6 +780,7 @@ pub fn build_spin(
     policy: SharedPolicy,
     tokenizer: &Arc<Tokenizer>,
     device: Device,
+    progress: Option<ProgressHook>,
 ) -> Result<SpinTrainer> {
     check(cfg)?;
     let (_, val) = loaders(cfg, tokenizer)?;
@@ -759,7 +794,7 @@ pub fn build_spin(
         seed,
     )?;
     let dcfg = dpo_config(cfg, train.batches_per_epoch())?;
-    let rollout = rollout_worker(cfg, &policy, tokenizer, 1)?;
+    let rollout = rollout_worker(cfg, &policy, tokenizer, 1, progress)?;
     let actor = pair_actor(cfg, policy.clone())?;
     let start = cfg.actor_rollout_ref.model.path.clone();
     let kind = cfg.actor_rollout_ref.model.dtype.kind();

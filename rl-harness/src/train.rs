@@ -7,8 +7,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use indicatif::{ProgressBar, ProgressStyle};
+use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use rl_core::{StepMetrics, Trainer};
+use rl_workers::roles::ProgressHook;
 use serde::{Deserialize, Serialize};
 use tokio::runtime::Runtime;
 
@@ -45,8 +46,75 @@ enum Outcome {
     Killed,
 }
 
-/// Builds the trainer the config selects.
-pub fn build_trainer(cfg: &ExperimentConfig) -> Result<Built> {
+/// The console's progress bars: training steps, and the decode steps of the generation under
+/// way (hidden when stderr is not a terminal).
+pub struct Bars {
+    _multi: MultiProgress,
+    step: ProgressBar,
+    generation: ProgressBar,
+}
+
+impl Bars {
+    /// Both bars, empty.
+    pub fn new() -> Self {
+        let multi = MultiProgress::new();
+        let step = multi.add(ProgressBar::new(0));
+        step.set_style(
+            ProgressStyle::with_template(
+                "{spinner} step {pos}/{len} [{bar:30}] {elapsed} eta {eta} {msg}",
+            )
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        );
+        let generation = multi.add(ProgressBar::new(0));
+        generation.set_style(
+            ProgressStyle::with_template(
+                "  generating {pos}/{len} tokens [{bar:30}] eta {eta} {msg}",
+            )
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        );
+        Bars {
+            _multi: multi,
+            step,
+            generation,
+        }
+    }
+
+    /// A rollout progress hook that drives the generation bar.
+    pub fn generation_hook(&self) -> ProgressHook {
+        let bar = self.generation.clone();
+        Arc::new(move |p| {
+            if p.step == 1 {
+                bar.reset();
+                bar.set_length(p.max_steps.max(0) as u64);
+            }
+            bar.set_position(p.step.max(0) as u64);
+            bar.set_message(format!(
+                "{}/{} rows done, {} tokens",
+                p.finished_rows, p.total_rows, p.generated_tokens
+            ));
+        })
+    }
+
+    fn finish(&self) {
+        self.generation.finish_and_clear();
+        self.step.finish_and_clear();
+    }
+}
+
+impl Default for Bars {
+    fn default() -> Self {
+        Bars::new()
+    }
+}
+
+impl std::fmt::Debug for Bars {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Bars").finish_non_exhaustive()
+    }
+}
+
+/// Builds the trainer the config selects; generations report to `progress`.
+pub fn build_trainer(cfg: &ExperimentConfig, progress: Option<ProgressHook>) -> Result<Built> {
     let device = crate::device::open(&cfg.trainer.device)?;
     match cfg.trainer.algorithm {
         TrainerKind::Bandit => {
@@ -66,7 +134,7 @@ pub fn build_trainer(cfg: &ExperimentConfig) -> Result<Built> {
                 source_dir: None,
             })
         }
-        _ => compose::build(cfg, device),
+        _ => compose::build(cfg, device, progress),
     }
 }
 
@@ -187,8 +255,9 @@ pub fn train(rt: &Runtime, cfg: ExperimentConfig, member: Membership) -> Result<
         run.name,
         run_dir.display()
     );
-    let result = build_trainer(&cfg).and_then(|mut built| {
-        let outcome = drive(rt, &store, run_id, &run_dir, &cfg, &mut built, true)?;
+    let bars = Bars::new();
+    let result = build_trainer(&cfg, Some(bars.generation_hook())).and_then(|mut built| {
+        let outcome = drive(rt, &store, run_id, &run_dir, &cfg, &mut built, &bars, true)?;
         if matches!(outcome, Outcome::Finished) {
             export(&built, &run_dir, &cfg)?;
         }
@@ -331,7 +400,8 @@ pub fn resume(
         ckpt_dir.display()
     );
     eprintln!("harness: resuming run {id} from {}", ckpt_dir.display());
-    let result = build_trainer(&cfg).and_then(|mut built| {
+    let bars = Bars::new();
+    let result = build_trainer(&cfg, Some(bars.generation_hook())).and_then(|mut built| {
         let trainer = &mut built.trainer;
         trainer
             .load_checkpoint(&ckpt_dir.join("trainer"))
@@ -343,7 +413,7 @@ pub fn resume(
                 trainer.global_step()
             );
         }
-        let outcome = drive(rt, &store, id, &run_dir, &cfg, &mut built, false)?;
+        let outcome = drive(rt, &store, id, &run_dir, &cfg, &mut built, &bars, false)?;
         if matches!(outcome, Outcome::Finished) {
             export(&built, &run_dir, &cfg)?;
         }
@@ -422,6 +492,7 @@ fn drive(
     run_dir: &Path,
     cfg: &ExperimentConfig,
     built: &mut Built,
+    bars: &Bars,
     fresh: bool,
 ) -> Result<Outcome> {
     let trainer = &mut built.trainer;
@@ -461,13 +532,9 @@ fn drive(
     };
     let pump = (t.tracker.kind != config::TrackerKind::None)
         .then(|| rt.spawn(tracker::pump(store.clone(), run_id, t.tracker.clone())));
-    let bar = ProgressBar::new(total).with_position(trainer.global_step());
-    bar.set_style(
-        ProgressStyle::with_template(
-            "{spinner} step {pos}/{len} [{bar:30}] {elapsed} eta {eta} {msg}",
-        )
-        .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
+    let bar = &bars.step;
+    bar.set_length(total);
+    bar.set_position(trainer.global_step());
     let result = (|| -> Result<Outcome> {
         if fresh && t.val_before_train {
             let (m, _) = trainer.validate().context("validation before training")?;
@@ -515,7 +582,7 @@ fn drive(
         rt.block_on(store.flush())?;
         Ok(Outcome::Finished)
     })();
-    bar.finish_and_clear();
+    bars.finish();
     heartbeat.abort();
     signals.abort();
     if let Some(p) = pump {
@@ -619,4 +686,35 @@ fn fsync_tree(dir: &Path) -> std::io::Result<()> {
 
 fn fsync_dir(dir: &Path) -> std::io::Result<()> {
     std::fs::File::open(dir)?.sync_all()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rl_workers::Progress;
+
+    #[test]
+    fn the_generation_hook_drives_the_generation_bar() {
+        let bars = Bars::new();
+        let hook = bars.generation_hook();
+        let p = |step| Progress {
+            step,
+            max_steps: 8,
+            total_rows: 32,
+            finished_rows: 4,
+            generated_tokens: 96,
+        };
+        hook(&p(1));
+        hook(&p(3));
+        assert_eq!(bars.generation.length(), Some(8));
+        assert_eq!(bars.generation.position(), 3);
+        assert!(
+            bars.generation
+                .message()
+                .contains("4/32 rows done, 96 tokens")
+        );
+        // the next generation starts the bar over
+        hook(&p(1));
+        assert_eq!(bars.generation.position(), 1);
+    }
 }

@@ -17,6 +17,7 @@ use crate::roles::config::{ActorConfig, ValKwargs};
 use crate::roles::micro::{self, Micro};
 use crate::roles::optim::AdamW;
 use crate::roles::role_err;
+use crate::rollout::Progress;
 use crate::rollout::{GenerateOptions, RolloutConfig, generate};
 
 /// The policy's weights, shared by the actor and the rollout.
@@ -411,13 +412,28 @@ impl Actor for ActorWorker {
 /// `cfg.seed_for(global_step)` with `global_step` from `meta_info` (0 when absent); a
 /// `dp_rank` other than 0 mixes the rank into that seed (SplitMix64 of seed and rank), so
 /// data-parallel ranks sample independently while rank 0 samples as a single process does.
-#[derive(Debug)]
 pub struct RolloutWorker {
     lm: SharedPolicy,
     cfg: RolloutConfig,
     val: ValKwargs,
     eos_token_ids: Vec<i64>,
     pad_token_id: i64,
+    progress: Option<ProgressHook>,
+}
+
+/// Called after every decode step of a generation (a progress bar, a log line).
+pub type ProgressHook = Arc<dyn Fn(&Progress) + Send + Sync>;
+
+impl std::fmt::Debug for RolloutWorker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RolloutWorker")
+            .field("cfg", &self.cfg)
+            .field("val", &self.val)
+            .field("eos_token_ids", &self.eos_token_ids)
+            .field("pad_token_id", &self.pad_token_id)
+            .field("progress", &self.progress.is_some())
+            .finish_non_exhaustive()
+    }
 }
 
 impl RolloutWorker {
@@ -443,7 +459,14 @@ impl RolloutWorker {
             val,
             eos_token_ids,
             pad_token_id,
+            progress: None,
         })
+    }
+
+    /// Reports every decode step of every generation to `hook`.
+    pub fn with_progress(mut self, hook: ProgressHook) -> Self {
+        self.progress = Some(hook);
+        self
     }
 
     /// The training sampling config.
@@ -476,11 +499,21 @@ impl Rollout for RolloutWorker {
             None => cfg.seed_for(meta_u64(prompts, "global_step", 0)),
         };
         let seed = rank_seed(seed, meta_u64(prompts, dist::DP_RANK, 0));
+        let hook = self.progress.clone();
+        let mut report = |p: &Progress| {
+            if let Some(h) = &hook {
+                h(p);
+            }
+        };
         let mut opts = GenerateOptions {
             eos_token_ids: self.eos_token_ids.clone(),
             pad_token_id: self.pad_token_id,
             seed,
-            progress: None,
+            progress: if self.progress.is_some() {
+                Some(&mut report)
+            } else {
+                None
+            },
         };
         let lm = lock(&self.lm, "rollout")?;
         let out = generate(

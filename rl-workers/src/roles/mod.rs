@@ -12,7 +12,7 @@ mod micro;
 mod optim;
 mod reward_model;
 
-pub use actor::{ActorWorker, ReferenceWorker, RolloutWorker, SharedPolicy, share};
+pub use actor::{ActorWorker, ProgressHook, ReferenceWorker, RolloutWorker, SharedPolicy, share};
 pub use config::{ActorConfig, CriticConfig, LrSchedule, OptimConfig, ValKwargs};
 pub use critic::CriticWorker;
 pub use micro::token_balanced_partitions;

@@ -278,3 +278,26 @@ fn bad_configs_name_the_key() {
     let b = rolled(&policy);
     assert!(actor.update(&b, &TokenMeanPg).is_err()); // 6 rows per mini-batch do not divide 8
 }
+
+#[test]
+fn the_progress_hook_sees_every_decode_step_of_a_generation() {
+    let policy = tiny_policy(0);
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let sink = seen.clone();
+    let mut r = rollout(&policy, 2).with_progress(std::sync::Arc::new(move |p| {
+        sink.lock().unwrap().push(*p);
+    }));
+    let out = r.generate(&prompts(4)).unwrap();
+    let seen = seen.lock().unwrap();
+    assert!(!seen.is_empty());
+    let steps: Vec<i64> = seen.iter().map(|p| p.step).collect();
+    assert_eq!(steps, (1..=steps.len() as i64).collect::<Vec<_>>());
+    let last = seen.last().unwrap();
+    assert_eq!(last.total_rows, 8);
+    let produced = out
+        .get(keys::RESPONSE_MASK)
+        .unwrap()
+        .sum(tch::Kind::Int64)
+        .int64_value(&[]);
+    assert_eq!(last.generated_tokens, produced);
+}
