@@ -35,6 +35,46 @@ fn env_or(key: &str, default: u64) -> u64 {
         .unwrap_or(default)
 }
 
+/// The initial (random) weights of every tiny policy of this file, written once, before any
+/// test builds another model. `fresh_tiny_policy` seeds torch's global generator and draws the
+/// init from it, and every other model construction draws from it too (`from_pretrained` and
+/// `ReferenceWorker::from_policy` build a randomly initialised model before loading), so an
+/// init racing another test thread would change from run to run; every warm-up loads its
+/// start from here instead.
+struct Inits {
+    _root: tempfile::TempDir,
+    /// Seed [`SEED`]: the offline-DPO warm-up's start.
+    warm: PathBuf,
+    /// Seed [`NC_SEED`]: the carry-free warm-up's start.
+    warm_nc: PathBuf,
+    /// Seed 5: the resume tests' (untrained) policy.
+    cold: PathBuf,
+}
+
+fn inits() -> &'static Inits {
+    static INITS: OnceLock<Inits> = OnceLock::new();
+    INITS.get_or_init(|| {
+        let root = tempfile::tempdir().unwrap();
+        let vocab =
+            rl_data::tasks::tiny_vocab::write_tiny_tokenizer(&root.path().join("tok")).unwrap();
+        let write = |name: &str, seed: u64| {
+            let dir = root.path().join(name);
+            let policy = fresh_tiny_policy(vocab as i64, seed as i64).unwrap();
+            policy.lock().unwrap().save_pretrained(&dir).unwrap();
+            dir
+        };
+        Inits {
+            warm: write("warm", SEED),
+            warm_nc: write("warm_nc", NC_SEED),
+            cold: write("cold", COLD_SEED),
+            _root: root,
+        }
+    })
+}
+
+/// The seed of the resume tests' task and policy.
+const COLD_SEED: u64 = 5;
+
 struct Warm {
     task: TinyTask,
     ckpt: PathBuf,
@@ -46,7 +86,7 @@ fn warm() -> &'static Warm {
     static WARM: OnceLock<Warm> = OnceLock::new();
     WARM.get_or_init(|| {
         let task = tiny_task(MAX_OPERAND, 300, 100, SEED).unwrap();
-        let policy = fresh_tiny_policy(task.tokenizer.vocab_size() as i64, SEED as i64).unwrap();
+        let policy = load_policy(&inits().warm).unwrap();
         let actor = ActorConfig {
             ppo_mini_batch_size: 32,
             optim: OptimConfig {
@@ -103,7 +143,7 @@ fn warm_nc() -> &'static Warm {
             zero_pad: true,
         };
         let task = tiny_task_with(addition, 1500, 200, NC_SEED).unwrap();
-        let policy = fresh_tiny_policy(task.tokenizer.vocab_size() as i64, NC_SEED as i64).unwrap();
+        let policy = load_policy(&inits().warm_nc).unwrap();
         let actor = ActorConfig {
             ppo_mini_batch_size: 32,
             optim: OptimConfig {
@@ -602,11 +642,9 @@ fn online_dpo_raises_held_out_accuracy() {
 fn cold() -> &'static Warm {
     static COLD: OnceLock<Warm> = OnceLock::new();
     COLD.get_or_init(|| {
-        let seed = 5;
+        let seed = COLD_SEED;
         let task = tiny_task(MAX_OPERAND, 64, 16, seed).unwrap();
-        let policy = fresh_tiny_policy(task.tokenizer.vocab_size() as i64, seed as i64).unwrap();
-        let ckpt = task.root.path().join("init");
-        policy.lock().unwrap().save_pretrained(&ckpt).unwrap();
+        let ckpt = inits().cold.clone();
         let data = tiny_data_config(&task, 4, seed);
         Warm {
             task,
