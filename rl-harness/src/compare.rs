@@ -63,6 +63,18 @@ pub fn summarise(series: &[(i64, f64)], maximise: bool, at_step: Option<i64>) ->
     Some(Summary { last, best, at })
 }
 
+/// The summary of [`summarise`] from the store's aggregates (a series of NaN only shows NaN
+/// as its best, at its last step).
+fn from_store(f: &crate::store::MetricSummary, maximise: bool) -> Option<Summary> {
+    let (last_step, last) = f.last?;
+    let best = if maximise { f.max } else { f.min };
+    Some(Summary {
+        last,
+        best: best.unwrap_or((last_step, f64::NAN)),
+        at: f.at,
+    })
+}
+
 fn fmt(v: f64) -> String {
     if v.is_nan() {
         "nan".into()
@@ -77,7 +89,7 @@ fn fmt(v: f64) -> String {
 pub async fn common_metrics(store: &Store, runs: &[RunRow]) -> Result<Vec<String>> {
     let mut common: Option<BTreeSet<String>> = None;
     for r in runs {
-        let keys: BTreeSet<String> = store.final_metrics(r.id).await?.into_keys().collect();
+        let keys: BTreeSet<String> = store.metric_keys(r.id).await?.into_iter().collect();
         common = Some(match common {
             None => keys,
             Some(c) => c.intersection(&keys).cloned().collect(),
@@ -120,9 +132,9 @@ pub async fn report(
             format!("{} {}", r.id, r.name),
             r.effective_status()
         );
+        let found = store.summaries(r.id, metrics, at_step).await?;
         for m in metrics {
-            let series = store.series(r.id, m).await?;
-            match summarise(&series, mode.maximise(m), at_step) {
+            match found.get(m).and_then(|f| from_store(f, mode.maximise(m))) {
                 Some(s) => {
                     let _ = write!(out, " | {} / {}@{}", fmt(s.last), fmt(s.best.1), s.best.0);
                     if at_step.is_some() {

@@ -62,6 +62,19 @@ pub struct Store {
     path: PathBuf,
 }
 
+/// What [`Store::summaries`] finds for one metric of one run.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct MetricSummary {
+    /// (step, value) of the last record.
+    pub last: Option<(i64, f64)>,
+    /// The largest non-NaN value and the first step it was reached.
+    pub max: Option<(i64, f64)>,
+    /// The smallest non-NaN value and the first step it was reached.
+    pub min: Option<(i64, f64)>,
+    /// The last value at or before the asked step.
+    pub at: Option<f64>,
+}
+
 /// One row of `runs`.
 #[derive(Debug, Clone)]
 pub struct RunRow {
@@ -360,6 +373,74 @@ impl Store {
                 (r.get("key"), (r.get("step"), v.unwrap_or(f64::NAN)))
             })
             .collect())
+    }
+
+    /// Per metric of `keys`, what a compare table shows, computed inside SQLite (one scan per
+    /// run instead of fetching every series): the last value, the largest and smallest values
+    /// with their first step, and the last value at or before `at_step`. NaN (stored as NULL)
+    /// counts as a value for `last` and `at` only.
+    pub async fn summaries(
+        &self,
+        run: i64,
+        keys: &[String],
+        at_step: Option<i64>,
+    ) -> Result<BTreeMap<String, MetricSummary>> {
+        let mut out: BTreeMap<String, MetricSummary> = BTreeMap::new();
+        if keys.is_empty() {
+            return Ok(out);
+        }
+        let list = vec!["?"; keys.len()].join(", ");
+        // (rank order, extra filter) of each pick: last, max, min, at
+        let picks = [
+            ("step DESC, id DESC", ""),
+            ("value DESC, step, id", "AND value IS NOT NULL"),
+            ("value ASC, step, id", "AND value IS NOT NULL"),
+            ("step DESC, id DESC", "AND step <= ?"),
+        ];
+        for (which, (order, filter)) in picks.iter().enumerate() {
+            if which == 3 && at_step.is_none() {
+                continue;
+            }
+            let sql = format!(
+                "SELECT key, step, value FROM (SELECT key, step, value, ROW_NUMBER() OVER \
+                 (PARTITION BY key ORDER BY {order}) AS rn FROM metrics \
+                 WHERE run_id = ? AND key IN ({list}) {filter}) WHERE rn = 1"
+            );
+            // only placeholders and the fixed clauses above are spliced in
+            let mut q = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(run);
+            for k in keys {
+                q = q.bind(k);
+            }
+            if which == 3 {
+                q = q.bind(at_step);
+            }
+            let rows = q
+                .fetch_all(&self.pool)
+                .await
+                .with_context(|| format!("summarising the metrics of run {run}"))?;
+            for r in rows {
+                let key: String = r.get(0);
+                let step: i64 = r.get(1);
+                let value = r.get::<Option<f64>, _>(2).unwrap_or(f64::NAN);
+                let e = out.entry(key).or_default();
+                match which {
+                    0 => e.last = Some((step, value)),
+                    1 => e.max = Some((step, value)),
+                    2 => e.min = Some((step, value)),
+                    _ => e.at = Some(value),
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Every metric key a run recorded.
+    pub async fn metric_keys(&self, run: i64) -> Result<Vec<String>> {
+        sqlx::query_scalar("SELECT DISTINCT key FROM metrics WHERE run_id = ? ORDER BY key")
+            .bind(run)
+            .fetch_all(&self.pool)
+            .await
+            .with_context(|| format!("reading the metric keys of run {run}"))
     }
 
     /// One metric's history: (step, value), by step.

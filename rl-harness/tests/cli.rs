@@ -290,3 +290,67 @@ fn the_config_reference_in_docs_is_generated_from_the_code() {
          `target/debug/harness config reference > docs/config.md`"
     );
 }
+
+/// `compare` summarises inside SQLite; the result must equal `summarise` over the whole series
+/// for every metric, including ties (the first step wins), NaN values and `--at-step`.
+#[test]
+fn sql_summaries_equal_the_series_summaries() {
+    let env = Env::new();
+    let cfg = env.file("exp.toml", common::BANDIT);
+    env.ok(&["train", cfg.to_str().unwrap()]);
+    let (rt, store) = env.store();
+    // a tied series, a NaN-only series and a series with NaN inside
+    let rows: &[(i64, &str, Option<f64>)] = &[
+        (1, "x/tied", Some(2.0)),
+        (2, "x/tied", Some(5.0)),
+        (3, "x/tied", Some(5.0)),
+        (4, "x/tied", Some(1.0)),
+        (1, "x/nan", None),
+        (2, "x/nan", None),
+        (1, "x/gap", Some(0.5)),
+        (2, "x/gap", None),
+        (3, "x/gap", Some(0.25)),
+    ];
+    rt.block_on(async {
+        for (step, key, value) in rows {
+            sqlx::query(
+                "INSERT INTO metrics (run_id, step, key, value, wall_time) VALUES (1, ?, ?, ?, 0)",
+            )
+            .bind(step)
+            .bind(key)
+            .bind(value)
+            .execute(store.pool())
+            .await
+            .unwrap();
+        }
+    });
+    let keys = rt.block_on(store.metric_keys(1)).unwrap();
+    assert!(keys.len() > 5, "{keys:?}");
+    for at in [None, Some(0), Some(2), Some(7)] {
+        let found = rt.block_on(store.summaries(1, &keys, at)).unwrap();
+        for key in &keys {
+            let series = rt.block_on(store.series(1, key)).unwrap();
+            for maximise in [true, false] {
+                let want = rl_harness::compare::summarise(&series, maximise, at).unwrap();
+                let f = found[key];
+                let best = if maximise { f.max } else { f.min };
+                let (last_step, last) = f.last.unwrap();
+                assert_eq!(last_step, series.last().unwrap().0, "{key}");
+                let same = |a: f64, b: f64| a == b || (a.is_nan() && b.is_nan());
+                assert!(same(last, want.last), "{key} last");
+                match best {
+                    Some(b) => assert!(b == want.best, "{key} best {b:?} vs {:?}", want.best),
+                    None => assert!(
+                        want.best.1.is_nan(),
+                        "{key}: only NaN, best {:?}",
+                        want.best
+                    ),
+                }
+                match (f.at, want.at) {
+                    (Some(a), Some(b)) => assert!(same(a, b), "{key} at {at:?}"),
+                    (a, b) => assert_eq!(a.is_some(), b.is_some(), "{key} at {at:?}"),
+                }
+            }
+        }
+    }
+}
