@@ -81,13 +81,19 @@ pub fn check(cfg: &ExperimentConfig) -> Result<()> {
     if !kind.trains_policy() {
         return Ok(());
     }
-    let arr = &cfg.actor_rollout_ref;
-    if arr.model.path.as_os_str().is_empty() {
+    if cfg.actor_rollout_ref.model.path.as_os_str().is_empty() {
         bail!(
             "config key `actor_rollout_ref.model.path`: trainer.algorithm = {kind:?} needs a \
              Hugging Face model folder"
         );
     }
+    check_groups(cfg, kind)
+}
+
+/// The checks of the groups trainer `kind` reads, whatever `trainer.algorithm` says (the
+/// builders below run them: they are also called directly, with a policy already loaded).
+pub fn check_groups(cfg: &ExperimentConfig, kind: TrainerKind) -> Result<()> {
+    let arr = &cfg.actor_rollout_ref;
     arr.actor
         .validate("actor_rollout_ref.actor")
         .map_err(|e| anyhow!("{e}"))?;
@@ -424,7 +430,7 @@ pub fn build_on_policy(
     tokenizer: &Arc<Tokenizer>,
     progress: Option<ProgressHook>,
 ) -> Result<OnPolicyTrainer> {
-    check(cfg)?;
+    check_groups(cfg, TrainerKind::OnPolicy)?;
     let (train, val) = loaders(cfg, tokenizer)?;
     let arr = &cfg.actor_rollout_ref;
     let n = arr.rollout.n;
@@ -484,7 +490,7 @@ pub fn build_sft(
     policy: SharedPolicy,
     tokenizer: &Arc<Tokenizer>,
 ) -> Result<SftTrainer> {
-    check(cfg)?;
+    check_groups(cfg, TrainerKind::Sft)?;
     let response = ResponseKey::parse(&cfg.sft.response_key)?;
     let seed = cfg.data.seed.unwrap_or(cfg.trainer.seed);
     let bs = cfg.sft.train_batch_size;
@@ -683,7 +689,7 @@ pub fn build_dpo(
     policy: SharedPolicy,
     tokenizer: &Arc<Tokenizer>,
 ) -> Result<DpoTrainer> {
-    check(cfg)?;
+    check_groups(cfg, TrainerKind::Dpo)?;
     let p = &cfg.preference_data;
     let open = |files: &[PathBuf], what: &str| {
         PreferenceDataset::open(files, p)
@@ -752,7 +758,7 @@ pub fn build_online_dpo(
     tokenizer: &Arc<Tokenizer>,
     progress: Option<ProgressHook>,
 ) -> Result<OnlineDpoTrainer> {
-    check(cfg)?;
+    check_groups(cfg, TrainerKind::OnlineDpo)?;
     let (train, val) = loaders(cfg, tokenizer)?;
     let dcfg = dpo_config(cfg, train.0.batches_per_epoch())?;
     let rollout = rollout_worker(cfg, &policy, tokenizer, dcfg.n, progress)?;
@@ -782,7 +788,7 @@ pub fn build_spin(
     device: Device,
     progress: Option<ProgressHook>,
 ) -> Result<SpinTrainer> {
-    check(cfg)?;
+    check_groups(cfg, TrainerKind::Spin)?;
     let (_, val) = loaders(cfg, tokenizer)?;
     let response = ResponseKey::parse(&cfg.sft.response_key)?;
     let seed = cfg.data.seed.unwrap_or(cfg.trainer.seed);

@@ -14,7 +14,7 @@ fn grpo() -> ExperimentConfig {
     };
     cfg.algorithm.adv_estimator = AdvEstimator::Grpo;
     // a model folder that does not exist: any attempt to load it would fail differently
-    cfg.actor_rollout_ref.model_path = "/nonexistent/model".into();
+    cfg.actor_rollout_ref.model.path = "/nonexistent/model".into();
     cfg
 }
 
@@ -25,13 +25,13 @@ fn rejected(cfg: &ExperimentConfig) -> String {
     let err = build_on_policy(cfg, policy, None, &task.tokenizer)
         .unwrap_err()
         .to_string();
-    assert_eq!(err, cfg.check().unwrap_err().to_string());
+    assert_eq!(err, check_on_policy(cfg).unwrap_err().to_string());
     err
 }
 
 #[test]
 fn grpo_with_one_sample_names_rollout_n() {
-    grpo().check().unwrap();
+    check_on_policy(&grpo()).unwrap();
     let mut cfg = grpo();
     cfg.actor_rollout_ref.rollout.n = 1;
     let err = rejected(&cfg);

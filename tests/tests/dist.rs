@@ -449,7 +449,7 @@ fn on_policy_trainer(
     cfg: ExperimentConfig,
     actor_dp: bool,
 ) -> (OnPolicyTrainer, SharedPolicy, Vec<(String, Tensor)>) {
-    cfg.check().unwrap();
+    check_on_policy(&cfg).unwrap();
     let tokenizer: &Arc<Tokenizer> = &task.tokenizer;
     let policy = fresh_tiny_policy(tokenizer.vocab_size() as i64, 1).unwrap();
     let (mut train, val) = loaders(&cfg, tokenizer).unwrap();
@@ -485,7 +485,7 @@ fn on_policy_trainer(
             Kind::Float,
         )
         .unwrap();
-        let mut critic = CriticWorker::new(vm, cfg.critic.clone(), arr.rollout.n).unwrap();
+        let mut critic = CriticWorker::new(vm, cfg.critic.worker.clone(), arr.rollout.n).unwrap();
         if let Some(g) = group {
             critic = critic.with_group(g.clone()).unwrap();
         }
@@ -508,7 +508,7 @@ fn on_policy_trainer(
         )),
     };
     let mut trainer = OnPolicyTrainer::new(
-        cfg.on_policy(batches_per_epoch),
+        on_policy_config(&cfg, batches_per_epoch),
         roles,
         Box::new(train),
         val,
@@ -589,7 +589,7 @@ fn two_rank_grpo_run_keeps_identical_weights_and_logs_global_metrics() {
 fn ppo_config(task: &TinyTask) -> ExperimentConfig {
     let mut cfg = grpo_config(task);
     cfg.algorithm.adv_estimator = AdvEstimator::Gae;
-    cfg.critic = CriticConfig {
+    cfg.critic.worker = CriticConfig {
         ppo_mini_batch_size: 2,
         ppo_micro_batch_size_per_gpu: Some(4),
         optim: OptimConfig {

@@ -89,7 +89,7 @@ fn base_config(w: &Warm, adv: AdvEstimator) -> ExperimentConfig {
         ..ExperimentConfig::default()
     };
     let arr = &mut cfg.actor_rollout_ref;
-    arr.model_path = w.ckpt.clone();
+    arr.model.path = w.ckpt.clone();
     arr.rollout = RolloutConfig {
         n: 8,
         response_length: 4,
@@ -110,7 +110,7 @@ fn base_config(w: &Warm, adv: AdvEstimator) -> ExperimentConfig {
     cfg.algorithm.adv_estimator = adv;
     cfg.trainer.total_training_steps = Some(env_or("RL_STEPS", RL_STEPS as u64));
     cfg.trainer.log_val_generations = 3;
-    cfg.critic = CriticConfig {
+    cfg.critic.worker = CriticConfig {
         ppo_mini_batch_size: 16,
         optim: OptimConfig {
             lr: 3e-3,
@@ -205,7 +205,7 @@ fn dapo_raises_accuracy() {
     loss.clip_ratio_low = Some(0.2);
     loss.clip_ratio_high = Some(0.28);
     loss.loss_agg_mode = LossAggMode::TokenMean;
-    cfg.overlong_buffer = OverlongBufferConfig {
+    cfg.reward_model.overlong_buffer = OverlongBufferConfig {
         enable: true,
         len: 2,
         penalty_factor: 0.5,

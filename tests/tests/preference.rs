@@ -391,7 +391,7 @@ fn build_spin(
         ..ExperimentConfig::default()
     };
     let (_, val) = loaders(&exp, &tok)?;
-    let train = SftSource::new(
+    let train = answer_source(
         Arc::new(RlDataset::train(&w.data)?),
         tok.clone(),
         prompts,
@@ -439,7 +439,7 @@ fn spin_reference_is_the_policy_after_each_update_and_frozen_between() {
     };
     let w = warm_nc();
     let mut t = build_spin(w, load_policy(&w.ckpt).unwrap(), cfg, 8, 1e-3, w.seed).unwrap();
-    let sft = SftSource::new(
+    let sft = answer_source(
         Arc::new(RlDataset::val(&w.data).unwrap()),
         w.task.tokenizer.clone(),
         8,

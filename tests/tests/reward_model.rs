@@ -556,7 +556,7 @@ fn grpo_with_the_learned_reward_raises_accuracy() {
     let steps = env_or("RM_RL_STEPS", 40);
     {
         let arr = &mut cfg.actor_rollout_ref;
-        arr.model_path = w.ckpt.clone();
+        arr.model.path = w.ckpt.clone();
         arr.rollout = RolloutConfig {
             n: 8,
             response_length: 4,
@@ -581,7 +581,7 @@ fn grpo_with_the_learned_reward_raises_accuracy() {
     cfg.algorithm.adv_estimator = AdvEstimator::Grpo;
     cfg.trainer.total_training_steps = Some(steps);
     cfg.trainer.log_val_generations = 4;
-    cfg.check().unwrap();
+    check_on_policy(&cfg).unwrap();
     let (train, val) = loaders(&cfg, &tok).unwrap();
     let policy = load_policy(&w.ckpt).unwrap();
     let arr = &cfg.actor_rollout_ref;
@@ -628,7 +628,7 @@ fn grpo_with_the_learned_reward_raises_accuracy() {
         reward: Box::new(reward),
     };
     let mut trainer = OnPolicyTrainer::new(
-        cfg.on_policy(batches_per_epoch),
+        on_policy_config(&cfg, batches_per_epoch),
         roles,
         Box::new(train),
         val,
