@@ -8,8 +8,9 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result, anyhow, bail};
 use rl_algos::trainer::{
-    BatchSource, DpoTrainer, DpoTrainerConfig, OnPolicyConfig, OnPolicyTrainer, OnlineDpoTrainer,
-    RefInit, ReferenceFactory, Roles, SftConfig, SftTrainer, SpinTrainer, TrainerSection,
+    BatchSource, CombinedReward, DpoTrainer, DpoTrainerConfig, OnPolicyConfig, OnPolicyTrainer,
+    OnlineDpoTrainer, RefInit, ReferenceFactory, RewardPart, Roles, SftConfig, SftTrainer,
+    SpinTrainer, TrainerSection,
 };
 use rl_core::roles::Reference;
 use rl_core::{Batch, Trainer, keys};
@@ -19,7 +20,8 @@ use rl_data::{
     DataLoader, LoaderOptions, LoaderState, PreferenceDataset, RlDataset, RlRow, Sampler, Tokenizer,
 };
 use rl_workers::roles::{
-    ActorWorker, CriticWorker, ProgressHook, ReferenceWorker, RolloutWorker, SharedPolicy, share,
+    ActorWorker, CriticWorker, ProgressHook, ReferenceWorker, RewardModelWorker, RolloutWorker,
+    SharedPolicy, share,
 };
 use rl_workers::{CausalLm, ValueModel};
 use serde_json::Value;
@@ -457,6 +459,10 @@ pub fn build_on_policy(
         )?,
         progress,
     );
+    let policy_device = policy
+        .lock()
+        .map_err(|_| anyhow!("the policy's lock is poisoned"))?
+        .device();
     let actor = ActorWorker::new(policy, arr.actor.clone(), n)?;
     let critic = match (cfg.algorithm.adv_estimator.needs_critic(), critic_init) {
         (true, Some(vm)) => Some(
@@ -466,14 +472,14 @@ pub fn build_on_policy(
         (true, None) => bail!("algorithm.adv_estimator = \"gae\" needs a critic model"),
         _ => None,
     };
-    let reward = RuleReward::new(tokenizer.clone(), RewardRegistry::verl_default());
+    let reward = reward_role(cfg, &policy_device, tokenizer)?;
     let batches_per_epoch = train.0.batches_per_epoch();
     let roles = Roles {
         actor: Box::new(actor),
         rollout: Box::new(rollout),
         reference,
         critic,
-        reward: Box::new(reward),
+        reward,
     };
     Ok(OnPolicyTrainer::new(
         on_policy_config(cfg, batches_per_epoch),
@@ -481,6 +487,46 @@ pub fn build_on_policy(
         Box::new(train),
         val,
     )?)
+}
+
+/// The reward role of `reward_model`: the rule reward of each row's `data_source`, or, when
+/// `reward_model.enable`, `rm_coef * rm_score + rule_coef * rule_score` from a reward model
+/// (`reward_model.model.path`) and the rule.
+pub fn reward_role(
+    cfg: &ExperimentConfig,
+    device: &Device,
+    tokenizer: &Arc<Tokenizer>,
+) -> Result<Box<dyn rl_core::roles::Reward>> {
+    let rule = Box::new(RuleReward::new(
+        tokenizer.clone(),
+        RewardRegistry::verl_default(),
+    ));
+    let rm = &cfg.reward_model;
+    if !rm.own.enable {
+        return Ok(rule);
+    }
+    let path = rm.own.model.path.clone().ok_or_else(|| {
+        anyhow!("config key `reward_model.model.path`: reward_model.enable = true needs a reward model folder")
+    })?;
+    let worker = RewardModelWorker::from_pretrained(
+        &path,
+        *device,
+        cfg.actor_rollout_ref.model.dtype.kind(),
+        rm.worker.clone(),
+    )
+    .with_context(|| format!("loading reward_model.model.path {}", path.display()))?;
+    Ok(Box::new(CombinedReward::new(vec![
+        RewardPart {
+            name: "rm".into(),
+            weight: rm.own.rm_coef,
+            reward: Box::new(worker),
+        },
+        RewardPart {
+            name: "rule".into(),
+            weight: rm.own.rule_coef,
+            reward: rule,
+        },
+    ])?))
 }
 
 /// Builds the SFT trainer of `cfg`: `data.train_files` rows with their `sft.response_key`

@@ -15,7 +15,7 @@ use serde_json::{Map, Value};
 use rl_algos::OverlongBufferConfig;
 use rl_algos::trainer::{ActorLossConfig, CriticLossConfig};
 use rl_workers::RolloutConfig;
-use rl_workers::roles::{ActorConfig, CriticConfig, ValKwargs};
+use rl_workers::roles::{ActorConfig, CriticConfig, RewardModelConfig, ValKwargs};
 
 /// Two config structs read from, and written to, one table.
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -292,13 +292,73 @@ impl From<CriticGroup> for Merged<CriticConfig, Merged<CriticLossConfig, CriticM
     }
 }
 
-/// verl's `reward_model` group (the parts beyond the rule reward, which `data.reward_fn_key`
-/// selects per row).
-#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+/// The keys of `reward_model` beyond the scoring worker's.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
-pub struct RewardModelGroup {
+pub struct RewardModelOwn {
+    /// Score responses with a reward model too. Default false.
+    pub enable: bool,
+    /// `reward_model.model.path`: a Hugging Face `*ForSequenceClassification` folder.
+    pub model: CriticModelConfig,
+    /// Weight of the reward model's score in the combined reward. Default 1.
+    pub rm_coef: f64,
+    /// Weight of the rule reward (`data.reward_fn_key`) in the combined reward; 0 trains on
+    /// the reward model alone while the rule score is still logged. Default 1.
+    pub rule_coef: f64,
     /// DAPO's overlong-response penalty.
     pub overlong_buffer: OverlongBufferConfig,
+}
+
+impl Default for RewardModelOwn {
+    fn default() -> Self {
+        RewardModelOwn {
+            enable: false,
+            model: CriticModelConfig::default(),
+            rm_coef: 1.0,
+            rule_coef: 1.0,
+            overlong_buffer: OverlongBufferConfig::default(),
+        }
+    }
+}
+
+/// verl's `reward_model` group: the rule reward of each row's `data_source`, and when
+/// `enable`d a reward model, combined as `rm_coef * rm_score + rule_coef * rule_score` on each
+/// response's last token; DAPO's overlong penalty.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(
+    from = "Merged<RewardModelConfig, RewardModelOwn>",
+    into = "Merged<RewardModelConfig, RewardModelOwn>"
+)]
+pub struct RewardModelGroup {
+    /// The scoring worker's keys (`micro_batch_size_per_gpu`, `use_dynamic_bsz`,
+    /// `forward_max_token_len_per_gpu`).
+    pub worker: RewardModelConfig,
+    /// `enable`, `model.path`, `rm_coef`, `rule_coef`.
+    pub own: RewardModelOwn,
+    /// DAPO's overlong-response penalty (`reward_model.overlong_buffer`).
+    pub overlong_buffer: OverlongBufferConfig,
+}
+
+impl From<Merged<RewardModelConfig, RewardModelOwn>> for RewardModelGroup {
+    fn from(m: Merged<RewardModelConfig, RewardModelOwn>) -> Self {
+        RewardModelGroup {
+            worker: m.0,
+            overlong_buffer: m.1.overlong_buffer,
+            own: m.1,
+        }
+    }
+}
+
+impl From<RewardModelGroup> for Merged<RewardModelConfig, RewardModelOwn> {
+    fn from(g: RewardModelGroup) -> Self {
+        Merged(
+            g.worker,
+            RewardModelOwn {
+                overlong_buffer: g.overlong_buffer,
+                ..g.own
+            },
+        )
+    }
 }
 
 /// `sft`: supervised fine-tuning on the `data` group's files (`trainer.algorithm = "sft"`).

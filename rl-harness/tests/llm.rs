@@ -180,3 +180,58 @@ fn kill_9_mid_grpo_step_after_a_checkpoint_then_resume_matches_an_uninterrupted_
         ("finished", Some(last))
     );
 }
+
+/// `reward_model.enable`: a reward model's score and the rule score, combined as configured
+/// (`rm_coef * rm + rule_coef * rule`), with each part logged.
+#[test]
+fn a_reward_model_combined_with_the_rule_reward_scores_the_rollouts() {
+    let env = Env::new();
+    tiny_llm(&env, 64, 16);
+    let rm_dir = env.path().join("models/tiny-rm");
+    tch::manual_seed(3);
+    let rm = rl_workers::roles::reward_model_from_lm(
+        env.path().join("models/tiny-llama"),
+        tch::Device::Cpu,
+        tch::Kind::Float,
+    )
+    .unwrap();
+    rm.save_pretrained(&rm_dir).unwrap();
+    let grpo = repo_root().join("experiments/quickstart.toml");
+    let grpo = grpo.to_str().unwrap();
+    let common = [
+        "actor_rollout_ref.model.path=models/tiny-llama",
+        "trainer.total_training_steps=2",
+        "data.train_batch_size=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.rollout.n=2",
+        "reward_model.enable=true",
+    ];
+    let mut args = vec!["train", grpo];
+    args.extend(common);
+    let err = env.fails(&args);
+    assert!(err.contains("reward_model.model.path"), "{err}");
+    args.extend([
+        "reward_model.model.path=models/tiny-rm",
+        "reward_model.rm_coef=0.5",
+        "reward_model.rule_coef=2.0",
+    ]);
+    env.ok(&args);
+    let (rt, store) = env.store();
+    let m = rt.block_on(store.all_metrics(2)).unwrap();
+    let at1 = |key: &str| {
+        m.iter()
+            .find(|(s, k, _, _)| *s == 1 && k == key)
+            .map(|x| x.2)
+            .unwrap_or_else(|| panic!("no {key} at step 1"))
+    };
+    let (rm_mean, rule_mean, score) = (
+        at1("reward/rm_score/mean"),
+        at1("reward/rule_score/mean"),
+        at1("reward/score/mean"),
+    );
+    assert!(rm_mean != 0.0, "the reward model scored nothing");
+    assert!(
+        (score - (0.5 * rm_mean + 2.0 * rule_mean)).abs() < 1e-5,
+        "{score} vs 0.5 * {rm_mean} + 2 * {rule_mean}"
+    );
+}

@@ -675,6 +675,8 @@ impl Trainer for OnPolicyTrainer {
         }
 
         self.data_metrics(&batch, &mut m)?;
+        // `reward/score/*` and each part of a combined reward (`reward/rm_score/*`, ...)
+        m.extend(super::reward::reward_metrics(&batch));
         let step_s = t_step.elapsed().as_secs_f64();
         timing.insert("step", step_s);
         let tokens = batch
