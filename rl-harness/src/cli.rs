@@ -488,7 +488,9 @@ fn data(d: DataCommand) -> Result<()> {
 async fn print_validation_summary(db: &Path, id: i64) -> Result<()> {
     let store = Store::open(db).await?;
     let all = store.all_metrics(id).await?;
-    let mut seen: BTreeMap<&str, ((i64, f64), (i64, f64))> = BTreeMap::new();
+    // key -> ((first step, value), (last step, value))
+    type FirstLast = ((i64, f64), (i64, f64));
+    let mut seen: BTreeMap<&str, FirstLast> = BTreeMap::new();
     for (step, key, value, _) in &all {
         if !key.starts_with("val/") {
             continue;

@@ -257,7 +257,15 @@ pub fn train(rt: &Runtime, cfg: ExperimentConfig, member: Membership) -> Result<
     );
     let bars = Bars::new();
     let result = build_trainer(&cfg, Some(bars.generation_hook())).and_then(|mut built| {
-        let outcome = drive(rt, &store, run_id, &run_dir, &cfg, &mut built, &bars, true)?;
+        let outcome = drive(
+            rt,
+            &store,
+            run_id,
+            &run_dir,
+            &cfg,
+            (&mut built, &bars),
+            true,
+        )?;
         if matches!(outcome, Outcome::Finished) {
             export(&built, &run_dir, &cfg)?;
         }
@@ -413,7 +421,7 @@ pub fn resume(
                 trainer.global_step()
             );
         }
-        let outcome = drive(rt, &store, id, &run_dir, &cfg, &mut built, &bars, false)?;
+        let outcome = drive(rt, &store, id, &run_dir, &cfg, (&mut built, &bars), false)?;
         if matches!(outcome, Outcome::Finished) {
             export(&built, &run_dir, &cfg)?;
         }
@@ -491,8 +499,7 @@ fn drive(
     run_id: i64,
     run_dir: &Path,
     cfg: &ExperimentConfig,
-    built: &mut Built,
-    bars: &Bars,
+    (built, bars): (&mut Built, &Bars),
     fresh: bool,
 ) -> Result<Outcome> {
     let trainer = &mut built.trainer;
