@@ -261,3 +261,28 @@ fn ppo_critic_loss_falls() {
         "values did not approach returns: {gap_first} -> {gap_late}"
     );
 }
+
+/// Dr. GRPO: no division by the group's standard deviation, and the loss summed over tokens
+/// and divided by a constant (the response length) instead of each sequence's length.
+#[test]
+fn dr_grpo_raises_accuracy() {
+    let w = warm();
+    let mut cfg = base_config(w, AdvEstimator::Grpo);
+    cfg.algorithm.norm_adv_by_std_in_grpo = false;
+    cfg.actor_rollout_ref.actor_loss.loss_agg_mode = LossAggMode::SeqMeanTokenSumNorm;
+    assert_gain("dr_grpo", cfg);
+}
+
+/// GSPO: sequence-level importance ratios (the geometric mean of the token ratios), clipped
+/// per sequence, with verl's recommended sequence-mean aggregation.
+#[test]
+fn gspo_raises_accuracy() {
+    let w = warm();
+    let mut cfg = base_config(w, AdvEstimator::Grpo);
+    let loss = &mut cfg.actor_rollout_ref.actor_loss;
+    loss.policy_loss.loss_mode = rl_algos::PolicyLossMode::Gspo;
+    loss.loss_agg_mode = LossAggMode::SeqMeanTokenMean;
+    loss.clip_ratio_low = Some(3e-4);
+    loss.clip_ratio_high = Some(4e-4);
+    assert_gain("gspo", cfg);
+}
