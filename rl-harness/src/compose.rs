@@ -366,13 +366,9 @@ impl SftSource {
             let row = self.dataset.row(i)?;
             let answer = self.response.text(&row)?;
             let ex = rl_data::tokenize_prompt_response(&self.tokenizer, &row.prompt, &answer)?;
-            let split = ex
-                .loss_mask
-                .iter()
-                .position(|&m| m == 1)
-                .unwrap_or(ex.input_ids.len());
-            prompts.push(ex.input_ids[..split].to_vec());
-            responses.push(ex.input_ids[split..].to_vec());
+            let (p, r) = split_example(&ex);
+            prompts.push(p);
+            responses.push(r);
         }
         rollout_layout(&prompts, &responses, self.tokenizer.pad_id_or_eos()?)
     }
@@ -380,29 +376,58 @@ impl SftSource {
 
 impl BatchSource for SftSource {
     fn next_batch(&mut self) -> rl_core::Result<Batch> {
-        let idx =
-            match self.sampler.next_indices() {
-                Some((idx, _)) => idx,
-                // the epoch ended: the sampler starts the next one
-                None => self.sampler.next_indices().map(|(i, _)| i).ok_or_else(|| {
-                    rl_core::Error::Role {
-                        role: "data",
-                        source: "an epoch produced no batch".into(),
-                    }
-                })?,
-            };
-        self.batch(&idx).map_err(|e| rl_core::Error::Role {
-            role: "data",
-            source: e.into(),
-        })
+        let idx = next_indices(&mut self.sampler)?;
+        self.batch(&idx).map_err(data_err_any)
     }
     fn state(&self) -> Value {
-        serde_json::to_value(self.sampler.state()).unwrap_or(Value::Null)
+        sampler_state(&self.sampler)
     }
     fn load_state(&mut self, state: &Value) -> rl_core::Result<()> {
-        let s: LoaderState = serde_json::from_value(state.clone()).map_err(|e| role_err(&e))?;
-        self.sampler.load_state(s).map_err(data_err)
+        load_sampler_state(&mut self.sampler, state)
     }
+}
+
+/// The next batch's row indices, starting the next epoch when one ends.
+fn next_indices(sampler: &mut Sampler) -> rl_core::Result<Vec<usize>> {
+    match sampler.next_indices() {
+        Some((idx, _)) => Ok(idx),
+        None => sampler
+            .next_indices()
+            .map(|(i, _)| i)
+            .ok_or_else(|| rl_core::Error::Role {
+                role: "data",
+                source: "an epoch produced no batch".into(),
+            }),
+    }
+}
+
+fn sampler_state(sampler: &Sampler) -> Value {
+    serde_json::to_value(sampler.state()).unwrap_or(Value::Null)
+}
+
+fn load_sampler_state(sampler: &mut Sampler, state: &Value) -> rl_core::Result<()> {
+    let s: LoaderState = serde_json::from_value(state.clone()).map_err(|e| role_err(&e))?;
+    sampler.load_state(s).map_err(data_err)
+}
+
+fn data_err_any(e: anyhow::Error) -> rl_core::Error {
+    rl_core::Error::Role {
+        role: "data",
+        source: e.into(),
+    }
+}
+
+/// An SFT example split at its first loss token into (prompt, response) ids.
+fn split_example(ex: &rl_data::SftExample) -> (Vec<u32>, Vec<u32>) {
+    let split = ex
+        .loss_mask
+        .iter()
+        .position(|&m| m == 1)
+        .unwrap_or(ex.input_ids.len());
+    (
+        ex.input_ids[..split].to_vec(),
+        ex.input_ids[split..].to_vec(),
+    )
 }
 
 /// The training loader and the validation batches of `cfg.data`.
@@ -668,13 +693,9 @@ impl PreferenceSource {
         for &i in idx {
             let ex = self.dataset.example(i, &self.tokenizer)?;
             for side in [ex.chosen, ex.rejected] {
-                let split = side
-                    .loss_mask
-                    .iter()
-                    .position(|&m| m == 1)
-                    .unwrap_or(side.input_ids.len());
-                prompts.push(side.input_ids[..split].to_vec());
-                responses.push(side.input_ids[split..].to_vec());
+                let (p, r) = split_example(&side);
+                prompts.push(p);
+                responses.push(r);
             }
         }
         rollout_layout(&prompts, &responses, self.tokenizer.pad_id_or_eos()?)
@@ -683,27 +704,14 @@ impl PreferenceSource {
 
 impl BatchSource for PreferenceSource {
     fn next_batch(&mut self) -> rl_core::Result<Batch> {
-        let idx =
-            match self.sampler.next_indices() {
-                Some((idx, _)) => idx,
-                None => self.sampler.next_indices().map(|(i, _)| i).ok_or_else(|| {
-                    rl_core::Error::Role {
-                        role: "data",
-                        source: "an epoch produced no batch".into(),
-                    }
-                })?,
-            };
-        self.batch(&idx).map_err(|e| rl_core::Error::Role {
-            role: "data",
-            source: e.into(),
-        })
+        let idx = next_indices(&mut self.sampler)?;
+        self.batch(&idx).map_err(data_err_any)
     }
     fn state(&self) -> Value {
-        serde_json::to_value(self.sampler.state()).unwrap_or(Value::Null)
+        sampler_state(&self.sampler)
     }
     fn load_state(&mut self, state: &Value) -> rl_core::Result<()> {
-        let s: LoaderState = serde_json::from_value(state.clone()).map_err(|e| role_err(&e))?;
-        self.sampler.load_state(s).map_err(data_err)
+        load_sampler_state(&mut self.sampler, state)
     }
 }
 
