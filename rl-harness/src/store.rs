@@ -375,8 +375,8 @@ impl Store {
             .collect())
     }
 
-    /// Per metric of `keys`, what a compare table shows, computed inside SQLite (one scan per
-    /// run instead of fetching every series): the last value, the largest and smallest values
+    /// Per metric of `keys`, what a compare table shows, computed inside SQLite (aggregates
+    /// over the `(run_id, key, step)` index instead of fetching every series): the last value, the largest and smallest values
     /// with their first step, and the last value at or before `at_step`. NaN (stored as NULL)
     /// counts as a value for `last` and `at` only.
     pub async fn summaries(
@@ -390,23 +390,21 @@ impl Store {
             return Ok(out);
         }
         let list = vec!["?"; keys.len()].join(", ");
-        // (rank order, extra filter) of each pick: last, max, min, at
+        // SQLite's bare columns: with one MIN/MAX aggregate, `step` and `value` come from the
+        // row that holds the extreme; on ties, the first row of the (run_id, key, step) index
+        // scan, i.e. the earliest step.
         let picks = [
-            ("step DESC, id DESC", ""),
-            ("value DESC, step, id", "AND value IS NOT NULL"),
-            ("value ASC, step, id", "AND value IS NOT NULL"),
-            ("step DESC, id DESC", "AND step <= ?"),
+            "SELECT key, MAX(step), value FROM metrics WHERE run_id = ? AND key IN ({list}) GROUP BY key",
+            "SELECT key, step, MAX(value) FROM metrics WHERE run_id = ? AND key IN ({list}) AND value IS NOT NULL GROUP BY key",
+            "SELECT key, step, MIN(value) FROM metrics WHERE run_id = ? AND key IN ({list}) AND value IS NOT NULL GROUP BY key",
+            "SELECT key, MAX(step), value FROM metrics WHERE run_id = ? AND key IN ({list}) AND step <= ? GROUP BY key",
         ];
-        for (which, (order, filter)) in picks.iter().enumerate() {
+        for (which, sql) in picks.iter().enumerate() {
             if which == 3 && at_step.is_none() {
                 continue;
             }
-            let sql = format!(
-                "SELECT key, step, value FROM (SELECT key, step, value, ROW_NUMBER() OVER \
-                 (PARTITION BY key ORDER BY {order}) AS rn FROM metrics \
-                 WHERE run_id = ? AND key IN ({list}) {filter}) WHERE rn = 1"
-            );
-            // only placeholders and the fixed clauses above are spliced in
+            let sql = sql.replace("{list}", &list);
+            // only placeholders are spliced in
             let mut q = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(run);
             for k in keys {
                 q = q.bind(k);
