@@ -493,6 +493,24 @@ fn explain(err: figment::Error) -> anyhow::Error {
             Kind::InvalidValue(actual, expected) => {
                 format!("config key `{path}` (in {source}): expected {expected}, found {actual}")
             }
+            // an unknown key inside a table that two structs share (experiment::Merged)
+            Kind::Message(msg) if msg.starts_with(crate::experiment::UNKNOWN_KEY) => {
+                let field = msg[crate::experiment::UNKNOWN_KEY.len()..]
+                    .split('`')
+                    .next()
+                    .unwrap_or_default();
+                let key = if path.is_empty() {
+                    field.to_string()
+                } else {
+                    format!("{path}.{field}")
+                };
+                match nearest_key(&key, &known) {
+                    Some(s) => {
+                        format!("unknown config key `{key}` (in {source}); did you mean `{s}`?")
+                    }
+                    None => format!("unknown config key `{key}` (in {source})"),
+                }
+            }
             Kind::UnknownVariant(v, expected) => format!(
                 "config key `{path}` (in {source}): unknown value `{v}`, expected one of {}",
                 expected.join(", ")

@@ -17,6 +17,10 @@ use rl_algos::trainer::{ActorLossConfig, CriticLossConfig};
 use rl_workers::RolloutConfig;
 use rl_workers::roles::{ActorConfig, CriticConfig, RewardModelConfig, ValKwargs};
 
+/// How [`Merged`] starts the message of a key neither struct knows (the config loader turns
+/// it into the full key path with the nearest known key).
+pub const UNKNOWN_KEY: &str = "unknown key `";
+
 /// Two config structs read from, and written to, one table.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct Merged<A, B>(pub A, pub B);
@@ -123,7 +127,7 @@ where
                     let hint = crate::config::nearest_key(&key, &known)
                         .map(|k| format!("; did you mean `{k}`?"))
                         .unwrap_or_default();
-                    return Err(D::Error::custom(format!("unknown key `{key}`{hint}")));
+                    return Err(D::Error::custom(format!("{UNKNOWN_KEY}{key}`{hint}")));
                 }
             };
         }

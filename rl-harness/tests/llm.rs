@@ -86,7 +86,8 @@ fn an_llm_config_error_names_the_key_before_any_model_loads() {
         "actor_rollout_ref.actor.clip_ration=0.3",
     ]);
     assert!(
-        err.contains("clip_ration") && err.contains("did you mean `clip_ratio`"),
+        err.contains("`actor_rollout_ref.actor.clip_ration`")
+            && err.contains("did you mean `actor_rollout_ref.actor.clip_ratio`"),
         "{err}"
     );
     // a cross-group rule: the mini-batch must divide the prompt batch
