@@ -71,7 +71,7 @@ pub fn on_policy_config(cfg: &ExperimentConfig, batches_per_epoch: usize) -> OnP
         max_response_length: arr.rollout.response_length,
         actor_ppo_mini_batch_size: arr.actor.ppo_mini_batch_size,
         critic_ppo_mini_batch_size: cfg.critic.worker.ppo_mini_batch_size,
-        overlong_buffer: cfg.reward_model.overlong_buffer,
+        overlong_buffer: cfg.reward_model.own.overlong_buffer,
         batches_per_epoch,
     }
 }

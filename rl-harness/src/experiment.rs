@@ -337,17 +337,14 @@ pub struct RewardModelGroup {
     /// The scoring worker's keys (`micro_batch_size_per_gpu`, `use_dynamic_bsz`,
     /// `forward_max_token_len_per_gpu`).
     pub worker: RewardModelConfig,
-    /// `enable`, `model.path`, `rm_coef`, `rule_coef`.
+    /// `enable`, `model.path`, `rm_coef`, `rule_coef`, `overlong_buffer`.
     pub own: RewardModelOwn,
-    /// DAPO's overlong-response penalty (`reward_model.overlong_buffer`).
-    pub overlong_buffer: OverlongBufferConfig,
 }
 
 impl From<Merged<RewardModelConfig, RewardModelOwn>> for RewardModelGroup {
     fn from(m: Merged<RewardModelConfig, RewardModelOwn>) -> Self {
         RewardModelGroup {
             worker: m.0,
-            overlong_buffer: m.1.overlong_buffer,
             own: m.1,
         }
     }
@@ -355,13 +352,7 @@ impl From<Merged<RewardModelConfig, RewardModelOwn>> for RewardModelGroup {
 
 impl From<RewardModelGroup> for Merged<RewardModelConfig, RewardModelOwn> {
     fn from(g: RewardModelGroup) -> Self {
-        Merged(
-            g.worker,
-            RewardModelOwn {
-                overlong_buffer: g.overlong_buffer,
-                ..g.own
-            },
-        )
+        Merged(g.worker, g.own)
     }
 }
 

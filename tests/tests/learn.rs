@@ -205,7 +205,7 @@ fn dapo_raises_accuracy() {
     loss.clip_ratio_low = Some(0.2);
     loss.clip_ratio_high = Some(0.28);
     loss.loss_agg_mode = LossAggMode::TokenMean;
-    cfg.reward_model.overlong_buffer = OverlongBufferConfig {
+    cfg.reward_model.own.overlong_buffer = OverlongBufferConfig {
         enable: true,
         len: 2,
         penalty_factor: 0.5,
