@@ -17,9 +17,13 @@ use crate::error::{Error, Result};
 /// [`dp_size`].
 pub const DP_SIZE: &str = "dp_size";
 
-/// Key in a prompt batch's `meta_info` holding this process's data-parallel rank; the rollout
-/// mixes it into its sampling seed so ranks draw independent samples.
+/// Key in a prompt batch's `meta_info` holding this process's data-parallel rank.
 pub const DP_RANK: &str = "dp_rank";
+
+/// Key in a prompt batch's `meta_info` holding the global index of its first prompt; the
+/// rollout samples each row from the random stream of its global index, so a sampled run
+/// does not depend on how its prompts are spread over ranks.
+pub const DP_PROMPT_OFFSET: &str = "dp_prompt_offset";
 
 /// The reduction of [`Collective::all_reduce`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

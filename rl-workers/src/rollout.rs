@@ -5,7 +5,9 @@
 //!
 //! # Reproducibility
 //! Sampling never touches libtorch's global generator. Each output row `r` draws its uniforms
-//! from its own ChaCha8 stream seeded by [`GenerateOptions::seed`] with stream id `r`, and picks
+//! from its own ChaCha8 stream seeded by [`GenerateOptions::seed`] with stream id
+//! `row_offset + r` ([`GenerateOptions::row_offset`]: a data-parallel rank passes the global
+//! index of its first row, so a row samples the same tokens whichever rank holds it), and picks
 //! its token by inverse CDF over the processed distribution. So the same model, prompts,
 //! config and seed give the same tokens on the same device and thread count, whatever else
 //! seeds `tch::manual_seed`, and a row's samples do not depend on when other rows finish.
@@ -123,6 +125,9 @@ pub struct GenerateOptions<'a> {
     pub pad_token_id: i64,
     /// Seed of this call (e.g. `cfg.seed_for(global_step)`).
     pub seed: u64,
+    /// Global index of this call's first output row (0 in one process): row `r` samples from
+    /// stream `row_offset + r`.
+    pub row_offset: u64,
     /// Called after every decode step (drive a progress bar from it).
     pub progress: Option<&'a mut dyn FnMut(&Progress)>,
 }
@@ -133,6 +138,7 @@ impl std::fmt::Debug for GenerateOptions<'_> {
             .field("eos_token_ids", &self.eos_token_ids)
             .field("pad_token_id", &self.pad_token_id)
             .field("seed", &self.seed)
+            .field("row_offset", &self.row_offset)
             .field("progress", &self.progress.is_some())
             .finish()
     }
@@ -155,6 +161,7 @@ impl<'a> GenerateOptions<'a> {
             eos_token_ids,
             pad_token_id,
             seed: 0,
+            row_offset: 0,
             progress: None,
         }
     }
@@ -338,7 +345,7 @@ fn generate_inner(
     let mut rngs: Vec<ChaCha8Rng> = (0..rows as u64)
         .map(|r| {
             let mut rng = ChaCha8Rng::seed_from_u64(opts.seed);
-            rng.set_stream(r);
+            rng.set_stream(opts.row_offset + r);
             rng
         })
         .collect();

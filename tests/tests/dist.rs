@@ -163,7 +163,8 @@ fn child_entry() {
         "updates" => updates_child(&group, rank, world, &out),
         "grpo_run" => grpo_run_child(&group, rank, &out),
         "ppo_run" => ppo_run_child(&group, rank, &out),
-        "greedy_run" => greedy_run_child(&group, rank, &out),
+        "greedy_run" => greedy_run_child(&group, rank, &out, false),
+        "sampled_run" => greedy_run_child(&group, rank, &out, true),
         "lost_rank" => lost_rank_child(&group, rank),
         "miswired" => miswired_child(&group),
         "resume" => resume_child(&group, rank, &out),
@@ -660,8 +661,16 @@ fn two_rank_ppo_run_keeps_actor_and_critic_identical() {
 /// follow the 1-rank run step for step, through the gathered advantage inputs, the global
 /// KL controller, the global loss normalisers and the averaged gradients.
 fn greedy_config(task: &TinyTask) -> ExperimentConfig {
-    let mut cfg = grpo_config(task);
+    let mut cfg = sampled_config(task);
     cfg.actor_rollout_ref.rollout.do_sample = false;
+    cfg
+}
+
+/// [`greedy_config`] with sampling on: each row samples from the random stream of its global
+/// index, so the 2-rank run must still follow the 1-rank run step for step.
+fn sampled_config(task: &TinyTask) -> ExperimentConfig {
+    let mut cfg = grpo_config(task);
+    cfg.actor_rollout_ref.rollout.do_sample = true;
     cfg.actor_rollout_ref.rollout.n = 2;
     cfg.actor_rollout_ref.actor.ppo_mini_batch_size = 4;
     cfg.actor_rollout_ref.actor.shuffle = false;
@@ -694,9 +703,15 @@ const GREEDY_KEYS: [&str; 10] = [
 
 fn greedy_run(
     group: Option<&SharedCollective>,
+    sample: bool,
 ) -> (Vec<rl_core::StepMetrics>, Vec<(String, Tensor)>) {
     let task = grpo_task();
-    let (mut trainer, policy, _) = on_policy_trainer(&task, group, greedy_config(&task), true);
+    let cfg = if sample {
+        sampled_config(&task)
+    } else {
+        greedy_config(&task)
+    };
+    let (mut trainer, policy, _) = on_policy_trainer(&task, group, cfg, true);
     let mut log = Vec::new();
     while trainer.global_step() < trainer.total_steps() {
         log.push(trainer.step().unwrap());
@@ -704,11 +719,12 @@ fn greedy_run(
     (log, policy_params(&policy))
 }
 
-fn greedy_run_child(group: &SharedCollective, rank: usize, out: &Path) {
-    let (log, params) = greedy_run(Some(group));
-    write(&out.join(format!("greedy-rank{rank}.safetensors")), &params);
+fn greedy_run_child(group: &SharedCollective, rank: usize, out: &Path, sample: bool) {
+    let (log, params) = greedy_run(Some(group), sample);
+    let tag = if sample { "sampled" } else { "greedy" };
+    write(&out.join(format!("{tag}-rank{rank}.safetensors")), &params);
     std::fs::write(
-        out.join(format!("greedy-metrics-rank{rank}.json")),
+        out.join(format!("{tag}-metrics-rank{rank}.json")),
         serde_json::to_string(&log).unwrap(),
     )
     .unwrap();
@@ -716,16 +732,26 @@ fn greedy_run_child(group: &SharedCollective, rank: usize, out: &Path) {
 
 #[test]
 fn greedy_two_rank_run_follows_the_one_rank_run_step_for_step() {
+    two_rank_run_follows_the_one_rank_run(false);
+}
+
+#[test]
+fn sampled_two_rank_run_follows_the_one_rank_run_step_for_step() {
+    two_rank_run_follows_the_one_rank_run(true);
+}
+
+fn two_rank_run_follows_the_one_rank_run(sample: bool) {
     // like a rank: one intra-op thread (OpenMP's spinning threads fight over shared cores)
     tch::set_num_threads(1);
     let out = tempfile::tempdir().unwrap();
     let t = Instant::now();
-    spawn_group("greedy_run", 2, out.path());
-    println!("2-rank greedy REINFORCE++ run took {:?}", t.elapsed());
-    let (want_log, want) = greedy_run(None);
+    let tag = if sample { "sampled" } else { "greedy" };
+    spawn_group(&format!("{tag}_run"), 2, out.path());
+    println!("2-rank {tag} REINFORCE++ run took {:?}", t.elapsed());
+    let (want_log, want) = greedy_run(None, sample);
     let want = as_map(want);
-    let r0 = read(&out.path().join("greedy-rank0.safetensors"));
-    let r1 = read(&out.path().join("greedy-rank1.safetensors"));
+    let r0 = read(&out.path().join(format!("{tag}-rank0.safetensors")));
+    let r1 = read(&out.path().join(format!("{tag}-rank1.safetensors")));
     assert_eq!(max_diff(&r0, &r1), 0.0, "the ranks' weights differ");
     let init = as_map(policy_params(
         &fresh_tiny_policy(grpo_task().tokenizer.vocab_size() as i64, 1).unwrap(),
@@ -737,7 +763,8 @@ fn greedy_two_rank_run_follows_the_one_rank_run_step_for_step() {
     );
     assert!(moved > 1e-4, "training did not move the weights");
     assert!(diff < 1e-5, "world 2 differs from world 1 by {diff}");
-    let text = std::fs::read_to_string(out.path().join("greedy-metrics-rank0.json")).unwrap();
+    let text =
+        std::fs::read_to_string(out.path().join(format!("{tag}-metrics-rank0.json"))).unwrap();
     let got: Vec<rl_core::StepMetrics> = serde_json::from_str(&text).unwrap();
     assert_eq!(got.len(), want_log.len());
     let mean_step = |log: &[rl_core::StepMetrics]| {

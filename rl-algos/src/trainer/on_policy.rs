@@ -309,7 +309,11 @@ impl OnPolicyTrainer {
         meta.insert("temperature".into(), self.cfg.temperature.into());
         let (rank, world) = self.rank_and_world()?;
         if world > 1 {
+            // equal shards of the global batch: this rank's prompts start at rank * len
+            let offset = rank * prompts.len();
+            let meta = prompts.meta_info_mut();
             meta.insert(dist::DP_RANK.into(), rank.into());
+            meta.insert(dist::DP_PROMPT_OFFSET.into(), offset.into());
         }
         let t = Instant::now();
         let mut batch = self.roles.rollout.generate(&prompts)?;
@@ -709,6 +713,7 @@ impl Trainer for OnPolicyTrainer {
             if shard.is_empty() {
                 continue;
             }
+            let offset = shard.start;
             let mut prompts = if world > 1 {
                 self.val[i].slice(shard)?
             } else {
@@ -716,6 +721,8 @@ impl Trainer for OnPolicyTrainer {
             };
             let meta = prompts.meta_info_mut();
             meta.insert("validate".into(), true.into());
+            // sampled validation draws each row's stream by its index in the whole val batch
+            meta.insert(dist::DP_PROMPT_OFFSET.into(), offset.into());
             meta.insert("global_step".into(), (self.global_step * 1000 + 999).into());
             let mut out = self.roles.rollout.generate(&prompts)?;
             out.union(self.roles.reward.score(&out)?)?;

@@ -498,7 +498,8 @@ impl Rollout for RolloutWorker {
             Some(s) => s,
             None => cfg.seed_for(meta_u64(prompts, "global_step", 0)),
         };
-        let seed = rank_seed(seed, meta_u64(prompts, dist::DP_RANK, 0));
+        // a data-parallel rank samples its rows from the streams of their global indices
+        let row_offset = meta_u64(prompts, dist::DP_PROMPT_OFFSET, 0) * cfg.n as u64;
         let hook = self.progress.clone();
         let mut report = |p: &Progress| {
             if let Some(h) = &hook {
@@ -509,6 +510,7 @@ impl Rollout for RolloutWorker {
             eos_token_ids: self.eos_token_ids.clone(),
             pad_token_id: self.pad_token_id,
             seed,
+            row_offset,
             progress: if self.progress.is_some() {
                 Some(&mut report)
             } else {
@@ -553,19 +555,6 @@ impl Rollout for RolloutWorker {
         }
         Ok(batch)
     }
-}
-
-/// The sampling seed of data-parallel rank `rank`: `seed` itself on rank 0 (so one process
-/// samples as before), a SplitMix64-scrambled `(seed, rank)` elsewhere, so ranks draw
-/// independent streams.
-pub(crate) fn rank_seed(seed: u64, rank: u64) -> u64 {
-    if rank == 0 {
-        return seed;
-    }
-    let mut z = seed ^ rank.wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
 }
 
 /// The frozen reference policy: a copy of the initial actor weights.
