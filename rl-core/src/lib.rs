@@ -1,6 +1,6 @@
 //! The shared foundation of the workspace: [`Batch`] (verl's `DataProto`), the batch [`keys`],
 //! [`shape`] checks, the [`roles`] the trainers program against, the [`Trainer`] seam the harness
-//! drives, the data-parallel seam ([`dist::Collective`]), and the [`Error`] type.
+//! drives, the multi-turn [`tool::Tool`] seam, the data-parallel seam ([`dist::Collective`]), and the [`Error`] type.
 //!
 //! ```
 //! use rl_core::{Batch, keys};
@@ -22,9 +22,11 @@ pub mod keys;
 pub mod roles;
 mod save;
 pub mod shape;
+pub mod tool;
 pub mod trainer;
 
 pub use batch::{Batch, MiniBatches};
 pub use error::{Error, Result};
 pub use roles::Metrics;
+pub use tool::{Observation, Tool};
 pub use trainer::{Sample, StepMetrics, Trainer};
