@@ -5,6 +5,7 @@
 //! actor and critic, their config, and a small metrics-sink interface.
 
 mod config;
+mod dp;
 mod objective;
 mod on_policy;
 mod online_dpo;

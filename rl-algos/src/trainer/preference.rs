@@ -12,6 +12,7 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::time::Instant;
 
+use rl_core::dist::{self, SharedCollective};
 use rl_core::roles::{Actor, Metrics, MiniBatchInfo, PolicyObjective, PolicyOutput, Reference};
 use rl_core::{Batch, Sample, StepMetrics, Trainer, keys};
 use serde::{Deserialize, Serialize};
@@ -19,6 +20,7 @@ use serde_json::Value;
 use tch::{Kind, Tensor};
 
 use crate::dpo::{self, DpoConfig, DpoLossType};
+use crate::trainer::dp::Dp;
 use crate::trainer::source::BatchSource;
 
 /// `[batch]` i64: the pair each row belongs to (rows `2i` and `2i + 1` hold `i`).
@@ -228,7 +230,10 @@ fn pair_metrics(
 /// (unless reference-free) [`REF_SEQ_LOG_PROB`]; rows come in (chosen, rejected) pairs.
 ///
 /// The micro-batch's loss is its pairs' summed loss over the mini-batch's pair count
-/// (`MiniBatchInfo::sequences / 2`), so accumulation over micro-batches is exact. Logs
+/// (`MiniBatchInfo::sequences / 2`), so accumulation over micro-batches is exact. Under data
+/// parallelism the count is the global mini-batch's and the loss is multiplied by `dp_size`
+/// (`meta_info.dp_size`, as the other objectives), so the ranks' averaged gradients are the
+/// gradient of the whole global mini-batch. Logs
 /// `loss` (summed over micro-batches, i.e. the mini-batch loss) and TRL's `rewards/*`,
 /// `logps/*`.
 #[derive(Debug, Clone, Copy)]
@@ -260,7 +265,8 @@ impl PolicyObjective for DpoLoss {
         let mean = dpo::loss(&pc, &pr, &rc, &rr, &self.cfg).map_err(wrap)?;
         let pairs = pc.size()[0] as f64;
         let mini_pairs = (info.sequences / 2.0).max(1.0);
-        let loss = mean * (pairs / mini_pairs);
+        let dp = rl_core::dist::dp_size(micro) as f64;
+        let loss = mean * (pairs / mini_pairs * dp);
         let mut metrics = pair_metrics("", &self.cfg, &pc, &pr, &rc, &rr);
         metrics.push("loss", item(&loss));
         Ok((loss, metrics))
@@ -431,6 +437,8 @@ pub(crate) fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> rl_core::R
 /// `shuffle = false` and an even (or no) `ppo_micro_batch_size_per_gpu`.
 /// Validation reports `val/rewards/accuracies` (the share of held-out pairs whose implicit
 /// reward ranks chosen above rejected), `val/rewards/margins` and `val/loss`.
+///
+/// Data parallel with [`with_group`](Self::with_group).
 pub struct DpoTrainer {
     cfg: DpoTrainerConfig,
     actor: Box<dyn Actor>,
@@ -439,6 +447,7 @@ pub struct DpoTrainer {
     val: Vec<Batch>,
     cache: RefCache,
     global_step: u64,
+    dp: Option<Dp>,
 }
 
 impl std::fmt::Debug for DpoTrainer {
@@ -475,7 +484,30 @@ impl DpoTrainer {
             val,
             cache,
             global_step: 0,
+            dp: None,
         })
+    }
+
+    /// Makes the trainer one rank of a data-parallel job over `group`, as
+    /// `OnPolicyTrainer::with_group`: the actor must have been given the same group
+    /// (`ActorWorker::with_group` with `rollout_n = 2`, so `ppo_mini_batch_size` counts global
+    /// pairs) and the source must yield this rank's contiguous share of each global batch of
+    /// `pairs` pairs (`preference_data.train_batch_size`). [`DpoLoss`] then normalises by the
+    /// global pair count times `dp_size`, so the averaged gradients are one process's; each
+    /// step's metrics are combined over the ranks, the ranks' weights are compared after the
+    /// first step, validation runs each rank on its share of the pairs of every validation batch
+    /// and pools the gathered log-probs, and only rank 0 writes checkpoints.
+    ///
+    /// Errors when `pairs` does not split over the ranks or the actor was not given a group of
+    /// the same size.
+    pub fn with_group(mut self, group: SharedCollective, pairs: usize) -> rl_core::Result<Self> {
+        self.dp = Some(Dp::new(
+            group,
+            self.actor.as_ref(),
+            "preference_data.train_batch_size",
+            pairs,
+        )?);
+        Ok(self)
     }
 
     /// Gives the actor back.
@@ -509,16 +541,25 @@ pub(crate) fn prepare_pairs(
 
 /// Held-out preference metrics of `val` under the current actor: `val/rewards/*`,
 /// `val/logps/*` and `val/loss`, pooled over every pair.
-pub(crate) fn preference_validation(
+/// With `dp`, each rank scores its contiguous share of the
+/// pairs of every batch, and the sequence log-probs are gathered before pooling, so every rank
+/// returns the figures of the whole validation set.
+fn preference_validation(
     cfg: &DpoTrainerConfig,
     actor: &mut dyn Actor,
     mut reference: Option<&mut Box<dyn Reference>>,
     val: &[Batch],
+    dp: Option<&Dp>,
 ) -> rl_core::Result<StepMetrics> {
     let dcfg = cfg.dpo();
+    let (rank, world) = dp.map_or((0, 1), |d| (d.rank, d.world));
     let (mut pcs, mut prs, mut rcs, mut rrs) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for b in val {
-        let mut b = b.shallow_clone();
+        let pairs = dist::shard_range(b.len() / 2, rank, world);
+        if pairs.is_empty() {
+            continue;
+        }
+        let mut b = b.slice(2 * pairs.start..2 * pairs.end)?;
         let mut nocache = RefCache::new(false);
         prepare_pairs(&mut b, cfg, reference.as_deref_mut(), &mut nocache)?;
         let lp = actor.compute_log_prob(&b, false)?;
@@ -536,14 +577,28 @@ pub(crate) fn preference_validation(
         rrs.push(rr);
     }
     let mut m = StepMetrics::new();
-    if pcs.is_empty() {
+    let cat = |v: &[Tensor]| {
+        if v.is_empty() {
+            Tensor::zeros([0], (Kind::Float, tch::Device::Cpu))
+        } else {
+            Tensor::cat(v, 0)
+                .to_kind(Kind::Float)
+                .to_device(tch::Device::Cpu)
+        }
+    };
+    // [pairs, 4]: chosen, rejected, reference chosen, reference rejected
+    let mut cols = Tensor::stack(&[cat(&pcs), cat(&prs), cat(&rcs), cat(&rrs)], 1);
+    if let Some(dp) = dp.filter(|d| d.world > 1) {
+        cols = dist::gather_rows(&mut *dist::lock(&dp.group)?, &cols)?;
+    }
+    if cols.size()[0] == 0 {
         return Ok(m);
     }
     let (pc, pr, rc, rr) = (
-        Tensor::cat(&pcs, 0),
-        Tensor::cat(&prs, 0),
-        Tensor::cat(&rcs, 0),
-        Tensor::cat(&rrs, 0),
+        cols.select(1, 0),
+        cols.select(1, 1),
+        cols.select(1, 2),
+        cols.select(1, 3),
     );
     let loss = dpo::loss(&pc, &pr, &rc, &rr, &dcfg).map_err(wrap)?;
     m.extend(pair_metrics("val/", &dcfg, &pc, &pr, &rc, &rr).mean());
@@ -588,7 +643,13 @@ impl Trainer for DpoTrainer {
             t_upd.elapsed().as_secs_f64(),
         );
         m.insert("timing_s/step".into(), t.elapsed().as_secs_f64());
-        Ok(m)
+        match &mut self.dp {
+            Some(dp) => {
+                dp.check_replicas_once(self.actor.as_ref())?;
+                dp.reduce(m, batch.len() as f64)
+            }
+            None => Ok(m),
+        }
     }
 
     fn validate(&mut self) -> rl_core::Result<(StepMetrics, Vec<Sample>)> {
@@ -597,11 +658,16 @@ impl Trainer for DpoTrainer {
             self.actor.as_mut(),
             self.reference.as_mut(),
             &self.val,
+            self.dp.as_ref(),
         )?;
         Ok((m, Vec::new()))
     }
 
     fn save_checkpoint(&self, dir: &Path) -> rl_core::Result<()> {
+        // every rank holds the same weights and the same global source state: rank 0 writes
+        if self.dp.as_ref().is_some_and(|d| d.rank != 0) {
+            return Ok(());
+        }
         PairTrainerState::save(
             dir,
             self.actor.as_ref(),

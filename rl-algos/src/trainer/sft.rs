@@ -4,12 +4,14 @@
 use std::path::Path;
 use std::time::Instant;
 
+use rl_core::dist::{self, SharedCollective};
 use rl_core::roles::Actor;
 use rl_core::{Batch, Sample, StepMetrics, Trainer, keys};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use tch::Kind;
 
+use crate::trainer::dp::Dp;
 use crate::trainer::objective::SftLoss;
 use crate::trainer::source::BatchSource;
 
@@ -39,12 +41,15 @@ struct SftState {
 /// (prompt left-padded, response right-padded), `responses` and `response_mask` (1 on the
 /// trained tokens). Each step is one `actor.update` with [`SftLoss`]; the actor's
 /// `ppo_mini_batch_size` should be the batch size for one optimiser step per batch.
+///
+/// Data parallel with [`with_group`](Self::with_group).
 pub struct SftTrainer {
     cfg: SftConfig,
     actor: Box<dyn Actor>,
     train: Box<dyn BatchSource>,
     val: Vec<Batch>,
     global_step: u64,
+    dp: Option<Dp>,
 }
 
 impl std::fmt::Debug for SftTrainer {
@@ -76,7 +81,35 @@ impl SftTrainer {
             train,
             val,
             global_step: 0,
+            dp: None,
         })
+    }
+
+    /// Makes the trainer one rank of a data-parallel job over `group`, as
+    /// `OnPolicyTrainer::with_group`: the actor must have been given the same group
+    /// (`ActorWorker::with_group`: the SFT loss then normalises by the global token count and
+    /// the gradients are averaged) and the source must yield this rank's contiguous share of
+    /// each global batch of `batch_size` rows (`sft.train_batch_size`, verl's global batch).
+    /// Each step's metrics are combined over the ranks (every rank returns the global figures),
+    /// the ranks' weights are compared after the first step, validation runs each rank on its
+    /// share of every validation batch and sums the log-likelihoods, and only rank 0 writes
+    /// checkpoints (a no-op without any collective elsewhere); every rank loads them, at any
+    /// world size.
+    ///
+    /// Errors when `batch_size` does not split over the ranks or the actor was not given a
+    /// group of the same size.
+    pub fn with_group(
+        mut self,
+        group: SharedCollective,
+        batch_size: usize,
+    ) -> rl_core::Result<Self> {
+        self.dp = Some(Dp::new(
+            group,
+            self.actor.as_ref(),
+            "sft.train_batch_size",
+            batch_size,
+        )?);
+        Ok(self)
     }
 
     /// Gives the actor back (to hand the trained weights to an RL trainer).
@@ -101,12 +134,25 @@ impl Trainer for SftTrainer {
         let mut m: StepMetrics = metrics.mean();
         self.global_step += 1;
         m.insert("timing_s/step".into(), t.elapsed().as_secs_f64());
-        Ok(m)
+        match &mut self.dp {
+            Some(dp) => {
+                dp.check_replicas_once(self.actor.as_ref())?;
+                dp.reduce(m, batch.len() as f64)
+            }
+            None => Ok(m),
+        }
     }
 
     fn validate(&mut self) -> rl_core::Result<(StepMetrics, Vec<Sample>)> {
         let (mut nll, mut tokens) = (0.0, 0.0);
+        let (rank, world) = self.dp.as_ref().map_or((0, 1), |d| (d.rank, d.world));
         for b in &self.val {
+            // each rank scores its contiguous share of the batch
+            let shard = dist::shard_range(b.len(), rank, world);
+            if shard.is_empty() {
+                continue;
+            }
+            let b = &b.slice(shard)?;
             let lp = self.actor.compute_log_prob(b, false)?;
             let mask = b.get(keys::RESPONSE_MASK)?;
             nll -= (lp.get(keys::OLD_LOG_PROBS)? * mask)
@@ -114,12 +160,21 @@ impl Trainer for SftTrainer {
                 .double_value(&[]);
             tokens += mask.sum(Kind::Double).double_value(&[]);
         }
+        if let Some(dp) = &self.dp {
+            let mut sums = [nll, tokens];
+            dp.sum(&mut sums)?;
+            [nll, tokens] = sums;
+        }
         let mut m = StepMetrics::new();
         m.insert("val/loss".into(), nll / tokens.max(1.0));
         Ok((m, Vec::new()))
     }
 
     fn save_checkpoint(&self, dir: &Path) -> rl_core::Result<()> {
+        // every rank holds the same weights and the same global source state: rank 0 writes
+        if self.dp.as_ref().is_some_and(|d| d.rank != 0) {
+            return Ok(());
+        }
         let actor = dir.join("actor");
         std::fs::create_dir_all(&actor).map_err(|source| rl_core::Error::Io {
             path: actor.display().to_string(),
