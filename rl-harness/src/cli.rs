@@ -116,6 +116,37 @@ pub struct TrainArgs {
     /// The trial id (set by `harness sweep`).
     #[arg(long, hide = true)]
     pub trial_id: Option<String>,
+    /// Data-parallel ranks to start on this machine, each a copy of this program with torchrun's
+    /// variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); 1 trains in this process. Under
+    /// torchrun, Slurm or Kubernetes leave it out: with WORLD_SIZE set, this process is a rank.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub nproc_per_node: usize,
+    /// Seconds a rank waits for the others (rendezvous and every collective) before failing;
+    /// also how long the launcher gives the other ranks to stop after one dies.
+    #[arg(long, default_value_t = 300.0, value_name = "SECONDS")]
+    pub dist_timeout_s: f64,
+}
+
+impl TrainArgs {
+    /// The command line of one rank: this one without `--nproc-per-node`.
+    fn rank_args(&self, db: &Option<PathBuf>) -> Vec<std::ffi::OsString> {
+        let mut args: Vec<std::ffi::OsString> = Vec::new();
+        if let Some(d) = db {
+            args.extend(["--db".into(), d.clone().into_os_string()]);
+        }
+        args.extend(["train".into(), self.config.clone().into_os_string()]);
+        args.extend(self.overrides.iter().map(Into::into));
+        args.extend([
+            "--dist-timeout-s".into(),
+            self.dist_timeout_s.to_string().into(),
+        ]);
+        for (flag, v) in [("--sweep-id", &self.sweep_id), ("--trial-id", &self.trial_id)] {
+            if let Some(v) = v {
+                args.extend([flag.into(), v.into()]);
+            }
+        }
+        args
+    }
 }
 
 /// `harness compare`.
@@ -295,14 +326,23 @@ pub(crate) fn run(cli: Cli) -> Result<()> {
                 overrides,
             })?;
             let cfg_db = cfg.trainer.db_path();
-            let id = train::train(
-                &rt,
-                cfg,
-                Membership {
-                    sweep_id: a.sweep_id,
-                    trial_id: a.trial_id,
-                },
-            )?;
+            let member = Membership {
+                sweep_id: a.sweep_id.clone(),
+                trial_id: a.trial_id.clone(),
+            };
+            let timeout = crate::launch::timeout(a.dist_timeout_s)?;
+            let id = if a.nproc_per_node != 1 {
+                let args = a.rank_args(&cli.db);
+                crate::launch::launch(&rt, cfg, member, a.nproc_per_node, timeout, &args)?
+            } else if let Some(me) = crate::launch::rank_from_env(timeout)? {
+                let id = train::train_rank(&rt, cfg, member, &me)?;
+                if me.rank != 0 {
+                    return Ok(());
+                }
+                id
+            } else {
+                train::train(&rt, cfg, member)?
+            };
             println!("run {id} finished");
             rt.block_on(print_validation_summary(&cfg_db, id))?;
         }

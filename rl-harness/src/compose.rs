@@ -12,6 +12,7 @@ use rl_algos::trainer::{
     OnlineDpoTrainer, RefInit, ReferenceFactory, RewardPart, Roles, SftConfig, SftTrainer,
     SpinTrainer, TrainerSection,
 };
+use rl_core::dist::SharedCollective;
 use rl_core::roles::Reference;
 use rl_core::{Batch, Trainer, keys};
 use rl_data::reward::RewardRegistry;
@@ -163,7 +164,36 @@ pub fn build(
     device: Device,
     progress: Option<ProgressHook>,
 ) -> Result<Built> {
+    build_with_group(cfg, device, progress, None)
+}
+
+/// [`build`] as one rank of the data-parallel `group` (`docs/distributed.md`): the sources
+/// yield this rank's share of each global batch, the actor and critic average their gradients
+/// over the group, the trainer reduces its metrics. Only the on-policy, SFT and offline DPO
+/// trainers are data-parallel; the others are refused with more than one rank.
+pub fn build_with_group(
+    cfg: &ExperimentConfig,
+    device: Device,
+    progress: Option<ProgressHook>,
+    group: Option<&SharedCollective>,
+) -> Result<Built> {
     check(cfg)?;
+    let world = match group {
+        Some(g) => rl_core::dist::lock(g)?.world_size(),
+        None => 1,
+    };
+    if world > 1
+        && !matches!(
+            cfg.trainer.algorithm,
+            TrainerKind::OnPolicy | TrainerKind::Sft | TrainerKind::Dpo
+        )
+    {
+        bail!(
+            "config key `trainer.algorithm`: {:?} is not data-parallel; run it with one rank \
+             (on_policy, sft and dpo are)",
+            cfg.trainer.algorithm
+        );
+    }
     tch::manual_seed(cfg.trainer.seed as i64);
     let dir = cfg.actor_rollout_ref.model.path.clone();
     let kind = cfg.actor_rollout_ref.model.dtype.kind();
@@ -177,7 +207,7 @@ pub fn build(
             .with_context(|| format!("loading actor_rollout_ref.model.path {}", dir.display()))?,
     );
     let trainer: Box<dyn Trainer> = match cfg.trainer.algorithm {
-        TrainerKind::Sft => Box::new(build_sft(cfg, policy.clone(), &tokenizer)?),
+        TrainerKind::Sft => Box::new(build_sft_in(cfg, policy.clone(), &tokenizer, group)?),
         TrainerKind::OnPolicy => {
             let critic = if cfg.algorithm.adv_estimator.needs_critic() {
                 let path = cfg.critic.model.path.clone().unwrap_or_else(|| dir.clone());
@@ -188,15 +218,16 @@ pub fn build(
             } else {
                 None
             };
-            Box::new(build_on_policy(
+            Box::new(build_on_policy_in(
                 cfg,
                 policy.clone(),
                 critic,
                 &tokenizer,
                 progress,
+                group,
             )?)
         }
-        TrainerKind::Dpo => Box::new(build_dpo(cfg, policy.clone(), &tokenizer)?),
+        TrainerKind::Dpo => Box::new(build_dpo_in(cfg, policy.clone(), &tokenizer, group)?),
         TrainerKind::OnlineDpo => {
             Box::new(build_online_dpo(cfg, policy.clone(), &tokenizer, progress)?)
         }
@@ -457,8 +488,37 @@ pub fn build_on_policy(
     tokenizer: &Arc<Tokenizer>,
     progress: Option<ProgressHook>,
 ) -> Result<OnPolicyTrainer> {
+    build_on_policy_in(cfg, policy, critic_init, tokenizer, progress, None)
+}
+
+/// `(rank, world_size)` of `group`, `(0, 1)` without one.
+fn rank_world(group: Option<&SharedCollective>) -> Result<(usize, usize)> {
+    Ok(match group {
+        Some(g) => {
+            let g = rl_core::dist::lock(g)?;
+            (g.rank(), g.world_size())
+        }
+        None => (0, 1),
+    })
+}
+
+/// [`build_on_policy`] as one rank of `group`: the loader yields this rank's share of every
+/// global batch, actor and critic average their gradients, the trainer gathers the advantage
+/// inputs and reduces its metrics.
+pub fn build_on_policy_in(
+    cfg: &ExperimentConfig,
+    policy: SharedPolicy,
+    critic_init: Option<ValueModel>,
+    tokenizer: &Arc<Tokenizer>,
+    progress: Option<ProgressHook>,
+    group: Option<&SharedCollective>,
+) -> Result<OnPolicyTrainer> {
     check_groups(cfg, TrainerKind::OnPolicy)?;
-    let (train, val) = loaders(cfg, tokenizer)?;
+    let (mut train, val) = loaders(cfg, tokenizer)?;
+    let (rank, world) = rank_world(group)?;
+    if group.is_some() {
+        train.0 = train.0.with_shard(rank, world)?;
+    }
     let arr = &cfg.actor_rollout_ref;
     let n = arr.rollout.n;
     let need_ref = arr.actor_loss.use_kl_loss || cfg.algorithm.use_kl_in_reward;
@@ -488,12 +548,18 @@ pub fn build_on_policy(
         .lock()
         .map_err(|_| anyhow!("the policy's lock is poisoned"))?
         .device();
-    let actor = ActorWorker::new(policy, arr.actor.clone(), n)?;
+    let mut actor = ActorWorker::new(policy, arr.actor.clone(), n)?;
+    if let Some(g) = group {
+        actor = actor.with_group(g.clone())?;
+    }
     let critic = match (cfg.algorithm.adv_estimator.needs_critic(), critic_init) {
-        (true, Some(vm)) => Some(
-            Box::new(CriticWorker::new(vm, cfg.critic.worker.clone(), n)?)
-                as Box<dyn rl_core::roles::Critic>,
-        ),
+        (true, Some(vm)) => {
+            let mut c = CriticWorker::new(vm, cfg.critic.worker.clone(), n)?;
+            if let Some(g) = group {
+                c = c.with_group(g.clone())?;
+            }
+            Some(Box::new(c) as Box<dyn rl_core::roles::Critic>)
+        }
         (true, None) => bail!("algorithm.adv_estimator = \"gae\" needs a critic model"),
         _ => None,
     };
@@ -506,12 +572,16 @@ pub fn build_on_policy(
         critic,
         reward,
     };
-    Ok(OnPolicyTrainer::new(
+    let trainer = OnPolicyTrainer::new(
         on_policy_config(cfg, batches_per_epoch),
         roles,
         Box::new(train),
         val,
-    )?)
+    )?;
+    Ok(match group {
+        Some(g) => trainer.with_group(g.clone())?,
+        None => trainer,
+    })
 }
 
 /// The reward role of `reward_model`: the rule reward of each row's `data_source`, or, when
@@ -561,13 +631,31 @@ pub fn build_sft(
     policy: SharedPolicy,
     tokenizer: &Arc<Tokenizer>,
 ) -> Result<SftTrainer> {
+    build_sft_in(cfg, policy, tokenizer, None)
+}
+
+/// [`build_sft`] as one rank of `group`: `sft.train_batch_size` is the global batch, each
+/// rank trains on its contiguous share of it.
+pub fn build_sft_in(
+    cfg: &ExperimentConfig,
+    policy: SharedPolicy,
+    tokenizer: &Arc<Tokenizer>,
+    group: Option<&SharedCollective>,
+) -> Result<SftTrainer> {
     check_groups(cfg, TrainerKind::Sft)?;
     let response = ResponseKey::parse(&cfg.sft.response_key)?;
     let seed = cfg.data.seed.unwrap_or(cfg.trainer.seed);
     let bs = cfg.sft.train_batch_size;
     let train = Arc::new(RlDataset::train(&cfg.data)?);
     let val = Arc::new(RlDataset::val(&cfg.data)?);
-    let source = SftSource::new(train, tokenizer.clone(), response.clone(), bs, seed)?;
+    let mut source = SftSource::new(train, tokenizer.clone(), response.clone(), bs, seed)?;
+    let (rank, world) = rank_world(group)?;
+    if group.is_some() {
+        source
+            .sampler
+            .set_shard(rank, world)
+            .map_err(|e| anyhow!("sft.train_batch_size: {e}"))?;
+    }
     let total = cfg
         .trainer
         .total_training_steps
@@ -579,15 +667,22 @@ pub fn build_sft(
         .chunks(val_bs)
         .map(|idx| val_source.batch(idx))
         .collect::<Result<Vec<_>>>()?;
-    let actor = ActorWorker::new(policy, cfg.actor_rollout_ref.actor.clone(), 1)?;
-    Ok(SftTrainer::new(
+    let mut actor = ActorWorker::new(policy, cfg.actor_rollout_ref.actor.clone(), 1)?;
+    if let Some(g) = group {
+        actor = actor.with_group(g.clone())?;
+    }
+    let trainer = SftTrainer::new(
         SftConfig {
             total_training_steps: total,
         },
         Box::new(actor),
         Box::new(source),
         val_batches,
-    )?)
+    )?;
+    Ok(match group {
+        Some(g) => trainer.with_group(g.clone(), bs)?,
+        None => trainer,
+    })
 }
 
 /// Writes the trained policy as a Hugging Face folder: weights and `config.json` from the
@@ -743,6 +838,17 @@ pub fn build_dpo(
     policy: SharedPolicy,
     tokenizer: &Arc<Tokenizer>,
 ) -> Result<DpoTrainer> {
+    build_dpo_in(cfg, policy, tokenizer, None)
+}
+
+/// [`build_dpo`] as one rank of `group`: `preference_data.train_batch_size` pairs is the
+/// global batch, each rank trains on its contiguous share of the pairs.
+pub fn build_dpo_in(
+    cfg: &ExperimentConfig,
+    policy: SharedPolicy,
+    tokenizer: &Arc<Tokenizer>,
+    group: Option<&SharedCollective>,
+) -> Result<DpoTrainer> {
     check_groups(cfg, TrainerKind::Dpo)?;
     let p = &cfg.preference_data;
     let open = |files: &[PathBuf], what: &str| {
@@ -753,7 +859,14 @@ pub fn build_dpo(
     let train = open(&p.train_files, "train_files")?;
     let val = open(&p.val_files, "val_files")?;
     let seed = cfg.data.seed.unwrap_or(cfg.trainer.seed);
-    let source = PreferenceSource::new(train, tokenizer.clone(), p.train_batch_size, seed)?;
+    let mut source = PreferenceSource::new(train, tokenizer.clone(), p.train_batch_size, seed)?;
+    let (rank, world) = rank_world(group)?;
+    if group.is_some() {
+        source
+            .sampler
+            .set_shard(rank, world)
+            .map_err(|e| anyhow!("preference_data.train_batch_size: {e}"))?;
+    }
     let val_source = PreferenceSource::new(val.clone(), tokenizer.clone(), 1, seed)?;
     let all: Vec<usize> = (0..val.len()).collect();
     let val_batches = all
@@ -762,14 +875,21 @@ pub fn build_dpo(
         .collect::<Result<Vec<_>>>()?;
     let dcfg = dpo_config(cfg, source.sampler.batches_per_epoch())?;
     let reference = frozen_reference(cfg, &policy)?;
-    let actor = pair_actor(cfg, policy)?;
-    Ok(DpoTrainer::new(
+    let mut actor = pair_actor(cfg, policy)?;
+    if let Some(g) = group {
+        actor = actor.with_group(g.clone())?;
+    }
+    let trainer = DpoTrainer::new(
         dcfg,
         Box::new(actor),
         reference,
         Box::new(source),
         val_batches,
-    )?)
+    )?;
+    Ok(match group {
+        Some(g) => trainer.with_group(g.clone(), p.train_batch_size)?,
+        None => trainer,
+    })
 }
 
 fn with_progress(rollout: RolloutWorker, progress: Option<ProgressHook>) -> RolloutWorker {

@@ -16,6 +16,7 @@ pub mod config;
 pub mod device;
 pub mod experiment;
 pub mod filter;
+pub mod launch;
 mod logging;
 mod store;
 pub mod sweep;

@@ -7,7 +7,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
+use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
+use rl_core::dist::{self, SharedCollective};
 use rl_core::{StepMetrics, Trainer};
 use rl_workers::roles::ProgressHook;
 use serde::{Deserialize, Serialize};
@@ -79,6 +80,13 @@ impl Bars {
         }
     }
 
+    /// Bars that never draw (the ranks other than 0 of a data-parallel run).
+    pub fn hidden() -> Self {
+        let bars = Bars::new();
+        bars._multi.set_draw_target(ProgressDrawTarget::hidden());
+        bars
+    }
+
     /// A rollout progress hook that drives the generation bar.
     pub fn generation_hook(&self) -> ProgressHook {
         let bar = self.generation.clone();
@@ -115,8 +123,21 @@ impl std::fmt::Debug for Bars {
 
 /// Builds the trainer the config selects; generations report to `progress`.
 pub fn build_trainer(cfg: &ExperimentConfig, progress: Option<ProgressHook>) -> Result<Built> {
+    build_trainer_in(cfg, progress, None)
+}
+
+/// [`build_trainer`] as one rank of the data-parallel `group`.
+pub fn build_trainer_in(
+    cfg: &ExperimentConfig,
+    progress: Option<ProgressHook>,
+    group: Option<&SharedCollective>,
+) -> Result<Built> {
     let device = crate::device::open(&cfg.trainer.device)?;
     match cfg.trainer.algorithm {
+        TrainerKind::Bandit if group.is_some() => bail!(
+            "config key `trainer.algorithm`: the bandit trainer is not data-parallel; run it \
+             with one rank"
+        ),
         TrainerKind::Bandit => {
             let total = cfg
                 .trainer
@@ -134,7 +155,7 @@ pub fn build_trainer(cfg: &ExperimentConfig, progress: Option<ProgressHook>) -> 
                 source_dir: None,
             })
         }
-        _ => compose::build(cfg, device, progress),
+        _ => compose::build_with_group(cfg, device, progress, group),
     }
 }
 
@@ -188,7 +209,20 @@ fn sanitize(name: &str) -> String {
 /// Returns the run id.
 pub fn train(rt: &Runtime, cfg: ExperimentConfig, member: Membership) -> Result<i64> {
     let store = rt.block_on(Store::open(&cfg.trainer.db_path()))?;
-    let config_json = config::to_json(&cfg)?;
+    let (run_id, run_dir) = create_run(rt, &store, &cfg, member)?;
+    train_created(rt, &store, run_id, &run_dir, &cfg, None)
+}
+
+/// Records a new run (status `running`, this process's pid), makes its directory and writes
+/// its `config.toml`; returns its id and directory. The launcher calls it before it starts the
+/// ranks, so that it can mark the run failed whichever rank dies.
+pub fn create_run(
+    rt: &Runtime,
+    store: &Store,
+    cfg: &ExperimentConfig,
+    member: Membership,
+) -> Result<(i64, PathBuf)> {
+    let config_json = config::to_json(cfg)?;
     let (commit, dirty) = git_info();
     let name = cfg.trainer.experiment_name.clone();
     let project = cfg.trainer.project_name.clone();
@@ -240,38 +274,164 @@ pub fn train(rt: &Runtime, cfg: ExperimentConfig, member: Membership) -> Result<
         })
     }))
     .context("recording the new run")?;
+    let run_dir = run_dir_of(rt, store, run_id)?;
+    std::fs::create_dir_all(run_dir.join("checkpoints"))
+        .with_context(|| format!("creating run directory {}", run_dir.display()))?;
+    std::fs::write(run_dir.join("config.toml"), config::to_toml(cfg)?)
+        .with_context(|| format!("writing {}/config.toml", run_dir.display()))?;
+    Ok((run_id, run_dir))
+}
+
+/// The directory recorded for run `run_id`.
+fn run_dir_of(rt: &Runtime, store: &Store, run_id: i64) -> Result<PathBuf> {
     let run = rt
         .block_on(store.run(run_id))?
         .with_context(|| format!("run {run_id} vanished from the store"))?;
-    let run_dir = PathBuf::from(&run.run_dir);
-    std::fs::create_dir_all(run_dir.join("checkpoints"))
-        .with_context(|| format!("creating run directory {}", run_dir.display()))?;
-    std::fs::write(run_dir.join("config.toml"), config::to_toml(&cfg)?)
-        .with_context(|| format!("writing {}/config.toml", run_dir.display()))?;
+    Ok(PathBuf::from(&run.run_dir))
+}
+
+/// Trains run `run_id`, already recorded, to the end and records how it ended (on rank 0 of
+/// `group` when there is one).
+fn train_created(
+    rt: &Runtime,
+    store: &Store,
+    run_id: i64,
+    run_dir: &Path,
+    cfg: &ExperimentConfig,
+    group: Option<&SharedCollective>,
+) -> Result<i64> {
     logging::to_file(&run_dir.join("harness.log"));
     tracing::info!(run = run_id, dir = %run_dir.display(), "run started");
     eprintln!(
         "harness: run {run_id} ({}) in {}",
-        run.name,
+        cfg.trainer.experiment_name,
         run_dir.display()
     );
     let bars = Bars::new();
-    let result = build_trainer(&cfg, Some(bars.generation_hook())).and_then(|mut built| {
-        let outcome = drive(
-            rt,
-            &store,
-            run_id,
-            &run_dir,
-            &cfg,
-            (&mut built, &bars),
-            true,
-        )?;
-        if matches!(outcome, Outcome::Finished) {
-            export(&built, &run_dir, &cfg)?;
+    let result =
+        build_trainer_in(cfg, Some(bars.generation_hook()), group).and_then(|mut built| {
+            let place = Place {
+                store: Some(store),
+                group,
+            };
+            let outcome = drive(rt, place, run_id, run_dir, cfg, (&mut built, &bars), true)?;
+            if matches!(outcome, Outcome::Finished) {
+                export(&built, run_dir, cfg)?;
+            }
+            Ok(outcome)
+        });
+    finish(rt, store, run_id, cfg, result)
+}
+
+/// This process's place in a data-parallel job (`docs/distributed.md`).
+#[derive(Clone)]
+pub struct Rank {
+    /// The group of every rank.
+    pub group: SharedCollective,
+    /// This process's rank.
+    pub rank: usize,
+    /// Number of ranks.
+    pub world: usize,
+    /// The run the launcher recorded (`RL_HARNESS_RUN_ID`); `None` under an outside launcher
+    /// (torchrun, Slurm), where rank 0 records the run.
+    pub run_id: Option<i64>,
+}
+
+impl std::fmt::Debug for Rank {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Rank")
+            .field("rank", &self.rank)
+            .field("world", &self.world)
+            .field("run_id", &self.run_id)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Trains as one rank of a data-parallel run. Rank 0 owns the run: it opens the store, records
+/// the run (or takes the one the launcher recorded), writes metrics, checkpoints and the final
+/// status, and broadcasts the run id; the other ranks never open the store or write in the run
+/// directory. Returns the run id.
+pub fn train_rank(
+    rt: &Runtime,
+    cfg: ExperimentConfig,
+    member: Membership,
+    me: &Rank,
+) -> Result<i64> {
+    crate::launch::check_data_parallel(&cfg, me.world)?;
+    if me.rank == 0 {
+        let opened = (|| -> Result<(Store, i64, PathBuf)> {
+            let store = rt.block_on(Store::open(&cfg.trainer.db_path()))?;
+            let (id, dir) = match me.run_id {
+                Some(id) => (id, run_dir_of(rt, &store, id)?),
+                None => create_run(rt, &store, &cfg, member)?,
+            };
+            Ok((store, id, dir))
+        })();
+        // the others wait for the id: tell them at once when there is none
+        let id = opened.as_ref().map_or(-1, |(_, id, _)| *id);
+        broadcast_run_id(&me.group, id)?;
+        let (store, id, dir) = opened?;
+        train_created(rt, &store, id, &dir, &cfg, Some(&me.group))
+    } else {
+        let id = broadcast_run_id(&me.group, -1)?;
+        if id < 0 {
+            bail!("rank 0 could not open the run (see rank 0's error)");
         }
-        Ok(outcome)
-    });
-    finish(rt, &store, run_id, &cfg, result)
+        let bars = Bars::hidden();
+        let place = Place {
+            store: None,
+            group: Some(&me.group),
+        };
+        let dir = PathBuf::new();
+        build_trainer_in(&cfg, None, Some(&me.group))
+            .and_then(|mut built| drive(rt, place, id, &dir, &cfg, (&mut built, &bars), true))
+            .and_then(|outcome| match outcome {
+                Outcome::Finished => Ok(id),
+                Outcome::Killed => bail!("run {id} stopped by a signal"),
+            })
+            .with_context(|| format!("rank {} of {} in run {id}", me.rank, me.world))
+    }
+}
+
+/// Rank 0's `id`, on every rank.
+fn broadcast_run_id(group: &SharedCollective, id: i64) -> Result<i64> {
+    let mut t = tch::Tensor::from_slice(&[id]);
+    dist::lock(group)?
+        .broadcast(&mut t, 0)
+        .context("sharing the run id from rank 0")?;
+    Ok(t.int64_value(&[0]))
+}
+
+/// Marks run `id` failed with `error` (the launcher, when a rank died), unless it finished.
+pub fn mark_failed(rt: &Runtime, store: &Store, id: i64, error: String) -> Result<()> {
+    rt.block_on(store.write(move |c| {
+        Box::pin(async move {
+            let t = now();
+            sqlx::query(
+                "UPDATE runs SET status = 'failed', ended = ?, heartbeat = ?, error = ? \
+                 WHERE id = ? AND status != 'finished'",
+            )
+            .bind(t)
+            .bind(t)
+            .bind(&error)
+            .bind(id)
+            .execute(&mut *c)
+            .await?;
+            sqlx::query(
+                "INSERT INTO events (run_id, time, kind, message) VALUES (?, ?, 'error', ?)",
+            )
+            .bind(id)
+            .bind(t)
+            .bind(&error)
+            .execute(&mut *c)
+            .await?;
+            tracker::enqueue_status(c, id, "failed", Some(t)).await?;
+            Ok(0)
+        })
+    }))
+    .with_context(|| format!("marking run {id} failed"))?;
+    rt.block_on(store.flush())?;
+    Ok(())
 }
 
 /// Resumes `spec` (an id or name) from its latest complete checkpoint, or from `from_step`.
@@ -421,7 +581,11 @@ pub fn resume(
                 trainer.global_step()
             );
         }
-        let outcome = drive(rt, &store, id, &run_dir, &cfg, (&mut built, &bars), false)?;
+        let place = Place {
+            store: Some(&store),
+            group: None,
+        };
+        let outcome = drive(rt, place, id, &run_dir, &cfg, (&mut built, &bars), false)?;
         if matches!(outcome, Outcome::Finished) {
             export(&built, &run_dir, &cfg)?;
         }
@@ -492,10 +656,30 @@ fn is_due(freq: i64, step: u64, total: u64) -> bool {
     freq > 0 && (step.is_multiple_of(freq as u64) || step == total)
 }
 
+/// Where a drive writes: the store (rank 0 or a plain process; `None` on the other ranks,
+/// which write nothing) and the data-parallel group, if any.
+#[derive(Clone, Copy)]
+struct Place<'a> {
+    store: Option<&'a Store>,
+    group: Option<&'a SharedCollective>,
+}
+
+/// Whether any rank of `group` saw a stop signal (every rank stops after the same step); `stop`
+/// itself without a group.
+fn agreed_stop(group: Option<&SharedCollective>, stop: bool) -> Result<bool> {
+    let Some(g) = group else {
+        return Ok(stop);
+    };
+    let mut v = [f64::from(u8::from(stop))];
+    dist::all_reduce_f64(&mut *dist::lock(g)?, &mut v, dist::ReduceOp::Max)
+        .context("agreeing on a stop signal with the other ranks")?;
+    Ok(v[0] > 0.0)
+}
+
 /// The loop: validation, steps, metrics, checkpoints, heartbeat, signals.
 fn drive(
     rt: &Runtime,
-    store: &Store,
+    place: Place<'_>,
     run_id: i64,
     run_dir: &Path,
     cfg: &ExperimentConfig,
@@ -507,7 +691,8 @@ fn drive(
     let total = trainer.total_steps();
     let stop = Arc::new(AtomicBool::new(false));
     let _guard = rt.enter();
-    let heartbeat = {
+    let store = place.store;
+    let heartbeat = store.map(|store| {
         let store = store.clone();
         let period = Duration::from_secs_f64(t.heartbeat_s);
         rt.spawn(async move {
@@ -519,7 +704,7 @@ fn drive(
                 }
             }
         })
-    };
+    });
     let signals = {
         let stop = stop.clone();
         rt.spawn(async move {
@@ -537,29 +722,34 @@ fn drive(
             stop.store(true, Ordering::SeqCst);
         })
     };
-    let pump = (t.tracker.kind != config::TrackerKind::None)
-        .then(|| rt.spawn(tracker::pump(store.clone(), run_id, t.tracker.clone())));
+    let pump = store
+        .filter(|_| t.tracker.kind != config::TrackerKind::None)
+        .map(|store| rt.spawn(tracker::pump(store.clone(), run_id, t.tracker.clone())));
     let bar = &bars.step;
     bar.set_length(total);
     bar.set_position(trainer.global_step());
     let result = (|| -> Result<Outcome> {
         if fresh && t.val_before_train {
             let (m, _) = trainer.validate().context("validation before training")?;
-            store.log_metrics(run_id, trainer.global_step(), &m)?;
+            if let Some(store) = store {
+                store.log_metrics(run_id, trainer.global_step(), &m)?;
+            }
             tracing::info!(step = trainer.global_step(), ?m, "validation");
         }
         let mut last_ckpt = trainer.global_step();
         while trainer.global_step() < total {
-            if stop.load(Ordering::SeqCst) {
+            if agreed_stop(place.group, stop.load(Ordering::SeqCst))? {
                 let step = trainer.global_step();
-                if step > last_ckpt {
-                    save_checkpoint(rt, store, run_id, run_dir, cfg, trainer.as_ref())?;
+                if let Some(store) = store {
+                    if step > last_ckpt {
+                        save_checkpoint(rt, store, run_id, run_dir, cfg, trainer.as_ref())?;
+                    }
+                    store.event(
+                        Some(run_id),
+                        "signal",
+                        format!("stopped by a signal after step {step}"),
+                    )?;
                 }
-                store.event(
-                    Some(run_id),
-                    "signal",
-                    format!("stopped by a signal after step {step}"),
-                )?;
                 return Ok(Outcome::Killed);
             }
             let started = Instant::now();
@@ -576,21 +766,27 @@ fn drive(
                 tracing::info!(step, ?v, "validation");
                 m.extend(v);
             }
-            store.log_metrics(run_id, step, &m)?;
-            if is_due(t.save_freq, step, total) {
-                save_checkpoint(rt, store, run_id, run_dir, cfg, trainer.as_ref())?;
-                last_ckpt = step;
+            if let Some(store) = store {
+                store.log_metrics(run_id, step, &m)?;
+                if is_due(t.save_freq, step, total) {
+                    save_checkpoint(rt, store, run_id, run_dir, cfg, trainer.as_ref())?;
+                    last_ckpt = step;
+                }
             }
             bar.set_position(step);
             if let Some(score) = m.get("critic/score/mean") {
                 bar.set_message(format!("score {score:.3}"));
             }
         }
-        rt.block_on(store.flush())?;
+        if let Some(store) = store {
+            rt.block_on(store.flush())?;
+        }
         Ok(Outcome::Finished)
     })();
     bars.finish();
-    heartbeat.abort();
+    if let Some(h) = heartbeat {
+        h.abort();
+    }
     signals.abort();
     if let Some(p) = pump {
         p.abort();

@@ -1,0 +1,415 @@
+//! `harness train --nproc-per-node N`: the launcher that starts N ranks of a data-parallel run
+//! on this machine, and the rank side that joins a group from torchrun's environment
+//! (`docs/distributed.md`).
+//!
+//! The launcher records the run in the store (so it can mark it failed whichever rank dies),
+//! picks a free port on 127.0.0.1, starts N copies of this executable with `RANK`,
+//! `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` and
+//! [`RUN_ID_ENV`] set, prefixes their output with `[rank r]`, and waits. When a rank dies, the
+//! others get the collective timeout to fail on their own, then are killed; the run is marked
+//! failed naming the lost rank and how it ended, and the launcher exits non-zero.
+
+use std::ffi::OsString;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpListener;
+use std::path::Path;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use tokio::runtime::Runtime;
+
+use crate::config::{ExperimentConfig, TrainerKind};
+use crate::store::Store;
+use crate::train::{self, Membership, Rank};
+
+/// The environment variable through which the launcher tells its ranks the run it recorded.
+pub const RUN_ID_ENV: &str = "RL_HARNESS_RUN_ID";
+
+/// The collective timeout of `--dist-timeout-s`, checked.
+pub fn timeout(seconds: f64) -> Result<Duration> {
+    if !(seconds.is_finite() && seconds > 0.0) {
+        bail!("--dist-timeout-s must be a positive number of seconds, got {seconds}");
+    }
+    Ok(Duration::from_secs_f64(seconds))
+}
+
+/// The data-parallel rules of a config on `world` ranks, each error naming its key: the
+/// trainer must be one of the data-parallel ones (on_policy, sft, dpo), every global batch must
+/// split over the ranks, and DAPO's dynamic sampling is refused.
+pub fn check_data_parallel(cfg: &ExperimentConfig, world: usize) -> Result<()> {
+    if world <= 1 {
+        return Ok(());
+    }
+    let splits = |key: &str, value: usize, what: &str| {
+        if !value.is_multiple_of(world) {
+            bail!(
+                "config key `{key}`: {value} {what} do not split over {world} data-parallel ranks \
+                 (it is the global figure; make it a multiple of the world size)"
+            );
+        }
+        Ok(())
+    };
+    let mini = cfg.actor_rollout_ref.actor.ppo_mini_batch_size;
+    let mini_key = "actor_rollout_ref.actor.ppo_mini_batch_size";
+    match cfg.trainer.algorithm {
+        TrainerKind::OnPolicy => {
+            splits(
+                "data.train_batch_size",
+                cfg.data.train_batch_size,
+                "prompts",
+            )?;
+            splits(mini_key, mini, "prompts")?;
+            if cfg.algorithm.adv_estimator.needs_critic() {
+                splits(
+                    "critic.ppo_mini_batch_size",
+                    cfg.critic.worker.ppo_mini_batch_size,
+                    "prompts",
+                )?;
+            }
+            if cfg
+                .algorithm
+                .filter_groups
+                .as_ref()
+                .is_some_and(|f| f.enable)
+            {
+                bail!(
+                    "config key `algorithm.filter_groups.enable`: DAPO's dynamic sampling is not \
+                     data-parallel (the kept-group count would have to be global); run it with \
+                     one rank or set it to false"
+                );
+            }
+        }
+        TrainerKind::Sft => {
+            splits("sft.train_batch_size", cfg.sft.train_batch_size, "rows")?;
+            splits(mini_key, mini, "rows")?;
+        }
+        TrainerKind::Dpo => {
+            splits(
+                "preference_data.train_batch_size",
+                cfg.preference_data.train_batch_size,
+                "pairs",
+            )?;
+            splits(mini_key, mini, "pairs")?;
+        }
+        other => bail!(
+            "config key `trainer.algorithm`: {other:?} is not data-parallel; run it with one \
+             rank (without --nproc-per-node or WORLD_SIZE). on_policy, sft and dpo are"
+        ),
+    }
+    Ok(())
+}
+
+/// This process as a rank when torchrun's `WORLD_SIZE` is set (by this launcher, torchrun, a
+/// Slurm or Kubernetes wrapper): joins the group (rendezvous and every collective bounded by
+/// `timeout`) and, when `OMP_NUM_THREADS` is set, uses that many intra-op threads. `None`
+/// without `WORLD_SIZE`.
+pub fn rank_from_env(timeout: Duration) -> Result<Option<Rank>> {
+    if std::env::var_os("WORLD_SIZE").is_none() {
+        return Ok(None);
+    }
+    if let Ok(v) = std::env::var("OMP_NUM_THREADS") {
+        let n: i32 = v
+            .trim()
+            .parse()
+            .ok()
+            .filter(|&n| n > 0)
+            .with_context(|| format!("OMP_NUM_THREADS={v:?} is not a positive thread count"))?;
+        tch::set_num_threads(n);
+    }
+    let run_id = match std::env::var(RUN_ID_ENV) {
+        Ok(v) => Some(
+            v.trim()
+                .parse::<i64>()
+                .with_context(|| format!("{RUN_ID_ENV}={v:?} is not a run id"))?,
+        ),
+        Err(_) => None,
+    };
+    let group = rl_dist::shared_from_env(timeout)
+        .context("joining the data-parallel group (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)")?
+        .context("WORLD_SIZE vanished from the environment")?;
+    let (rank, world) = {
+        let g = rl_core::dist::lock(&group)?;
+        (g.rank(), g.world_size())
+    };
+    Ok(Some(Rank {
+        group,
+        rank,
+        world,
+        run_id,
+    }))
+}
+
+/// Kills (SIGKILL) and reaps every child still running when dropped, so no rank outlives a
+/// launcher that returns early.
+struct Children(Vec<Child>);
+
+impl Drop for Children {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            if matches!(c.try_wait(), Ok(None)) {
+                let _ = c.kill();
+            }
+            let _ = c.wait();
+        }
+    }
+}
+
+/// The name of Linux signal `sig`.
+fn signal_name(sig: i32) -> &'static str {
+    match sig {
+        1 => "SIGHUP",
+        2 => "SIGINT",
+        3 => "SIGQUIT",
+        4 => "SIGILL",
+        6 => "SIGABRT",
+        7 => "SIGBUS",
+        8 => "SIGFPE",
+        9 => "SIGKILL",
+        11 => "SIGSEGV",
+        13 => "SIGPIPE",
+        15 => "SIGTERM",
+        _ => "signal",
+    }
+}
+
+/// "exited with status 1" / "was killed by signal 9 (SIGKILL)".
+fn describe(status: ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    match (status.code(), status.signal()) {
+        (Some(code), _) => format!("exited with status {code}"),
+        (None, Some(sig)) => format!("was killed by signal {sig} ({})", signal_name(sig)),
+        _ => format!("ended ({status})"),
+    }
+}
+
+/// Copies `from` line by line to the launcher's stdout or stderr, each line prefixed with
+/// `[rank r] `.
+fn forward(
+    rank: usize,
+    from: impl Read + Send + 'static,
+    to_stderr: bool,
+) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        let mut lines = BufReader::new(from);
+        let mut line = Vec::new();
+        loop {
+            line.clear();
+            match lines.read_until(b'\n', &mut line) {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {
+                    let text = String::from_utf8_lossy(&line);
+                    let text = text.trim_end_matches(['\n', '\r']);
+                    let _ = if to_stderr {
+                        writeln!(std::io::stderr().lock(), "[rank {rank}] {text}")
+                    } else {
+                        writeln!(std::io::stdout().lock(), "[rank {rank}] {text}")
+                    };
+                }
+            }
+        }
+    })
+}
+
+/// Removes the `.tmp-*` folders a killed rank 0 may have left in `<run dir>/checkpoints`
+/// (never recorded in the store, so never resumed from; this only tidies).
+fn remove_partial_checkpoints(run_dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(run_dir.join("checkpoints")) else {
+        return;
+    };
+    for e in entries.flatten() {
+        if e.file_name().to_string_lossy().starts_with(".tmp-") {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
+}
+
+/// Starts `nproc` ranks of this executable running `child_args` (the `train` command line
+/// without `--nproc-per-node`) for a run recorded here first; waits for them; returns the run
+/// id, or an error naming the lost rank (the run is then marked failed).
+pub fn launch(
+    rt: &Runtime,
+    cfg: ExperimentConfig,
+    member: Membership,
+    nproc: usize,
+    timeout: Duration,
+    child_args: &[OsString],
+) -> Result<i64> {
+    if nproc == 0 {
+        bail!("--nproc-per-node must be at least 1");
+    }
+    if std::env::var_os("WORLD_SIZE").is_some() {
+        bail!(
+            "--nproc-per-node {nproc}: WORLD_SIZE is already set, so this process is a rank of \
+             an outside launcher (torchrun, Slurm); leave --nproc-per-node out"
+        );
+    }
+    check_data_parallel(&cfg, nproc)?;
+    let exe = std::env::current_exe().context("finding the harness executable to start ranks")?;
+    let store = rt.block_on(Store::open(&cfg.trainer.db_path()))?;
+    let (id, run_dir) = train::create_run(rt, &store, &cfg, member)?;
+    let port = TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .context("picking a free port on 127.0.0.1 for the ranks' rendezvous")?
+        .port();
+    let threads = std::env::var("OMP_NUM_THREADS").unwrap_or_else(|_| {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        (cores / nproc).max(1).to_string()
+    });
+    eprintln!(
+        "harness: run {id}: starting {nproc} ranks on 127.0.0.1:{port} ({threads} thread(s) each)"
+    );
+    let stop = Arc::new(AtomicBool::new(false));
+    let signals = {
+        let stop = stop.clone();
+        let _guard = rt.enter();
+        rt.spawn(async move {
+            use tokio::signal::unix::{SignalKind, signal};
+            let (Ok(mut int), Ok(mut term)) = (
+                signal(SignalKind::interrupt()),
+                signal(SignalKind::terminate()),
+            ) else {
+                return;
+            };
+            tokio::select! {
+                _ = int.recv() => {},
+                _ = term.recv() => {},
+            }
+            stop.store(true, Ordering::SeqCst);
+        })
+    };
+    let mut children = Children(Vec::with_capacity(nproc));
+    let mut forwarders = Vec::new();
+    for rank in 0..nproc {
+        let mut cmd = Command::new(&exe);
+        cmd.args(child_args)
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", nproc.to_string())
+            .env("LOCAL_RANK", rank.to_string())
+            .env("LOCAL_WORLD_SIZE", nproc.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .env("OMP_NUM_THREADS", &threads)
+            .env(RUN_ID_ENV, id.to_string())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(e) => {
+                let msg = format!("starting rank {rank} ({}): {e}", exe.display());
+                drop(children);
+                train::mark_failed(rt, &store, id, msg.clone())?;
+                bail!("run {id} failed: {msg}");
+            }
+        };
+        eprintln!("harness: run {id}: rank {rank} is pid {}", child.id());
+        if let Some(out) = child.stdout.take() {
+            forwarders.push(forward(rank, out, false));
+        }
+        if let Some(err) = child.stderr.take() {
+            forwarders.push(forward(rank, err, true));
+        }
+        children.0.push(child);
+    }
+
+    let mut exits: Vec<Option<ExitStatus>> = vec![None; nproc];
+    // the first rank to fail (a signal beats an exit code seen in the same poll) and how
+    let mut lost: Option<(usize, ExitStatus)> = None;
+    let mut deadline: Option<Instant> = None;
+    let mut forwarded = false;
+    let mut killed = Vec::new();
+    loop {
+        let mut failed_now = Vec::new();
+        for (rank, child) in children.0.iter_mut().enumerate() {
+            if exits[rank].is_none()
+                && let Some(status) = child.try_wait().context("waiting for the ranks")?
+            {
+                exits[rank] = Some(status);
+                if !status.success() {
+                    failed_now.push((rank, status));
+                }
+            }
+        }
+        if lost.is_none() && !failed_now.is_empty() && !stop.load(Ordering::SeqCst) {
+            failed_now.sort_by_key(|(rank, s)| (s.code().is_some(), *rank));
+            let (rank, status) = failed_now[0];
+            eprintln!(
+                "harness: run {id}: rank {rank} {}; the other ranks have {:.0} s \
+                 (--dist-timeout-s) to stop",
+                describe(status),
+                timeout.as_secs_f64()
+            );
+            lost = Some((rank, status));
+            deadline = Some(Instant::now() + timeout);
+        }
+        if exits.iter().all(Option::is_some) {
+            break;
+        }
+        if stop.load(Ordering::SeqCst) && !forwarded {
+            // every rank stops after the same step (they agree over the group), then rank 0
+            // checkpoints and records the run as killed
+            for (rank, child) in children.0.iter().enumerate() {
+                if exits[rank].is_none() {
+                    // kill(1): std only sends SIGKILL, and this crate has no unsafe code
+                    let _ = Command::new("kill")
+                        .args(["-TERM", &child.id().to_string()])
+                        .stdout(Stdio::null())
+                        .stderr(Stdio::null())
+                        .status();
+                }
+            }
+            forwarded = true;
+            deadline.get_or_insert(Instant::now() + timeout);
+        }
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            for (rank, child) in children.0.iter_mut().enumerate() {
+                if exits[rank].is_none() {
+                    let _ = child.kill();
+                    exits[rank] = child.wait().ok();
+                    killed.push(rank);
+                }
+            }
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    for f in forwarders {
+        let _ = f.join();
+    }
+    signals.abort();
+    if let Some((rank, status)) = lost {
+        let others: Vec<String> = exits
+            .iter()
+            .enumerate()
+            .filter(|(r, _)| *r != rank)
+            .map(|(r, s)| {
+                if killed.contains(&r) {
+                    format!("rank {r} killed by the launcher after the timeout")
+                } else {
+                    format!("rank {r} {}", s.map_or("ended".into(), describe))
+                }
+            })
+            .collect();
+        let msg = format!(
+            "rank {rank} of {nproc} {} ({})",
+            describe(status),
+            others.join(", ")
+        );
+        train::mark_failed(rt, &store, id, format!("run {id} failed: {msg}"))?;
+        remove_partial_checkpoints(&run_dir);
+        bail!("run {id} failed: {msg}");
+    }
+    if stop.load(Ordering::SeqCst) {
+        remove_partial_checkpoints(&run_dir);
+        bail!("run {id} stopped by a signal; `harness resume {id}` continues it");
+    }
+    if !killed.is_empty() {
+        let msg = format!("ranks {killed:?} did not stop in time and were killed");
+        train::mark_failed(rt, &store, id, format!("run {id} failed: {msg}"))?;
+        bail!("run {id} failed: {msg}");
+    }
+    Ok(id)
+}
