@@ -1,0 +1,77 @@
+//! Index building and search over a small corpus.
+
+use super::*;
+
+fn corpus(dir: &Path, lines: &[&str]) -> PathBuf {
+    let p = dir.join("corpus.jsonl");
+    std::fs::write(&p, lines.join("\n")).unwrap();
+    p
+}
+
+const LINES: [&str; 4] = [
+    r#"{"id": "0", "contents": "\"Paris\"\nParis is the capital of France."}"#,
+    r#"{"id": "1", "contents": "\"Berlin\"\nBerlin is the capital of Germany."}"#,
+    r#"{"id": 2, "contents": "\"Rhine\"\nThe Rhine flows through Germany and France.", "extra": 1}"#,
+    r#"{"id": "3", "contents": "\"Zorbu\"\nZorbu color is teal."}"#,
+];
+
+#[test]
+fn the_index_finds_the_matching_passage_first_in_query_order() {
+    let tmp = tempfile::tempdir().unwrap();
+    let c = corpus(tmp.path(), &LINES);
+    let idx = tmp.path().join("idx");
+    assert_eq!(build_index(&c, &idx).unwrap(), IndexStats { docs: 4 });
+    let r = Retriever::open(&idx).unwrap();
+    assert_eq!(r.num_docs(), 4);
+    let out = r
+        .search(
+            &[
+                "capital of Germany".into(),
+                "zorbu COLOR?".into(),
+                "(((".into(),
+                "nothing matches xyzzy".into(),
+            ],
+            2,
+        )
+        .unwrap();
+    assert_eq!(out.len(), 4);
+    assert_eq!(out[0][0].0.id, "1");
+    assert_eq!(out[0].len(), 2);
+    assert!(out[0][0].1 > out[0][1].1);
+    assert_eq!(out[1][0].0.id, "3");
+    assert_eq!(out[1][0].0.title(), "\"Zorbu\"");
+    assert_eq!(out[1][0].0.text(), "Zorbu color is teal.");
+    assert!(out[2].is_empty() && out[3].is_empty());
+    let e = r.search(&["x".into()], 0).unwrap_err().to_string();
+    assert!(e.starts_with("topk"), "{e}");
+}
+
+#[test]
+fn a_bad_corpus_line_names_the_file_and_line() {
+    let tmp = tempfile::tempdir().unwrap();
+    let c = corpus(tmp.path(), &[LINES[0], "", r#"{"id": "2"}"#]);
+    let e = build_index(&c, &tmp.path().join("idx"))
+        .unwrap_err()
+        .to_string();
+    assert!(e.starts_with(&format!("{}:3: ", c.display())), "{e}");
+    assert!(e.contains("contents"), "{e}");
+    let c = corpus(tmp.path(), &[r#"{"id": [1], "contents": "x"}"#]);
+    let e = build_index(&c, &tmp.path().join("idx2"))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains(":1: `id` must be a string"), "{e}");
+    let e = build_index(&tmp.path().join("missing.jsonl"), &tmp.path().join("idx3"))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("missing.jsonl"), "{e}");
+}
+
+#[test]
+fn an_index_is_not_built_over_a_non_empty_folder_and_opening_a_non_index_fails() {
+    let tmp = tempfile::tempdir().unwrap();
+    let c = corpus(tmp.path(), &LINES);
+    let e = build_index(&c, tmp.path()).unwrap_err().to_string();
+    assert!(e.contains("not empty"), "{e}");
+    let e = Retriever::open(tmp.path()).unwrap_err().to_string();
+    assert!(e.contains("meta.json is missing"), "{e}");
+}
