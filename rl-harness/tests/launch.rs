@@ -1,0 +1,355 @@
+//! `harness train --nproc-per-node 2` (issue 11): the launcher starts two ranks of the binary
+//! over Gloo on 127.0.0.1, and the run they make is the 1-rank run: the same weights at every
+//! step (within 1e-5) and the same metrics, for GRPO (the quickstart), SFT and offline DPO. A
+//! rank killed mid-run fails the run, naming the rank, with no partial checkpoint recorded; a
+//! 2-rank checkpoint resumes on one rank; configs that cannot run data-parallel are refused
+//! before any rank starts, naming the key.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::{Env, repo_root, tiny_llm, wait_for};
+use tch::Tensor;
+
+/// The quickstart's GRPO shrunk to 3 steps of 4 prompts x 2 samples, a checkpoint every step.
+const GRPO: &[&str] = &[
+    "trainer.total_training_steps=3",
+    "trainer.save_freq=1",
+    "trainer.test_freq=3",
+    "trainer.max_ckpt_to_keep=10",
+    "data.train_batch_size=4",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+    "actor_rollout_ref.rollout.n=2",
+];
+
+fn experiment(name: &str) -> String {
+    repo_root()
+        .join(format!("experiments/{name}.toml"))
+        .display()
+        .to_string()
+}
+
+/// The tiny data (with preference pairs) and both tiny models of the quickstart.
+fn setup() -> Env {
+    let env = Env::new();
+    tiny_llm(&env, 64, 16);
+    env.ok(&[
+        "data",
+        "tiny-addition",
+        "data/tiny-addition",
+        "--train",
+        "64",
+        "--test",
+        "16",
+        "--seed",
+        "7",
+        "--pairs",
+    ]);
+    env.ok(&["model", "init-tiny", "models/tiny-llama-sft", "--seed", "7"]);
+    env
+}
+
+/// `harness train FILE overrides.. [--nproc-per-node N]`, asserted to succeed.
+fn train(env: &Env, file: &str, overrides: &[&str], nproc: usize) -> String {
+    let n = nproc.to_string();
+    let mut args = vec!["train", file];
+    args.extend_from_slice(overrides);
+    if nproc > 1 {
+        args.extend(["--nproc-per-node", &n, "--dist-timeout-s", "60"]);
+    }
+    env.ok(&args)
+}
+
+fn weights(dir: &Path) -> BTreeMap<String, Tensor> {
+    let file = dir.join("trainer/actor/model.safetensors");
+    Tensor::read_safetensors(&file)
+        .unwrap_or_else(|e| panic!("{}: {e}", file.display()))
+        .into_iter()
+        .collect()
+}
+
+fn max_abs_diff(a: &BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>) -> f64 {
+    assert_eq!(
+        a.keys().collect::<Vec<_>>(),
+        b.keys().collect::<Vec<_>>(),
+        "different tensors"
+    );
+    a.iter()
+        .map(|(k, t)| (t - &b[k]).abs().max().double_value(&[]))
+        .fold(0.0, f64::max)
+}
+
+/// Run `run`'s checkpoints by step.
+fn checkpoints(env: &Env, run: i64) -> Vec<(i64, String)> {
+    let (rt, store) = env.store();
+    rt.block_on(store.checkpoints(run))
+        .unwrap()
+        .into_iter()
+        .map(|c| (c.step, c.path))
+        .collect()
+}
+
+/// Every metric of `run` but timings and the throughput derived from them.
+fn metrics(env: &Env, run: i64) -> BTreeMap<(i64, String), f64> {
+    let (rt, store) = env.store();
+    rt.block_on(store.all_metrics(run))
+        .unwrap()
+        .into_iter()
+        .filter(|(_, k, _, _)| !k.starts_with("timing_s/") && !k.starts_with("perf/throughput"))
+        .map(|(s, k, v, _)| ((s, k), v))
+        .collect()
+}
+
+/// Runs `file` on 1 rank (run 1) and through the launcher on 2 (run 2), and asserts that
+/// the checkpoint of every step holds the same weights within 1e-5 and that every metric is
+/// the same within 1e-5 (relative above 1). Returns the worst weight difference.
+fn assert_two_ranks_follow_one(name: &str, overrides: &[&str]) -> f64 {
+    let env = setup();
+    let file = experiment(name);
+    train(&env, &file, overrides, 1);
+    let out = train(&env, &file, overrides, 2);
+    assert!(out.contains("run 2 finished"), "{name}: {out}");
+    let (one, two) = (checkpoints(&env, 1), checkpoints(&env, 2));
+    assert!(!one.is_empty(), "{name}: no checkpoints");
+    assert_eq!(
+        one.iter().map(|c| c.0).collect::<Vec<_>>(),
+        two.iter().map(|c| c.0).collect::<Vec<_>>(),
+        "{name}: checkpoint steps"
+    );
+    let mut worst = 0.0f64;
+    for ((step, a), (_, b)) in one.iter().zip(&two) {
+        let d = max_abs_diff(&weights(Path::new(a)), &weights(Path::new(b)));
+        assert!(d < 1e-5, "{name}: step {step}: weights differ by {d}");
+        worst = worst.max(d);
+    }
+    let (m1, m2) = (metrics(&env, 1), metrics(&env, 2));
+    assert_eq!(
+        m1.keys().collect::<Vec<_>>(),
+        m2.keys().collect::<Vec<_>>(),
+        "{name}: metric keys"
+    );
+    for (k, a) in &m1 {
+        let b = m2[k];
+        assert!(
+            (a - b).abs() <= 1e-5 * a.abs().max(1.0),
+            "{name}: {k:?}: 1 rank {a}, 2 ranks {b}"
+        );
+    }
+    // only rank 0 wrote: one run row per `harness train`, one run directory each
+    let (rt, store) = env.store();
+    assert_eq!(rt.block_on(store.runs(None)).unwrap().len(), 2);
+    worst
+}
+
+#[test]
+fn two_ranks_of_the_quickstart_grpo_follow_one_rank_step_for_step() {
+    let d = assert_two_ranks_follow_one("quickstart", GRPO);
+    eprintln!("grpo: worst weight difference {d:e}");
+}
+
+#[test]
+fn two_ranks_of_sft_and_offline_dpo_follow_one_rank_step_for_step() {
+    let sft = assert_two_ranks_follow_one(
+        "quickstart_sft",
+        &[
+            "trainer.total_training_steps=3",
+            "trainer.save_freq=1",
+            "trainer.test_freq=3",
+            "trainer.max_ckpt_to_keep=10",
+            "sft.train_batch_size=8",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+        ],
+    );
+    let dpo = assert_two_ranks_follow_one(
+        "dpo",
+        &[
+            "trainer.total_training_steps=3",
+            "trainer.save_freq=1",
+            "trainer.test_freq=3",
+            "trainer.max_ckpt_to_keep=10",
+            "preference_data.train_batch_size=4",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        ],
+    );
+    eprintln!("worst weight differences: sft {sft:e}, dpo {dpo:e}");
+}
+
+#[test]
+fn a_two_rank_checkpoint_resumes_on_one_rank_with_the_two_rank_metrics() {
+    let env = setup();
+    let mut overrides = GRPO.to_vec();
+    overrides.extend(["trainer.total_training_steps=4", "trainer.test_freq=2"]);
+    train(&env, &experiment("quickstart"), &overrides, 2);
+    let uninterrupted = metrics(&env, 1);
+    // rerun steps 3 and 4 from the 2-rank checkpoint of step 2, in one process
+    env.ok(&["resume", "1", "--from-step", "2"]);
+    let resumed = metrics(&env, 1);
+    assert_eq!(
+        uninterrupted.keys().collect::<Vec<_>>(),
+        resumed.keys().collect::<Vec<_>>()
+    );
+    let mut later = 0;
+    for (k, a) in &uninterrupted {
+        let b = resumed[k];
+        later += usize::from(k.0 > 2);
+        assert!(
+            (a - b).abs() <= 1e-5 * a.abs().max(1.0),
+            "{k:?}: 2 ranks {a}, resumed on 1 {b}"
+        );
+    }
+    assert!(later > 10, "too few metrics after the checkpoint: {later}");
+}
+
+/// The launcher's stderr, collected by a thread as it comes.
+fn collect(from: impl std::io::Read + Send + 'static) -> Arc<Mutex<String>> {
+    let text = Arc::new(Mutex::new(String::new()));
+    let sink = text.clone();
+    std::thread::spawn(move || {
+        for line in BufReader::new(from).lines().map_while(Result::ok) {
+            let mut t = sink.lock().unwrap();
+            t.push_str(&line);
+            t.push('\n');
+        }
+    });
+    text
+}
+
+#[test]
+fn a_rank_killed_mid_run_fails_the_run_naming_it_and_leaves_no_partial_checkpoint() {
+    let env = setup();
+    let file = experiment("quickstart");
+    let mut args = vec!["train", file.as_str()];
+    args.extend_from_slice(GRPO);
+    args.extend([
+        "trainer.total_training_steps=10000",
+        "--nproc-per-node",
+        "2",
+        "--dist-timeout-s",
+        "30",
+    ]);
+    let mut launcher = env
+        .cmd()
+        .args(&args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = collect(launcher.stderr.take().unwrap());
+    let pid_of = |rank: usize| {
+        let text = stderr.lock().unwrap();
+        let tag = format!("rank {rank} is pid ");
+        text.lines().find_map(|l| {
+            l.split_once(&tag)
+                .map(|(_, p)| p.trim().parse::<u32>().unwrap())
+        })
+    };
+    wait_for("the ranks' pids", Duration::from_secs(60), || {
+        pid_of(1).is_some()
+    });
+    let (rt, store) = env.store();
+    // a few steps in, with checkpoints being written every step
+    wait_for("step 2's metrics", Duration::from_secs(120), || {
+        rt.block_on(store.all_metrics(1))
+            .map(|m| m.iter().any(|(s, _, _, _)| *s >= 2))
+            .unwrap_or(false)
+    });
+    let victim = pid_of(1).unwrap();
+    let killed = std::process::Command::new("kill")
+        .args(["-KILL", &victim.to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = launcher.try_wait().unwrap() {
+            break s;
+        }
+        if start.elapsed() > Duration::from_secs(60) {
+            let _ = launcher.kill();
+            panic!(
+                "the launcher did not exit within 60 s of rank 1's death:\n{}",
+                stderr.lock().unwrap()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    // the survivors fail on the broken group well before the 30 s timeout
+    assert!(
+        start.elapsed() < Duration::from_secs(30),
+        "{:?}",
+        start.elapsed()
+    );
+    std::thread::sleep(Duration::from_millis(200));
+    let text = stderr.lock().unwrap().clone();
+    assert!(!status.success(), "{text}");
+    assert!(
+        text.contains("rank 1 of 2 was killed by signal 9 (SIGKILL)"),
+        "{text}"
+    );
+    let run = rt.block_on(store.run(1)).unwrap().unwrap();
+    assert_eq!(run.status, "failed");
+    let error = run.error.unwrap_or_default();
+    assert!(error.contains("rank 1 of 2 was killed"), "{error}");
+    // every recorded checkpoint is complete, and no partial one is left behind
+    let ckpts = rt.block_on(store.checkpoints(1)).unwrap();
+    assert!(!ckpts.is_empty());
+    for c in &ckpts {
+        assert!(
+            Path::new(&c.path).join("harness.json").is_file(),
+            "{}",
+            c.path
+        );
+    }
+    let left: Vec<String> = std::fs::read_dir(Path::new(&run.run_dir).join("checkpoints"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(".tmp"))
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+}
+
+#[test]
+fn configs_that_cannot_run_data_parallel_are_refused_before_any_rank_starts() {
+    let env = setup();
+    let refused = |file: &str, overrides: &[&str], nproc: &str| {
+        let file = experiment(file);
+        let mut args = vec!["train", file.as_str()];
+        args.extend_from_slice(overrides);
+        args.extend(["--nproc-per-node", nproc]);
+        env.fails(&args)
+    };
+    let e = refused("online_dpo", &[], "2");
+    assert!(
+        e.contains("trainer.algorithm") && e.contains("OnlineDpo"),
+        "{e}"
+    );
+    let e = refused("spin", &[], "2");
+    assert!(e.contains("trainer.algorithm") && e.contains("Spin"), "{e}");
+    let e = refused("dapo", &[], "2");
+    assert!(e.contains("algorithm.filter_groups.enable"), "{e}");
+    let e = refused("quickstart", &["data.train_batch_size=6"], "4");
+    assert!(
+        e.contains("data.train_batch_size") && e.contains("6"),
+        "{e}"
+    );
+    let e = refused(
+        "quickstart_sft",
+        &[
+            "sft.train_batch_size=9",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=9",
+        ],
+        "2",
+    );
+    assert!(e.contains("sft.train_batch_size"), "{e}");
+    let e = refused("quickstart", &[], "0");
+    assert!(e.contains("--nproc-per-node"), "{e}");
+    // nothing was recorded
+    let (rt, store) = env.store();
+    assert!(rt.block_on(store.runs(None)).unwrap().is_empty());
+}
