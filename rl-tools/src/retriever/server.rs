@@ -11,6 +11,7 @@ use std::convert::Infallible;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::Path;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::thread::JoinHandle;
 
 use http_body_util::{BodyExt, Full, Limited};
@@ -54,6 +55,7 @@ impl Default for ServeOptions {
 pub struct ServerHandle {
     addr: SocketAddr,
     docs: u64,
+    state: Arc<State>,
     shutdown: Option<oneshot::Sender<()>>,
     thread: Option<JoinHandle<()>>,
 }
@@ -77,6 +79,11 @@ impl ServerHandle {
     /// Passages in the served index.
     pub fn num_docs(&self) -> u64 {
         self.docs
+    }
+
+    /// `/retrieve` requests answered so far (any status).
+    pub fn requests(&self) -> u64 {
+        self.state.requests.load(Ordering::Relaxed)
     }
 
     /// Blocks until the server stops (it only stops when the handle is dropped or the process
@@ -150,22 +157,27 @@ pub fn start_server(dir: &Path, opts: &ServeOptions) -> Result<ServerHandle> {
     let state = Arc::new(State {
         retriever,
         default_topk: opts.default_topk,
+        requests: AtomicU64::new(0),
     });
+    let served = state.clone();
     let thread = std::thread::Builder::new()
         .name(format!("retriever-{}", bound.port()))
-        .spawn(move || rt.block_on(accept_loop(listener, state, rx)))
+        .spawn(move || rt.block_on(accept_loop(listener, served, rx)))
         .map_err(|e| fail(format!("starting the server thread: {e}")))?;
     Ok(ServerHandle {
         addr: bound,
         docs,
+        state,
         shutdown: Some(tx),
         thread: Some(thread),
     })
 }
 
+#[derive(Debug)]
 struct State {
     retriever: Retriever,
     default_topk: usize,
+    requests: AtomicU64,
 }
 
 async fn accept_loop(
@@ -290,6 +302,7 @@ async fn handle(
             format!("no such path `{}`; use POST /retrieve", req.uri().path()),
         ));
     }
+    state.requests.fetch_add(1, Ordering::Relaxed);
     if req.method() != Method::POST {
         return Ok(error(
             StatusCode::METHOD_NOT_ALLOWED,
