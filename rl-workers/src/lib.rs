@@ -6,6 +6,8 @@
 //!   `save_pretrained` over a Hugging Face directory.
 //! - [`gguf::import`]: a llama.cpp GGUF file to a Hugging Face directory.
 //! - [`generate`] with [`RolloutConfig`]: the batched, KV-cached rollout engine.
+//! - [`generate_multi_turn`] with a [`ToolEnv`]: multi-turn rollouts that call tools between
+//!   turns, keeping the KV cache.
 //! - [`roles`]: actor, rollout (sharing the actor's weights), reference and critic workers.
 
 mod error;
@@ -13,10 +15,15 @@ pub mod gguf;
 mod heads;
 mod hf;
 mod model;
+mod multiturn;
 pub mod roles;
 mod rollout;
 
 pub use error::{Error, Result};
 pub use heads::{CONFIG_JSON, CausalLm, RewardModel, ValueModel};
 pub use model::{Config, Family, KvCache, Model, TokenIds};
+pub use multiturn::{
+    ANSWER_TAG, MultiTurnConfig, MultiTurnOutput, StopReason, TextCodec, ToolEnv, TurnStats,
+    generate_multi_turn,
+};
 pub use rollout::{GenerateOptions, Progress, RolloutConfig, RolloutOutput, generate};

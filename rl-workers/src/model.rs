@@ -647,6 +647,58 @@ impl KvCache {
         }
         Ok(())
     }
+
+    /// Rebuilds the cache from some of its rows and, per row, some of its columns, into a
+    /// fresh cache of `capacity` tokens: new row `i` holds old row `rows[i]`, and its column `j`
+    /// is old column `columns[i, j]`. Keys are stored after RoPE, so moving a token to another
+    /// column changes nothing it computes as long as the attention mask moves with it; the
+    /// multi-turn rollout uses this to squeeze out the masked holes between turns.
+    ///
+    /// # Shapes
+    /// - `rows`: `[new_batch]` i64 indices into `0..batch`
+    /// - `columns`: `[new_batch, new_len]` i64 indices into `0..len()`, `new_len <= capacity`
+    pub fn gather_columns(&mut self, rows: &Tensor, columns: &Tensor, capacity: i64) -> Result<()> {
+        let n = expect_dims("rows", rows, &[None], "[new_batch]")?[0];
+        expect_kind("rows", rows, &[Kind::Int64])?;
+        let new_len = expect_dims("columns", columns, &[Some(n), None], "[new_batch, new_len]")?[1];
+        expect_kind("columns", columns, &[Kind::Int64])?;
+        if new_len > capacity {
+            return Err(Error::invalid(
+                "capacity",
+                format!("{capacity} tokens cannot hold {new_len} gathered columns"),
+            ));
+        }
+        for (name, t, hi) in [("rows", rows, self.batch()), ("columns", columns, self.len)] {
+            if t.numel() > 0 {
+                let (lo, top) = (t.min().int64_value(&[]), t.max().int64_value(&[]));
+                if lo < 0 || top >= hi {
+                    return Err(Error::invalid(
+                        name,
+                        format!("indices {lo}..={top} outside 0..{hi}"),
+                    ));
+                }
+            }
+        }
+        let device = self.keys.first().map_or(Device::Cpu, Tensor::device);
+        let (rows, columns) = (rows.to_device(device), columns.to_device(device));
+        for t in self.keys.iter_mut().chain(self.values.iter_mut()) {
+            let size = t.size();
+            let (heads, hd) = (size[1], size[3]);
+            // [new_batch, new_len] -> [new_batch, n_kv_heads, new_len, head_dim]
+            let index = columns
+                .view([n, 1, new_len, 1])
+                .expand([n, heads, new_len, hd], false);
+            let fresh = Tensor::empty([n, heads, capacity, hd], (t.kind(), t.device()));
+            fresh.narrow(2, 0, new_len).copy_(
+                &t.narrow(2, 0, self.len)
+                    .index_select(0, &rows)
+                    .gather(2, &index, false),
+            );
+            *t = fresh;
+        }
+        self.len = new_len;
+        Ok(())
+    }
 }
 
 /// The decoder stack (`model.*` weights): embeddings, layers and the final norm.

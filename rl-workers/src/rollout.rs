@@ -187,13 +187,47 @@ pub struct RolloutOutput {
     pub rollout_log_probs: Tensor,
 }
 
+/// One ChaCha8 stream per output row: seeded by `opts.seed`, stream `opts.row_offset + r`.
+pub(crate) fn row_rngs(opts: &GenerateOptions<'_>, rows: usize) -> Vec<ChaCha8Rng> {
+    (0..rows as u64)
+        .map(|r| {
+            let mut rng = ChaCha8Rng::seed_from_u64(opts.seed);
+            rng.set_stream(opts.row_offset + r);
+            rng
+        })
+        .collect()
+}
+
+/// The uniforms of one sampling step: one draw from the stream of each row that `draws`
+/// (in compute-batch order), 0 for the others; `None` when greedy.
+///
+/// # Shapes
+/// - returns `[rows, 1]` f64 on `device`
+pub(crate) fn step_uniforms(
+    cfg: &RolloutConfig,
+    rngs: &mut [ChaCha8Rng],
+    rows: impl Iterator<Item = (usize, bool)>,
+    device: tch::Device,
+) -> Option<Tensor> {
+    cfg.sampling().then(|| {
+        let u: Vec<f64> = rows
+            .map(|(r, draws)| if draws { rngs[r].random::<f64>() } else { 0.0 })
+            .collect();
+        Tensor::from_slice(&u).view([-1, 1]).to_device(device)
+    })
+}
+
 /// Turns last-position logits into tokens and their log-probs.
 ///
 /// # Shapes
 /// - `logits`: `[rows, vocab]` f32
 /// - `uniforms`: `[rows, 1]` f64 in [0, 1) (ignored when greedy)
 /// - returns `(tokens, log_probs)`: `[rows]` i64 and `[rows]` f32
-fn pick(logits: &Tensor, cfg: &RolloutConfig, uniforms: Option<&Tensor>) -> (Tensor, Tensor) {
+pub(crate) fn pick(
+    logits: &Tensor,
+    cfg: &RolloutConfig,
+    uniforms: Option<&Tensor>,
+) -> (Tensor, Tensor) {
     let Some(uniforms) = uniforms.filter(|_| cfg.sampling()) else {
         let tokens = logits.argmax(-1, true);
         let log_probs = logits
@@ -250,6 +284,18 @@ pub fn generate(
     cfg: &RolloutConfig,
     opts: &mut GenerateOptions<'_>,
 ) -> Result<RolloutOutput> {
+    check_prompts(input_ids, attention_mask, position_ids, cfg)?;
+    tch::no_grad(|| generate_inner(lm, input_ids, attention_mask, position_ids, cfg, opts))
+}
+
+/// The input checks of [`generate`] (and the multi-turn rollout): shapes, dtypes, a valid
+/// config, left padding.
+pub(crate) fn check_prompts(
+    input_ids: &Tensor,
+    attention_mask: &Tensor,
+    position_ids: &Tensor,
+    cfg: &RolloutConfig,
+) -> Result<()> {
     let size = expect_dims(
         "input_ids",
         input_ids,
@@ -291,7 +337,7 @@ pub fn generate(
             "prompts must be left-padded (last column all 1)",
         ));
     }
-    tch::no_grad(|| generate_inner(lm, input_ids, attention_mask, position_ids, cfg, opts))
+    Ok(())
 }
 
 fn generate_inner(
@@ -342,13 +388,7 @@ fn generate_inner(
     };
     let last_pos = prompt_pos.narrow(1, prompt_len - 1, 1);
 
-    let mut rngs: Vec<ChaCha8Rng> = (0..rows as u64)
-        .map(|r| {
-            let mut rng = ChaCha8Rng::seed_from_u64(opts.seed);
-            rng.set_stream(opts.row_offset + r);
-            rng
-        })
-        .collect();
+    let mut rngs = row_rngs(opts, rows as usize);
     let mut tokens_out: Vec<Vec<i64>> = vec![Vec::new(); rows as usize];
     let mut logps_out: Vec<Vec<f32>> = vec![Vec::new(); rows as usize];
     // `active[i]` = output row held at compute-batch position i; `done[i]` = it has stopped
@@ -360,10 +400,7 @@ fn generate_inner(
     let mut generated = 0i64;
 
     for step in 0..max_new {
-        let uniforms = cfg.sampling().then(|| {
-            let u: Vec<f64> = active.iter().map(|&r| rngs[r].random::<f64>()).collect();
-            Tensor::from_slice(&u).view([-1, 1]).to_device(device)
-        });
+        let uniforms = step_uniforms(cfg, &mut rngs, active.iter().map(|&r| (r, true)), device);
         let (tokens, log_probs) = pick(&logits, cfg, uniforms.as_ref());
         let tokens_cpu = Vec::<i64>::try_from(&tokens.to_device(tch::Device::Cpu))?;
         let logps_cpu = Vec::<f32>::try_from(&log_probs.to_device(tch::Device::Cpu))?;
@@ -414,19 +451,46 @@ fn generate_inner(
         next_pos += 1;
     }
 
-    // assemble verl's layout, padded to response_length
-    let width = max_new as usize;
-    let mut responses = vec![opts.pad_token_id; rows as usize * width];
-    let mut response_mask = vec![0f32; rows as usize * width];
-    let mut rollout_log_probs = vec![0f32; rows as usize * width];
-    for r in 0..rows as usize {
-        for (t, (&tok, &lp)) in tokens_out[r].iter().zip(&logps_out[r]).enumerate() {
+    Ok(assemble(
+        &tokens_out,
+        &logps_out,
+        &prompt_ids,
+        &prompt_mask,
+        &prompt_pos,
+        max_new,
+        opts.pad_token_id,
+    ))
+}
+
+/// verl's layout from each row's response tokens and their log-probs, right-padded to
+/// `response_len` with `pad`.
+///
+/// # Shapes
+/// - `prompt_ids`, `prompt_mask`, `prompt_pos`: `[rows, prompt_len]` i64
+/// - `tokens[r]`, `log_probs[r]`: at most `response_len` each
+pub(crate) fn assemble(
+    tokens: &[Vec<i64>],
+    log_probs: &[Vec<f32>],
+    prompt_ids: &Tensor,
+    prompt_mask: &Tensor,
+    prompt_pos: &Tensor,
+    response_len: i64,
+    pad: i64,
+) -> RolloutOutput {
+    let device = prompt_ids.device();
+    let rows = tokens.len();
+    let width = response_len as usize;
+    let mut responses = vec![pad; rows * width];
+    let mut response_mask = vec![0f32; rows * width];
+    let mut rollout_log_probs = vec![0f32; rows * width];
+    for r in 0..rows {
+        for (t, (&tok, &lp)) in tokens[r].iter().zip(&log_probs[r]).enumerate() {
             responses[r * width + t] = tok;
             response_mask[r * width + t] = 1.0;
             rollout_log_probs[r * width + t] = lp;
         }
     }
-    let shape = [rows, max_new];
+    let shape = [rows as i64, response_len];
     let responses = Tensor::from_slice(&responses).view(shape).to_device(device);
     let response_mask = Tensor::from_slice(&response_mask)
         .view(shape)
@@ -434,16 +498,18 @@ fn generate_inner(
     let rollout_log_probs = Tensor::from_slice(&rollout_log_probs)
         .view(shape)
         .to_device(device);
-    let delta = Tensor::arange_start(1, max_new + 1, (Kind::Int64, device)).unsqueeze(0);
-    Ok(RolloutOutput {
-        input_ids: Tensor::cat(&[&prompt_ids, &responses], 1),
-        attention_mask: Tensor::cat(&[&prompt_mask, &response_mask.to_kind(Kind::Int64)], 1),
-        position_ids: Tensor::cat(&[&prompt_pos, &(&last_pos + delta)], 1),
-        prompts: prompt_ids,
+    let prompt_len = prompt_pos.size()[1];
+    let last_pos = prompt_pos.narrow(1, prompt_len - 1, 1);
+    let delta = Tensor::arange_start(1, response_len + 1, (Kind::Int64, device)).unsqueeze(0);
+    RolloutOutput {
+        input_ids: Tensor::cat(&[prompt_ids, &responses], 1),
+        attention_mask: Tensor::cat(&[prompt_mask, &response_mask.to_kind(Kind::Int64)], 1),
+        position_ids: Tensor::cat(&[prompt_pos, &(&last_pos + delta)], 1),
+        prompts: prompt_ids.shallow_clone(),
         responses,
         response_mask,
         rollout_log_probs,
-    })
+    }
 }
 
 #[cfg(test)]
