@@ -26,7 +26,7 @@ use crate::store::Store;
 use crate::train::{self, Membership, Rank};
 
 /// The environment variable through which the launcher tells its ranks the run it recorded.
-pub const RUN_ID_ENV: &str = "RL_HARNESS_RUN_ID";
+pub const RUN_ID_ENV: &str = "HARNESS_RUN_ID";
 
 /// The collective timeout of `--dist-timeout-s`, checked.
 pub fn timeout(seconds: f64) -> Result<Duration> {

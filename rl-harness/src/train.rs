@@ -332,7 +332,7 @@ pub struct Rank {
     pub rank: usize,
     /// Number of ranks.
     pub world: usize,
-    /// The run the launcher recorded (`RL_HARNESS_RUN_ID`); `None` under an outside launcher
+    /// The run the launcher recorded (`HARNESS_RUN_ID`; not `RL_`-prefixed, which the config would read); `None` under an outside launcher
     /// (torchrun, Slurm), where rank 0 records the run.
     pub run_id: Option<i64>,
 }

@@ -55,15 +55,43 @@ fn setup() -> Env {
     env
 }
 
-/// `harness train FILE overrides.. [--nproc-per-node N]`, asserted to succeed.
-fn train(env: &Env, file: &str, overrides: &[&str], nproc: usize) -> String {
+/// [`setup`], then the quickstart's SFT warm-up, shortened, into `models/tiny-llama-sft`, so
+/// that GRPO's groups have mixed rewards (fresh weights score 0 everywhere, and the update is
+/// then zero).
+fn setup_warm() -> Env {
+    let env = setup();
+    train(
+        &env,
+        &experiment("quickstart_sft"),
+        &[
+            "trainer.total_training_steps=120",
+            "trainer.test_freq=0",
+            "trainer.save_freq=0",
+            "sft.train_batch_size=16",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+        ],
+        1,
+    );
+    env
+}
+
+/// `harness train FILE overrides.. [--nproc-per-node N]`, asserted to succeed; the run id.
+fn train(env: &Env, file: &str, overrides: &[&str], nproc: usize) -> i64 {
     let n = nproc.to_string();
     let mut args = vec!["train", file];
     args.extend_from_slice(overrides);
     if nproc > 1 {
         args.extend(["--nproc-per-node", &n, "--dist-timeout-s", "60"]);
     }
-    env.ok(&args)
+    let out = env.ok(&args);
+    out.lines()
+        .find_map(|l| {
+            l.strip_prefix("run ")?
+                .strip_suffix(" finished")?
+                .parse()
+                .ok()
+        })
+        .unwrap_or_else(|| panic!("no `run N finished` in {out}"))
 }
 
 fn weights(dir: &Path) -> BTreeMap<String, Tensor> {
@@ -106,17 +134,24 @@ fn metrics(env: &Env, run: i64) -> BTreeMap<(i64, String), f64> {
         .collect()
 }
 
-/// Runs `file` on 1 rank (run 1) and through the launcher on 2 (run 2), and asserts that
-/// the checkpoint of every step holds the same weights within 1e-5 and that every metric is
-/// the same within 1e-5 (relative above 1). Returns the worst weight difference.
-fn assert_two_ranks_follow_one(name: &str, overrides: &[&str]) -> f64 {
-    let env = setup();
+/// Runs `file` on 1 rank and through the launcher on 2, and asserts that the checkpoint of
+/// every step holds the same weights within 1e-5 (and that the weights moved), and that every
+/// metric is the same within 1e-5 (relative above 1). Returns the worst weight difference.
+fn assert_two_ranks_follow_one(env: &Env, name: &str, overrides: &[&str]) -> f64 {
     let file = experiment(name);
-    train(&env, &file, overrides, 1);
-    let out = train(&env, &file, overrides, 2);
-    assert!(out.contains("run 2 finished"), "{name}: {out}");
-    let (one, two) = (checkpoints(&env, 1), checkpoints(&env, 2));
-    assert!(!one.is_empty(), "{name}: no checkpoints");
+    let runs_before = {
+        let (rt, store) = env.store();
+        rt.block_on(store.runs(None)).unwrap().len()
+    };
+    let solo = train(env, &file, overrides, 1);
+    let pair = train(env, &file, overrides, 2);
+    let (one, two) = (checkpoints(env, solo), checkpoints(env, pair));
+    assert!(one.len() >= 2, "{name}: checkpoints {one:?}");
+    let moved = max_abs_diff(
+        &weights(Path::new(&one[0].1)),
+        &weights(Path::new(&one[one.len() - 1].1)),
+    );
+    assert!(moved > 1e-4, "{name}: the weights did not move ({moved})");
     assert_eq!(
         one.iter().map(|c| c.0).collect::<Vec<_>>(),
         two.iter().map(|c| c.0).collect::<Vec<_>>(),
@@ -128,7 +163,7 @@ fn assert_two_ranks_follow_one(name: &str, overrides: &[&str]) -> f64 {
         assert!(d < 1e-5, "{name}: step {step}: weights differ by {d}");
         worst = worst.max(d);
     }
-    let (m1, m2) = (metrics(&env, 1), metrics(&env, 2));
+    let (m1, m2) = (metrics(env, solo), metrics(env, pair));
     assert_eq!(
         m1.keys().collect::<Vec<_>>(),
         m2.keys().collect::<Vec<_>>(),
@@ -141,21 +176,26 @@ fn assert_two_ranks_follow_one(name: &str, overrides: &[&str]) -> f64 {
             "{name}: {k:?}: 1 rank {a}, 2 ranks {b}"
         );
     }
-    // only rank 0 wrote: one run row per `harness train`, one run directory each
+    // only rank 0 wrote: one run row per `harness train`
     let (rt, store) = env.store();
-    assert_eq!(rt.block_on(store.runs(None)).unwrap().len(), 2);
+    assert_eq!(
+        rt.block_on(store.runs(None)).unwrap().len(),
+        runs_before + 2
+    );
     worst
 }
 
 #[test]
 fn two_ranks_of_the_quickstart_grpo_follow_one_rank_step_for_step() {
-    let d = assert_two_ranks_follow_one("quickstart", GRPO);
+    let d = assert_two_ranks_follow_one(&setup_warm(), "quickstart", GRPO);
     eprintln!("grpo: worst weight difference {d:e}");
 }
 
 #[test]
 fn two_ranks_of_sft_and_offline_dpo_follow_one_rank_step_for_step() {
+    let env = setup();
     let sft = assert_two_ranks_follow_one(
+        &env,
         "quickstart_sft",
         &[
             "trainer.total_training_steps=3",
@@ -167,6 +207,7 @@ fn two_ranks_of_sft_and_offline_dpo_follow_one_rank_step_for_step() {
         ],
     );
     let dpo = assert_two_ranks_follow_one(
+        &env,
         "dpo",
         &[
             "trainer.total_training_steps=3",
@@ -182,14 +223,14 @@ fn two_ranks_of_sft_and_offline_dpo_follow_one_rank_step_for_step() {
 
 #[test]
 fn a_two_rank_checkpoint_resumes_on_one_rank_with_the_two_rank_metrics() {
-    let env = setup();
+    let env = setup_warm();
     let mut overrides = GRPO.to_vec();
     overrides.extend(["trainer.total_training_steps=4", "trainer.test_freq=2"]);
-    train(&env, &experiment("quickstart"), &overrides, 2);
-    let uninterrupted = metrics(&env, 1);
+    let run = train(&env, &experiment("quickstart"), &overrides, 2);
+    let uninterrupted = metrics(&env, run);
     // rerun steps 3 and 4 from the 2-rank checkpoint of step 2, in one process
-    env.ok(&["resume", "1", "--from-step", "2"]);
-    let resumed = metrics(&env, 1);
+    env.ok(&["resume", &run.to_string(), "--from-step", "2"]);
+    let resumed = metrics(&env, run);
     assert_eq!(
         uninterrupted.keys().collect::<Vec<_>>(),
         resumed.keys().collect::<Vec<_>>()
