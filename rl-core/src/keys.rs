@@ -58,7 +58,9 @@ keys! {
     /// The generated tokens, right-padded with the pad id.
     RESPONSES = "responses", tensor, "[batch, response_len]", "i64",
         writer: "rollout", reader: "actor, reference, critic, reward";
-    /// 1.0 on real response tokens (including the stopping EOS), 0.0 on padding (and on tool observations in multi-turn).
+    /// 1.0 on real response tokens (including the stopping EOS and, in multi-turn rollouts, the
+    /// tool observations), 0.0 on padding: lengths, the reward's last token and decoding read
+    /// it. Losses and advantages read it restricted by [`LOSS_MASK`] (see [`policy_mask`]).
     RESPONSE_MASK = "response_mask", tensor, "[batch, response_len]", "f32",
         writer: "rollout", reader: "advantage estimators, losses, metrics";
     /// Log-probs of the response tokens under the policy that will be updated, before the update.
@@ -91,9 +93,23 @@ keys! {
     /// Reward-model scores (before combining with rule scores).
     RM_SCORES = "rm_scores", tensor, "[batch, response_len]", "f32",
         writer: "reward model worker", reader: "reward combination";
-    /// 1 on tokens that contribute to the loss (SFT: assistant tokens; multi-turn: generated tokens).
+    /// 1 on tokens that contribute to the loss (SFT: assistant tokens; multi-turn rollout: the
+    /// tokens the model generated, 0 on the prompt, tool observations and padding). verl's
+    /// multi-turn `response_mask`; here `response_mask` keeps covering the whole response and
+    /// this key, when present, restricts it for every loss ([`policy_mask`]).
     LOSS_MASK = "loss_mask", tensor, "[batch, seq_len]", "i64",
-        writer: "rl-data SFT collation, multi-turn rollout", reader: "SFT loss, policy loss";
+        writer: "rl-data SFT collation, multi-turn rollout",
+        reader: "SFT, policy, entropy, KL and value losses, KL-in-reward, advantages";
+    /// Model turns of each multi-turn response (verl's `__num_turns__`).
+    NUM_TURNS = "__num_turns__", column, "[batch]", "i64",
+        writer: "multi-turn rollout", reader: "env/number_of_turns";
+    /// Tool calls of each multi-turn response: `{"<tool>": {"calls": n, "failed": m}}`.
+    TOOL_CALLS = "tool_calls", column, "[batch]", "json",
+        writer: "multi-turn rollout", reader: "env/<tool>_calls, env/tool_errors";
+    /// Turns of each multi-turn response that ended in a valid action (a call whose
+    /// observation is valid, or an answer).
+    VALID_ACTIONS = "valid_actions", column, "[batch]", "i64",
+        writer: "multi-turn rollout", reader: "env/valid_action_ratio";
     /// Group id shared by the `n` samples of one prompt.
     UID = "uid", column, "[batch]", "string",
         writer: "rl-data loader (deterministic from seed, epoch and index)", reader: "GRPO / RLOO grouping";
@@ -111,6 +127,39 @@ keys! {
         writer: "rl-data loader", reader: "logging";
 }
 
+/// The mask every loss and advantage reads, `[batch, response_len]` f32: [`RESPONSE_MASK`],
+/// times the last `response_len` columns of [`LOSS_MASK`] when the batch has one (multi-turn
+/// rollouts: zero on tool observations).
+///
+/// # Shapes
+/// - `response_mask`: `[batch, response_len]` float
+/// - `loss_mask` (optional): `[batch, seq_len]` with `seq_len >= response_len`
+/// - returns `[batch, response_len]` f32
+pub fn policy_mask(batch: &crate::Batch) -> crate::Result<tch::Tensor> {
+    let mask = batch.get(RESPONSE_MASK)?;
+    let (rows, response_len) = crate::shape::expect_2d(RESPONSE_MASK, mask)?;
+    let mask = mask.to_kind(tch::Kind::Float);
+    if !batch.contains(LOSS_MASK) {
+        return Ok(mask);
+    }
+    let loss = batch.get(LOSS_MASK)?;
+    let (loss_rows, seq_len) = crate::shape::expect_2d(LOSS_MASK, loss)?;
+    if loss_rows != rows || seq_len < response_len {
+        return Err(crate::Error::InvalidArgument {
+            name: LOSS_MASK,
+            reason: format!(
+                "has shape [{loss_rows}, {seq_len}], expected [{rows}, seq_len] with seq_len >= \
+                 response_len {response_len}"
+            ),
+        });
+    }
+    let tail = loss
+        .narrow(1, seq_len - response_len, response_len)
+        .to_kind(tch::Kind::Float)
+        .to_device(mask.device());
+    Ok(mask * tail)
+}
+
 /// Looks up a key's documentation.
 pub fn spec(name: &str) -> Option<&'static KeySpec> {
     ALL.iter().find(|k| k.name == name)
@@ -119,6 +168,34 @@ pub fn spec(name: &str) -> Option<&'static KeySpec> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_policy_mask_is_the_response_mask_restricted_by_the_loss_mask() {
+        use tch::{Kind, Tensor};
+        let mut b = crate::Batch::new();
+        let rm = Tensor::from_slice(&[1f32, 1., 1., 0., 1., 1., 0., 0.]).view([2, 4]);
+        b.insert(RESPONSE_MASK, rm.shallow_clone()).unwrap();
+        assert!(policy_mask(&b).unwrap().equal(&rm));
+        // two prompt columns, then generated, observation, generated, padding
+        let lm = Tensor::from_slice(&[0i64, 0, 1, 0, 1, 0, 0, 1, 1, 1, 0, 0]).view([2, 6]);
+        b.insert(LOSS_MASK, lm).unwrap();
+        let want = Tensor::from_slice(&[1f32, 0., 1., 0., 1., 1., 0., 0.]).view([2, 4]);
+        assert!(policy_mask(&b).unwrap().equal(&want));
+        assert_eq!(policy_mask(&b).unwrap().kind(), Kind::Float);
+        let mut short = crate::Batch::new();
+        short.insert(RESPONSE_MASK, rm).unwrap();
+        short
+            .insert(
+                LOSS_MASK,
+                Tensor::ones([2, 3], (Kind::Int64, tch::Device::Cpu)),
+            )
+            .unwrap();
+        let err = policy_mask(&short).unwrap_err().to_string();
+        assert!(
+            err.contains("loss_mask") && err.contains("response_len 4"),
+            "{err}"
+        );
+    }
 
     #[test]
     fn keys_are_unique_and_looked_up() {
