@@ -2,9 +2,17 @@
 //!
 //! Every function is a pure string function: the caller decodes the response tokens to text.
 //! [`RewardRegistry::verl_default`] holds verl's table (`openai/gsm8k`, the MATH sources,
-//! `math_dapo`/`math`/`aime*`, the Search-R1 QA sources) plus this crate's tasks (`countdown`,
-//! `arithmetic`, `word_problems`); [`RewardConfig`] maps more data sources to built-in or
-//! registered functions by name.
+//! `math_dapo`/`math`/`aime*`, the Search-R1 QA sources: `searchR1_*`, `nq`, `triviaqa`,
+//! `popqa`, `hotpotqa`, `2wikimultihopqa`, `musique`, `bamboogle`) plus this crate's tasks
+//! (`countdown`, `arithmetic`, `word_problems`); [`RewardConfig`] maps more data sources to
+//! built-in or registered functions by name, or changes their parameters, e.g. Search-R1's
+//! format reward for the synthetic search task:
+//!
+//! ```toml
+//! [reward.prefixes.searchR1_]
+//! name = "qa_em"
+//! format_score = 0.1   # a well-formed `<answer>` that is wrong; verl's default is 0
+//! ```
 
 pub mod arithmetic;
 pub mod countdown;
@@ -138,9 +146,11 @@ pub enum RewardFnConfig {
     },
     /// Last number equals the ground truth.
     Arithmetic,
-    /// Search-R1 exact match; ground truth `{target: str | [str]}` or a string / list.
+    /// Search-R1 exact match (verl's `search_r1_like_qa_em`); ground truth
+    /// `{target: str | [str]}` or a string / list.
     QaEm {
-        /// Score for an answer that does not match.
+        /// Search-R1's `format_score`: the score of a response with an `<answer>...</answer>`
+        /// that does not match (a response without one scores 0); default 0, as verl.
         #[serde(default)]
         format_score: f64,
         /// Score for a match.
@@ -335,6 +345,14 @@ impl RewardRegistry {
             ("searchR1_2wikimultihopqa", &qa),
             ("searchR1_musique", &qa),
             ("searchR1_bamboogle", &qa),
+            // Search-R1's own preprocessing names the sources without the prefix.
+            ("nq", &qa),
+            ("triviaqa", &qa),
+            ("popqa", &qa),
+            ("hotpotqa", &qa),
+            ("2wikimultihopqa", &qa),
+            ("musique", &qa),
+            ("bamboogle", &qa),
             (
                 "countdown",
                 &RewardFnConfig::Countdown {
@@ -352,6 +370,10 @@ impl RewardRegistry {
         }
         if let Some(f) = builtin(&dapo) {
             r.prefixes.push(("aime".into(), f));
+        }
+        // Every other Search-R1 source (`searchR1_synthetic`, ...) is QA exact match too.
+        if let Some(f) = builtin(&qa) {
+            r.prefixes.push(("searchR1_".into(), f));
         }
         r
     }
@@ -398,6 +420,8 @@ impl RewardRegistry {
         }
         for (prefix, f) in &cfg.prefixes {
             let f = self.resolve(f)?;
+            // replaces a registered prefix of the same name (e.g. the default `searchR1_`)
+            self.prefixes.retain(|(p, _)| p != prefix);
             self.prefixes.insert(0, (prefix.clone(), f));
         }
         Ok(())

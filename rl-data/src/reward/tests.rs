@@ -234,3 +234,87 @@ fn python_tail_counts_characters() {
     assert_eq!(python_tail("ab", 5), "ab");
     assert_eq!(python_tail("ab", 0), "");
 }
+
+#[test]
+fn search_r1_sources_with_and_without_the_prefix_go_to_qa_exact_match() {
+    let r = RewardRegistry::verl_default();
+    let gt = serde_json::json!({"target": ["Oslo", "Kristiania"]});
+    for source in [
+        "searchR1_nq",
+        "searchR1_synthetic",
+        "searchR1_anything_new",
+        "nq",
+        "triviaqa",
+        "popqa",
+        "hotpotqa",
+        "2wikimultihopqa",
+        "musique",
+        "bamboogle",
+    ] {
+        let right = r
+            .score(
+                source,
+                "<search>x</search>\n\n<information>..</information>\n\n<answer> the OSLO </answer>",
+                &gt,
+                &Value::Null,
+            )
+            .unwrap();
+        assert_eq!(right.score, 1.0, "{source}");
+        assert_eq!(right.extra["acc"], Value::Bool(true), "{source}");
+        let wrong = r.score(source, "<answer>Rome</answer>", &gt, &Value::Null);
+        assert_eq!(
+            wrong.unwrap().score,
+            0.0,
+            "{source}: verl's format_score is 0"
+        );
+    }
+    // a bare list and a bare string are targets too
+    let list = serde_json::json!(["Oslo"]);
+    assert_eq!(
+        r.score("nq", "<answer>oslo</answer>", &list, &Value::Null)
+            .unwrap()
+            .score,
+        1.0
+    );
+    let e = r
+        .score(
+            "nq",
+            "<answer>oslo</answer>",
+            &serde_json::json!({"answer": "x"}),
+            &Value::Null,
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("`target`"), "{e}");
+}
+
+#[test]
+fn the_search_r1_format_score_is_configurable_and_rewards_only_a_wrong_answer_tag() {
+    let mut r = RewardRegistry::verl_default();
+    let cfg: RewardConfig = toml::from_str(
+        r#"
+        [prefixes.searchR1_]
+        name = "qa_em"
+        format_score = 0.1
+        [sources.nq]
+        name = "qa_em"
+        format_score = 0.2
+        "#,
+    )
+    .unwrap();
+    r.apply_config(&cfg).unwrap();
+    let gt = serde_json::json!({"target": ["Oslo"]});
+    let score =
+        |source: &str, response: &str| r.score(source, response, &gt, &Value::Null).unwrap().score;
+    // the configured prefix replaces the default one of the same name
+    assert_eq!(score("searchR1_synthetic", "<answer>Rome</answer>"), 0.1);
+    assert_eq!(score("searchR1_synthetic", "<answer>Oslo</answer>"), 1.0);
+    assert_eq!(score("searchR1_synthetic", "Oslo, no tag"), 0.0);
+    assert_eq!(score("nq", "<answer>Rome</answer>"), 0.2);
+    // exact sources keep their defaults
+    assert_eq!(score("searchR1_nq", "<answer>Rome</answer>"), 0.0);
+    let bad = toml::from_str::<RewardConfig>("[prefixes.x]\nname = \"qa_em\"\nformat = 1\n")
+        .unwrap_err()
+        .to_string();
+    assert!(bad.contains("format"), "{bad}");
+}

@@ -1,4 +1,5 @@
-//! Task data: the GSM8K preprocessor and seeded synthetic generators writing verl-schema parquet.
+//! Task data: the GSM8K and Search-R1 QA preprocessors and seeded synthetic generators writing
+//! verl-schema parquet.
 //!
 //! Every generator takes a seed and writes `train.parquet` and `test.parquet` into a directory;
 //! the same seed and options give byte-identical files. Test prompts never repeat a train prompt.
@@ -6,6 +7,7 @@
 mod arithmetic;
 mod countdown;
 mod gsm8k;
+mod search;
 pub mod tiny_vocab;
 mod word_problems;
 
@@ -19,6 +21,10 @@ use serde::{Deserialize, Serialize};
 pub use arithmetic::{ArithmeticConfig, generate_arithmetic};
 pub use countdown::{CountdownConfig, countdown_prompt, generate_countdown};
 pub use gsm8k::{GSM8K_INSTRUCTION, gsm8k_extract_answer, preprocess_gsm8k, preprocess_gsm8k_dir};
+pub use search::{
+    SEARCH_TASK_ATTRIBUTES, SEARCH_TASK_DATA_SOURCE, SEARCH_TASK_INSTRUCTION, SearchQuestion,
+    SearchTask, SearchTaskConfig, SearchTaskFiles, preprocess_search_r1_qa, search_r1_prompt,
+};
 pub use word_problems::{WordProblemsConfig, generate_word_problems};
 
 use crate::error::{Error, Result};
