@@ -57,7 +57,9 @@ fn item(t: &Tensor) -> f64 {
 
 /// verl's actor loss: the configured policy loss, plus `kl_loss_coef * KL` when `use_kl_loss`
 /// (reads `ref_log_prob`), minus `entropy_coeff * entropy` when the coefficient is non-zero.
-/// Reads `old_log_probs`, `advantages`, `response_mask` (and `rollout_log_probs` never).
+/// Reads `old_log_probs`, `advantages`, `response_mask` restricted by `loss_mask` when present
+/// ([`keys::policy_mask`]: multi-turn observations contribute nothing to any term), and
+/// `rollout_log_probs` never.
 #[derive(Debug, Clone, Copy)]
 pub struct PolicyLoss {
     /// The loss keys.
@@ -75,7 +77,7 @@ impl PolicyObjective for PolicyLoss {
         out: &PolicyOutput,
         info: MiniBatchInfo,
     ) -> rl_core::Result<(Tensor, Metrics)> {
-        let mask = micro.get(keys::RESPONSE_MASK)?;
+        let mask = &keys::policy_mask(micro)?;
         let norm = norm(info, micro);
         let pl_cfg = self.cfg.policy_loss_config();
         let inputs = PolicyLossInputs {
@@ -118,7 +120,7 @@ impl PolicyObjective for PolicyLoss {
 }
 
 /// verl's clipped value loss (`compute_value_loss`), reading `values` (rollout-time),
-/// `returns` and `response_mask`.
+/// `returns` and `response_mask` restricted by `loss_mask` ([`keys::policy_mask`]).
 #[derive(Debug, Clone, Copy)]
 pub struct ValueLoss {
     /// The loss keys.
@@ -132,11 +134,12 @@ impl ValueObjective for ValueLoss {
         vpreds: &Tensor,
         info: MiniBatchInfo,
     ) -> rl_core::Result<(Tensor, Metrics)> {
+        let mask = keys::policy_mask(micro)?;
         let out = loss::value(
             vpreds,
             micro.get(keys::RETURNS)?,
             micro.get(keys::VALUES)?,
-            micro.get(keys::RESPONSE_MASK)?,
+            &mask,
             self.cfg.cliprange_value,
             self.cfg.loss_agg_mode,
             &norm(info, micro),
@@ -145,8 +148,7 @@ impl ValueObjective for ValueLoss {
         let mut metrics = Metrics::new();
         metrics.push(loss::VF_LOSS, item(&out.loss));
         metrics.push(loss::VF_CLIPFRAC, out.vf_clipfrac);
-        let mask = micro.get(keys::RESPONSE_MASK)?;
-        let vmean = (vpreds.detach() * mask)
+        let vmean = (vpreds.detach() * &mask)
             .sum(tch::Kind::Double)
             .double_value(&[])
             / mask.sum(tch::Kind::Double).double_value(&[]).max(1.0);
@@ -156,7 +158,8 @@ impl ValueObjective for ValueLoss {
 }
 
 /// SFT: the negative log-likelihood of the response tokens, `token-mean` over the mini-batch
-/// (verl's `fsdp_sft_trainer` loss, with the prompt masked out).
+/// (verl's `fsdp_sft_trainer` loss, with the prompt masked out, and with whatever `loss_mask`
+/// masks, such as tool observations in multi-turn traces).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct SftLoss;
 
@@ -171,12 +174,148 @@ impl PolicyObjective for SftLoss {
         out: &PolicyOutput,
         info: MiniBatchInfo,
     ) -> rl_core::Result<(Tensor, Metrics)> {
-        let mask = micro.get(keys::RESPONSE_MASK)?;
+        let mask = keys::policy_mask(micro)?;
         let nll = -&out.log_prob;
-        let l = agg::aggregate(&nll, mask, agg::LossAggMode::TokenMean, &norm(info, micro))
+        let l = agg::aggregate(&nll, &mask, agg::LossAggMode::TokenMean, &norm(info, micro))
             .map_err(wrap)?;
         let mut metrics = Metrics::new();
         metrics.push("train/loss", item(&l));
         Ok((l, metrics))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::agg::LossAggMode;
+    use tch::{Device, Kind};
+
+    /// Two rows of 6 response tokens: generated (g), observation (o) and padding (p):
+    /// row 0 `g g o o g p`, row 1 `g o g g p p`; two prompt columns before them.
+    fn multi_turn_micro() -> (Batch, Vec<bool>, Vec<bool>) {
+        let generated = [
+            true, true, false, false, true, false, true, false, true, true, false, false,
+        ];
+        let real = [
+            true, true, true, true, true, false, true, true, true, true, false, false,
+        ];
+        let f = |v: &[bool]| {
+            Tensor::from_slice(
+                &v.iter()
+                    .map(|&b| f32::from(u8::from(b)))
+                    .collect::<Vec<_>>(),
+            )
+            .view([2, 6])
+        };
+        let mut loss_mask = vec![0i64; 16];
+        for r in 0..2 {
+            for t in 0..6 {
+                loss_mask[r * 8 + 2 + t] = i64::from(generated[r * 6 + t]);
+            }
+        }
+        let mut b = Batch::new();
+        b.insert(keys::RESPONSE_MASK, f(&real)).unwrap();
+        b.insert(keys::LOSS_MASK, Tensor::from_slice(&loss_mask).view([2, 8]))
+            .unwrap();
+        tch::manual_seed(3);
+        let lp = || Tensor::randn([2, 6], (Kind::Float, Device::Cpu)) * 0.1 - 1.0;
+        b.insert(keys::OLD_LOG_PROBS, lp()).unwrap();
+        b.insert(keys::REF_LOG_PROB, lp()).unwrap();
+        b.insert(
+            keys::ADVANTAGES,
+            Tensor::from_slice(&[1.0f32, -0.5])
+                .view([2, 1])
+                .repeat([1, 6]),
+        )
+        .unwrap();
+        b.insert(
+            keys::VALUES,
+            Tensor::zeros([2, 6], (Kind::Float, Device::Cpu)),
+        )
+        .unwrap();
+        b.insert(
+            keys::RETURNS,
+            Tensor::ones([2, 6], (Kind::Float, Device::Cpu)),
+        )
+        .unwrap();
+        (b, generated.to_vec(), real.to_vec())
+    }
+
+    fn info(generated: &[bool]) -> MiniBatchInfo {
+        MiniBatchInfo {
+            tokens: generated.iter().filter(|&&g| g).count() as f64,
+            sequences: 2.0,
+        }
+    }
+
+    /// Gradients at observation tokens are exactly zero and at generated tokens non-zero, for
+    /// every term of the actor's loss (policy, entropy, KL) and every aggregation mode.
+    #[test]
+    fn actor_loss_gradient_is_zero_at_observations_and_non_zero_at_generated_tokens() {
+        let (micro, generated, _) = multi_turn_micro();
+        for mode in [
+            LossAggMode::TokenMean,
+            LossAggMode::SeqMeanTokenSum,
+            LossAggMode::SeqMeanTokenMean,
+            LossAggMode::SeqMeanTokenSumNorm,
+        ] {
+            let objective = PolicyLoss {
+                cfg: ActorLossConfig {
+                    loss_agg_mode: mode,
+                    entropy_coeff: 0.01,
+                    use_kl_loss: true,
+                    kl_loss_coef: 0.1,
+                    ..ActorLossConfig::default()
+                },
+            };
+            // the log-probs move off the old ones so the ratio and the KL are not at a stationary point
+            let log_prob = (micro.get(keys::OLD_LOG_PROBS).unwrap() + 0.05)
+                .detach()
+                .set_requires_grad(true);
+            let entropy =
+                Tensor::full([2, 6], 0.7, (Kind::Float, Device::Cpu)).set_requires_grad(true);
+            let out = PolicyOutput {
+                log_prob: log_prob.shallow_clone(),
+                entropy: Some(entropy.shallow_clone()),
+            };
+            let (loss, _) = objective.loss(&micro, &out, info(&generated)).unwrap();
+            loss.backward();
+            for grad in [log_prob.grad(), entropy.grad()] {
+                let grad = Vec::<f32>::try_from(grad.flatten(0, -1)).unwrap();
+                for (i, (&g, &is_gen)) in grad.iter().zip(&generated).enumerate() {
+                    if is_gen {
+                        assert!(g != 0.0, "{mode:?}: zero gradient at generated token {i}");
+                    } else {
+                        assert_eq!(g, 0.0, "{mode:?}: gradient {g} at masked token {i}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn value_and_sft_losses_ignore_observation_tokens() {
+        let (micro, generated, _) = multi_turn_micro();
+        let vpreds = Tensor::full([2, 6], 0.3, (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        let (loss, _) = ValueLoss {
+            cfg: CriticLossConfig::default(),
+        }
+        .loss(&micro, &vpreds, info(&generated))
+        .unwrap();
+        loss.backward();
+        let log_prob =
+            Tensor::full([2, 6], -1.0, (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        let out = PolicyOutput {
+            log_prob: log_prob.shallow_clone(),
+            entropy: None,
+        };
+        let (sft, _) = SftLoss.loss(&micro, &out, info(&generated)).unwrap();
+        sft.backward();
+        for grad in [vpreds.grad(), log_prob.grad()] {
+            let grad = Vec::<f32>::try_from(grad.flatten(0, -1)).unwrap();
+            for (&g, &is_gen) in grad.iter().zip(&generated) {
+                assert_eq!(g != 0.0, is_gen, "{grad:?}");
+            }
+        }
     }
 }

@@ -419,7 +419,8 @@ impl OnPolicyTrainer {
         m: &mut StepMetrics,
     ) -> rl_core::Result<(Tensor, Tensor, Tensor)> {
         let algo = self.cfg.algorithm.clone();
-        let mask = batch.get(keys::RESPONSE_MASK)?;
+        // multi-turn: observation tokens carry no KL penalty, advantage or value target
+        let mask = &keys::policy_mask(batch)?;
         let scores = batch.get(keys::TOKEN_LEVEL_SCORES)?.shallow_clone();
         let rewards = if algo.use_kl_in_reward {
             let (r, km) = kl::in_reward(
@@ -470,9 +471,12 @@ impl OnPolicyTrainer {
             let counts = g.all_gather(&Tensor::from_slice(&[rows]))?;
             let rank = g.rank();
             let offset: i64 = counts[..rank].iter().map(|t| t.int64_value(&[0])).sum();
+            // the policy mask travels as the response mask: `loss_mask` is as wide as the
+            // prompts, which differ between ranks
+            let policy = keys::policy_mask(batch)?;
+            global.insert(keys::RESPONSE_MASK, dist::gather_rows(&mut *g, &policy)?)?;
             for key in [
                 keys::TOKEN_LEVEL_SCORES,
-                keys::RESPONSE_MASK,
                 keys::OLD_LOG_PROBS,
                 keys::REF_LOG_PROB,
                 keys::VALUES,
@@ -498,7 +502,8 @@ impl OnPolicyTrainer {
     }
 
     fn data_metrics(&self, batch: &Batch, m: &mut StepMetrics) -> rl_core::Result<()> {
-        let mask = batch.get(keys::RESPONSE_MASK)?;
+        let response_mask = batch.get(keys::RESPONSE_MASK)?;
+        let mask = &keys::policy_mask(batch)?;
         let scores = batch.get(keys::TOKEN_LEVEL_SCORES)?.sum_dim_intlist(
             [-1].as_slice(),
             false,
@@ -524,8 +529,19 @@ impl OnPolicyTrainer {
         if let Ok(v) = batch.get(keys::VALUES) {
             put3(m, "critic/values", masked_stats(v, mask));
         }
-        let resp_len = mask.sum_dim_intlist([-1].as_slice(), false, Kind::Double);
+        let resp_len = response_mask.sum_dim_intlist([-1].as_slice(), false, Kind::Double);
         put3(m, "response_length", stats(&resp_len));
+        if batch.contains(keys::LOSS_MASK) {
+            // multi-turn: generated and observation tokens apart
+            let generated = mask.sum_dim_intlist([-1].as_slice(), false, Kind::Double);
+            let observed = &resp_len - &generated;
+            m.insert("response_length/generated_mean".into(), stats(&generated).0);
+            m.insert(
+                "response_length/observation_mean".into(),
+                stats(&observed).0,
+            );
+        }
+        env_metrics(batch, m);
         let clip = resp_len
             .eq(self.cfg.max_response_length as f64)
             .to_kind(Kind::Double)
@@ -545,6 +561,38 @@ impl OnPolicyTrainer {
             );
         }
         Ok(())
+    }
+}
+
+/// The multi-turn rollout's `env/*` metrics, from its per-row columns (absent otherwise):
+/// `env/number_of_turns` (mean model turns per response), `env/valid_action_ratio` (turns that
+/// ended in a valid call or an answer, over all turns), `env/<tool>_calls` (mean calls per
+/// response, every tool of the rollout) and `env/tool_errors` (mean failed calls per response).
+fn env_metrics(batch: &Batch, m: &mut StepMetrics) {
+    let Ok(turns) = batch.column(keys::NUM_TURNS) else {
+        return;
+    };
+    let rows = turns.len().max(1) as f64;
+    let turns: f64 = turns.iter().filter_map(Value::as_f64).sum();
+    m.insert("env/number_of_turns".into(), turns / rows);
+    if let Ok(valid) = batch.column(keys::VALID_ACTIONS) {
+        let valid: f64 = valid.iter().filter_map(Value::as_f64).sum();
+        m.insert("env/valid_action_ratio".into(), valid / turns.max(1.0));
+    }
+    if let Ok(calls) = batch.column(keys::TOOL_CALLS) {
+        let mut per_tool: BTreeMap<String, f64> = BTreeMap::new();
+        let mut failed = 0.0;
+        for row in calls {
+            for (tool, c) in row.as_object().into_iter().flatten() {
+                *per_tool.entry(tool.clone()).or_default() +=
+                    c.get("calls").and_then(Value::as_f64).unwrap_or(0.0);
+                failed += c.get("failed").and_then(Value::as_f64).unwrap_or(0.0);
+            }
+        }
+        for (tool, n) in per_tool {
+            m.insert(format!("env/{tool}_calls"), n / rows);
+        }
+        m.insert("env/tool_errors".into(), failed / rows);
     }
 }
 
@@ -611,7 +659,7 @@ impl Trainer for OnPolicyTrainer {
         } else {
             self.generate(0, &mut timing)?
         };
-        let mask = batch.get(keys::RESPONSE_MASK)?.shallow_clone();
+        let mask = keys::policy_mask(&batch)?;
 
         let t = Instant::now();
         let old = self.roles.actor.compute_log_prob(&batch, true)?;
@@ -815,5 +863,39 @@ impl Trainer for OnPolicyTrainer {
         self.kl_ctrl = state.kl_ctrl;
         self.global_step = state.global_step;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn env_metrics_average_turns_calls_and_errors_per_response() {
+        let mut b = Batch::new();
+        b.insert_column(keys::NUM_TURNS, vec![json!(3), json!(1)])
+            .unwrap();
+        b.insert_column(keys::VALID_ACTIONS, vec![json!(2), json!(1)])
+            .unwrap();
+        b.insert_column(
+            keys::TOOL_CALLS,
+            vec![
+                json!({"search": {"calls": 2, "failed": 1}, "calculator": {"calls": 0, "failed": 0}}),
+                json!({"search": {"calls": 0, "failed": 0}, "calculator": {"calls": 0, "failed": 0}}),
+            ],
+        )
+        .unwrap();
+        let mut m = StepMetrics::new();
+        env_metrics(&b, &mut m);
+        assert_eq!(m["env/number_of_turns"], 2.0);
+        assert_eq!(m["env/valid_action_ratio"], 0.75);
+        assert_eq!(m["env/search_calls"], 1.0);
+        assert_eq!(m["env/calculator_calls"], 0.0);
+        assert_eq!(m["env/tool_errors"], 0.5);
+        // single-turn batches have none
+        let mut none = StepMetrics::new();
+        env_metrics(&Batch::new(), &mut none);
+        assert!(none.is_empty());
     }
 }

@@ -106,9 +106,10 @@ pub(crate) fn reassemble(parts: &[Tensor], rows: &[Vec<i64>]) -> Tensor {
     cat.index_select(0, &Tensor::from_slice(&inverse).to_device(cat.device()))
 }
 
-/// The mini-batch's normalisers: unmasked response tokens and non-empty sequences.
+/// The mini-batch's normalisers: response tokens the loss reads ([`keys::policy_mask`]: not
+/// multi-turn observations) and sequences with at least one.
 pub(crate) fn mini_batch_info(mini: &Batch) -> rl_core::Result<MiniBatchInfo> {
-    let mask = mini.get(keys::RESPONSE_MASK)?.to_kind(Kind::Double);
+    let mask = keys::policy_mask(mini)?.to_kind(Kind::Double);
     let tokens = mask.sum(Kind::Double).double_value(&[]);
     let sequences = mask
         .sum_dim_intlist([1].as_slice(), false, Kind::Double)
