@@ -398,7 +398,7 @@ pub fn launch(
             describe(status),
             others.join(", ")
         );
-        train::mark_failed(rt, &store, id, format!("run {id} failed: {msg}"))?;
+        train::mark_failed(rt, &store, id, msg.clone())?;
         remove_partial_checkpoints(&run_dir);
         bail!("run {id} failed: {msg}");
     }
@@ -408,7 +408,7 @@ pub fn launch(
     }
     if !killed.is_empty() {
         let msg = format!("ranks {killed:?} did not stop in time and were killed");
-        train::mark_failed(rt, &store, id, format!("run {id} failed: {msg}"))?;
+        train::mark_failed(rt, &store, id, msg.clone())?;
         bail!("run {id} failed: {msg}");
     }
     Ok(id)
