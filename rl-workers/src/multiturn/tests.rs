@@ -564,3 +564,66 @@ fn gathering_columns_keeps_what_the_cache_computes() {
         .unwrap_err();
     assert!(bad.to_string().contains("capacity"), "{bad}");
 }
+
+#[test]
+fn the_rollout_worker_writes_the_loss_mask_and_the_turn_columns() {
+    use crate::roles::{RolloutWorker, ValKwargs, share};
+    use rl_core::roles::Rollout;
+    use rl_core::{Batch, keys};
+    let tool = Arc::new(Lookup::named("t"));
+    let mt = MultiTurnConfig {
+        max_turns: 1,
+        max_obs_length: 2,
+    };
+    let env = ToolEnv::new(
+        vec![
+            Box::new(Shared(tool.clone())),
+            Box::new(Lookup::named("other")),
+        ],
+        Arc::new(Codec {
+            decode_one: always_call,
+        }),
+        mt,
+    )
+    .unwrap();
+    let mut worker = RolloutWorker::new(
+        share(tiny(18)),
+        greedy(8, 2),
+        ValKwargs::default(),
+        vec![2],
+        0,
+    )
+    .unwrap()
+    .with_tools(env);
+    let (ids, mask, pos) = prompts();
+    let mut prompts = Batch::new();
+    prompts.insert(keys::INPUT_IDS, ids).unwrap();
+    prompts.insert(keys::ATTENTION_MASK, mask).unwrap();
+    prompts.insert(keys::POSITION_IDS, pos).unwrap();
+    let out = worker.generate(&prompts).unwrap();
+    assert_eq!(out.len(), 8);
+    // call, 2 observation tokens, the second call closes past max_turns
+    let lm = out.get(keys::LOSS_MASK).unwrap();
+    assert_eq!(lm.size(), [8, 14]);
+    assert_eq!(
+        Vec::<i64>::try_from(lm.get(0).narrow(0, 6, 8)).unwrap(),
+        [1, 0, 0, 1, 0, 0, 0, 0]
+    );
+    let policy = keys::policy_mask(&out).unwrap();
+    assert_eq!(policy.sum(Kind::Float).double_value(&[]), 16.0);
+    assert_eq!(
+        out.get(keys::RESPONSE_MASK)
+            .unwrap()
+            .sum(Kind::Float)
+            .double_value(&[]),
+        32.0
+    );
+    let calls = out.column(keys::TOOL_CALLS).unwrap();
+    assert_eq!(
+        calls[0],
+        serde_json::json!({"t": {"calls": 1, "failed": 0}, "other": {"calls": 0, "failed": 0}})
+    );
+    assert_eq!(out.column(keys::NUM_TURNS).unwrap()[3], 2);
+    assert_eq!(out.column(keys::VALID_ACTIONS).unwrap()[3], 1);
+    assert_eq!(tool.batches.lock().unwrap().len(), 1);
+}

@@ -13,12 +13,13 @@ use tch::{Device, Kind};
 
 use crate::error::Error;
 use crate::heads::CausalLm;
+use crate::multiturn::{MultiTurnOutput, ToolEnv, TurnStats, generate_multi_turn};
 use crate::roles::config::{ActorConfig, ValKwargs};
 use crate::roles::micro::{self, Micro};
 use crate::roles::optim::AdamW;
 use crate::roles::role_err;
 use crate::rollout::Progress;
-use crate::rollout::{GenerateOptions, RolloutConfig, generate};
+use crate::rollout::{GenerateOptions, RolloutConfig, RolloutOutput, generate};
 
 /// The policy's weights, shared by the actor and the rollout.
 pub type SharedPolicy = Arc<Mutex<CausalLm>>;
@@ -419,6 +420,7 @@ pub struct RolloutWorker {
     eos_token_ids: Vec<i64>,
     pad_token_id: i64,
     progress: Option<ProgressHook>,
+    tools: Option<ToolEnv>,
 }
 
 /// Called after every decode step of a generation (a progress bar, a log line).
@@ -432,6 +434,7 @@ impl std::fmt::Debug for RolloutWorker {
             .field("eos_token_ids", &self.eos_token_ids)
             .field("pad_token_id", &self.pad_token_id)
             .field("progress", &self.progress.is_some())
+            .field("tools", &self.tools.as_ref().map(ToolEnv::tool_names))
             .finish_non_exhaustive()
     }
 }
@@ -460,7 +463,16 @@ impl RolloutWorker {
             eos_token_ids,
             pad_token_id,
             progress: None,
+            tools: None,
         })
+    }
+
+    /// Makes every generation (training and validation) multi-turn over `env`'s tools: the
+    /// batch then also holds `loss_mask` (generated tokens only) and the `__num_turns__`,
+    /// `tool_calls` and `valid_actions` columns (see [`generate_multi_turn`]).
+    pub fn with_tools(mut self, env: ToolEnv) -> Self {
+        self.tools = Some(env);
+        self
     }
 
     /// Reports every decode step of every generation to `hook`.
@@ -518,15 +530,27 @@ impl Rollout for RolloutWorker {
             },
         };
         let lm = lock(&self.lm, "rollout")?;
-        let out = generate(
-            &lm,
+        let (ids, mask, pos) = (
             prompts.get(keys::INPUT_IDS)?,
             prompts.get(keys::ATTENTION_MASK)?,
             prompts.get(keys::POSITION_IDS)?,
-            &cfg,
-            &mut opts,
-        )
-        .map_err(role_err("rollout"))?;
+        );
+        let (out, multi): (RolloutOutput, Option<(tch::Tensor, Vec<TurnStats>)>) = match &self.tools
+        {
+            None => (
+                generate(&lm, ids, mask, pos, &cfg, &mut opts).map_err(role_err("rollout"))?,
+                None,
+            ),
+            Some(env) => {
+                let MultiTurnOutput {
+                    rollout,
+                    loss_mask,
+                    stats,
+                } = generate_multi_turn(&lm, ids, mask, pos, &cfg, env, &mut opts)
+                    .map_err(role_err("rollout"))?;
+                (rollout, Some((loss_mask, stats)))
+            }
+        };
         drop(lm);
         // carry every other key through, repeated n times interleaved like the rows
         let mut rest = prompts.shallow_clone();
@@ -553,8 +577,38 @@ impl Rollout for RolloutWorker {
         ] {
             batch.insert(k, t.to_device(device))?;
         }
+        if let (Some((loss_mask, stats)), Some(env)) = (multi, &self.tools) {
+            batch.insert(keys::LOSS_MASK, loss_mask.to_device(device))?;
+            insert_turn_stats(&mut batch, &stats, env)?;
+        }
         Ok(batch)
     }
+}
+
+/// The per-row multi-turn columns `__num_turns__`, `valid_actions` and `tool_calls` (every tool
+/// of `env`, called or not, so the `env/<tool>_calls` metric is always there).
+fn insert_turn_stats(batch: &mut Batch, stats: &[TurnStats], env: &ToolEnv) -> rl_core::Result<()> {
+    let names = env.tool_names();
+    let mut turns = Vec::with_capacity(stats.len());
+    let mut valid = Vec::with_capacity(stats.len());
+    let mut calls = Vec::with_capacity(stats.len());
+    for s in stats {
+        turns.push(Value::from(s.turns));
+        valid.push(Value::from(s.valid_actions));
+        let per_tool: serde_json::Map<String, Value> = names
+            .iter()
+            .map(|&n| {
+                let c = s.calls.get(n).copied().unwrap_or(0);
+                let f = s.failed_calls.get(n).copied().unwrap_or(0);
+                (n.to_owned(), serde_json::json!({"calls": c, "failed": f}))
+            })
+            .collect();
+        calls.push(Value::Object(per_tool));
+    }
+    batch.insert_column(keys::NUM_TURNS, turns)?;
+    batch.insert_column(keys::VALID_ACTIONS, valid)?;
+    batch.insert_column(keys::TOOL_CALLS, calls)?;
+    Ok(())
 }
 
 /// The frozen reference policy: a copy of the initial actor weights.
