@@ -101,6 +101,9 @@ pub enum Command {
     /// Import models.
     #[command(subcommand)]
     Model(ModelCommand),
+    /// The BM25 retriever of search-augmented training (Search-R1's protocol).
+    #[command(subcommand)]
+    Retriever(crate::retriever::RetrieverCommand),
 }
 
 /// `harness train`.
@@ -268,6 +271,12 @@ pub enum DataCommand {
         #[arg(long)]
         pairs: bool,
     },
+    /// The synthetic search task (Search-R1 style): a corpus of facts about invented
+    /// entities, its BM25 index, train/test questions about disjoint entities and SFT
+    /// search-then-answer traces.
+    SearchTask(crate::retriever::SearchTaskArgs),
+    /// Turn QA JSON lines (`{"question", "golden_answers"}`) into Search-R1 parquet.
+    SearchR1(crate::retriever::SearchR1Args),
 }
 
 /// `harness model ...`.
@@ -410,6 +419,7 @@ pub(crate) fn run(cli: Cli) -> Result<()> {
         }
         Command::Config(ConfigCommand::Reference) => print!("{}", config::reference_markdown()),
         Command::Data(d) => data(d)?,
+        Command::Retriever(c) => crate::retriever::run(c)?,
         Command::Model(ModelCommand::InitTiny { out_dir, seed }) => {
             let n = crate::compose::init_tiny(&out_dir, seed)?;
             println!(
@@ -437,6 +447,8 @@ pub(crate) fn run(cli: Cli) -> Result<()> {
 fn data(d: DataCommand) -> Result<()> {
     use rl_data::tasks::{self, SplitSizes};
     let files = match d {
+        DataCommand::SearchTask(a) => return crate::retriever::search_task(a),
+        DataCommand::SearchR1(a) => return crate::retriever::search_r1(a),
         DataCommand::Gsm8k { src_dir, out_dir } => tasks::preprocess_gsm8k_dir(&src_dir, &out_dir)
             .with_context(|| format!("preprocessing GSM8K from {}", src_dir.display()))?,
         DataCommand::Arithmetic {

@@ -18,6 +18,7 @@ pub mod experiment;
 pub mod filter;
 pub mod launch;
 mod logging;
+mod retriever;
 mod store;
 pub mod sweep;
 pub mod tracker;
