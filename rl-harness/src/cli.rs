@@ -43,6 +43,13 @@ pub enum Command {
         from_step: Option<u64>,
         /// `key.path=value` changes; only resume-safe keys may change.
         overrides: Vec<String>,
+        /// Data-parallel ranks to continue on, on this machine (as `harness train`); a
+        /// checkpoint resumes at any world size.
+        #[arg(long, default_value_t = 1, value_name = "N")]
+        nproc_per_node: usize,
+        /// Seconds a rank waits for the others before failing (as `harness train`).
+        #[arg(long, default_value_t = 300.0, value_name = "SECONDS")]
+        dist_timeout_s: f64,
     },
     /// Run (or continue) a sweep: finished trials are skipped, interrupted ones resumed.
     Sweep {
@@ -143,7 +150,10 @@ impl TrainArgs {
             "--dist-timeout-s".into(),
             self.dist_timeout_s.to_string().into(),
         ]);
-        for (flag, v) in [("--sweep-id", &self.sweep_id), ("--trial-id", &self.trial_id)] {
+        for (flag, v) in [
+            ("--sweep-id", &self.sweep_id),
+            ("--trial-id", &self.trial_id),
+        ] {
             if let Some(v) = v {
                 args.extend([flag.into(), v.into()]);
             }
@@ -359,8 +369,40 @@ pub(crate) fn run(cli: Cli) -> Result<()> {
             run,
             from_step,
             overrides,
+            nproc_per_node,
+            dist_timeout_s,
         } => {
-            let id = train::resume(&rt, &db, &run, from_step, &parse_overrides(&overrides)?)?;
+            let parsed = parse_overrides(&overrides)?;
+            let timeout = crate::launch::timeout(dist_timeout_s)?;
+            let id = if nproc_per_node != 1 {
+                // each rank: this command line without --nproc-per-node
+                let mut args: Vec<std::ffi::OsString> = Vec::new();
+                if let Some(d) = &cli.db {
+                    args.extend(["--db".into(), d.clone().into_os_string()]);
+                }
+                args.extend(["resume".into(), run.clone().into()]);
+                if let Some(s) = from_step {
+                    args.extend(["--from-step".into(), s.to_string().into()]);
+                }
+                args.extend(overrides.iter().map(Into::into));
+                args.extend(["--dist-timeout-s".into(), dist_timeout_s.to_string().into()]);
+                crate::launch::launch_resume(
+                    &rt,
+                    &db,
+                    &run,
+                    (from_step, &parsed),
+                    nproc_per_node,
+                    timeout,
+                    &args,
+                )?
+            } else if let Some(me) = crate::launch::rank_from_env(timeout)? {
+                match train::resume_rank(&rt, &db, &run, from_step, &parsed, &me)? {
+                    Some(id) => id,
+                    None => return Ok(()),
+                }
+            } else {
+                train::resume(&rt, &db, &run, from_step, &parsed)?
+            };
             println!("run {id} finished");
         }
         Command::Sweep {

@@ -28,6 +28,10 @@ use crate::train::{self, Membership, Rank};
 /// The environment variable through which the launcher tells its ranks the run it recorded.
 pub const RUN_ID_ENV: &str = "HARNESS_RUN_ID";
 
+/// The environment variable through which the launcher of `harness resume` tells its ranks the
+/// checkpoint folder it rewound the run to.
+pub const RESUME_CHECKPOINT_ENV: &str = "HARNESS_RESUME_CHECKPOINT";
+
 /// The collective timeout of `--dist-timeout-s`, checked.
 pub fn timeout(seconds: f64) -> Result<Duration> {
     if !(seconds.is_finite() && seconds > 0.0) {
@@ -237,6 +241,46 @@ pub fn launch(
     timeout: Duration,
     child_args: &[OsString],
 ) -> Result<i64> {
+    check_launch(nproc)?;
+    check_data_parallel(&cfg, nproc)?;
+    let store = rt.block_on(Store::open(&cfg.trainer.db_path()))?;
+    let (id, run_dir) = train::create_run(rt, &store, &cfg, member)?;
+    supervise(rt, &store, id, &run_dir, nproc, timeout, child_args, &[])?;
+    Ok(id)
+}
+
+/// `harness resume RUN --nproc-per-node N`: rewinds the run to its checkpoint here (checking
+/// the data-parallel rules first), then starts `nproc` ranks running `child_args` (the
+/// `resume` command line without `--nproc-per-node`), told the checkpoint folder by
+/// [`RESUME_CHECKPOINT_ENV`]; waits for them as [`launch`] does.
+pub fn launch_resume(
+    rt: &Runtime,
+    db: &Path,
+    spec: &str,
+    (from_step, overrides): (Option<u64>, &[crate::config::Override]),
+    nproc: usize,
+    timeout: Duration,
+    child_args: &[OsString],
+) -> Result<i64> {
+    check_launch(nproc)?;
+    let store = rt.block_on(Store::open(db))?;
+    let r = train::prepare_resume(rt, &store, spec, from_step, overrides, &|cfg| {
+        check_data_parallel(cfg, nproc)
+    })?;
+    eprintln!(
+        "harness: resuming run {} from {}",
+        r.id,
+        r.ckpt_dir.display()
+    );
+    let env = [(RESUME_CHECKPOINT_ENV, r.ckpt_dir.as_os_str().to_owned())];
+    supervise(
+        rt, &store, r.id, &r.run_dir, nproc, timeout, child_args, &env,
+    )?;
+    Ok(r.id)
+}
+
+/// `--nproc-per-node` is at least 1, and this process is not already a rank.
+fn check_launch(nproc: usize) -> Result<()> {
     if nproc == 0 {
         bail!("--nproc-per-node must be at least 1");
     }
@@ -246,10 +290,23 @@ pub fn launch(
              an outside launcher (torchrun, Slurm); leave --nproc-per-node out"
         );
     }
-    check_data_parallel(&cfg, nproc)?;
+    Ok(())
+}
+
+/// Starts the ranks of run `id`, forwards their output, waits; when one fails, gives the others
+/// `timeout`, kills the rest and marks the run failed naming the lost rank.
+#[allow(clippy::too_many_arguments)]
+fn supervise(
+    rt: &Runtime,
+    store: &Store,
+    id: i64,
+    run_dir: &Path,
+    nproc: usize,
+    timeout: Duration,
+    child_args: &[OsString],
+    extra_env: &[(&str, OsString)],
+) -> Result<()> {
     let exe = std::env::current_exe().context("finding the harness executable to start ranks")?;
-    let store = rt.block_on(Store::open(&cfg.trainer.db_path()))?;
-    let (id, run_dir) = train::create_run(rt, &store, &cfg, member)?;
     let port = TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .context("picking a free port on 127.0.0.1 for the ranks' rendezvous")?
@@ -293,6 +350,7 @@ pub fn launch(
             .env("MASTER_PORT", port.to_string())
             .env("OMP_NUM_THREADS", &threads)
             .env(RUN_ID_ENV, id.to_string())
+            .envs(extra_env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
@@ -301,7 +359,7 @@ pub fn launch(
             Err(e) => {
                 let msg = format!("starting rank {rank} ({}): {e}", exe.display());
                 drop(children);
-                train::mark_failed(rt, &store, id, msg.clone())?;
+                train::mark_failed(rt, store, id, msg.clone())?;
                 bail!("run {id} failed: {msg}");
             }
         };
@@ -398,18 +456,18 @@ pub fn launch(
             describe(status),
             others.join(", ")
         );
-        train::mark_failed(rt, &store, id, msg.clone())?;
-        remove_partial_checkpoints(&run_dir);
+        train::mark_failed(rt, store, id, msg.clone())?;
+        remove_partial_checkpoints(run_dir);
         bail!("run {id} failed: {msg}");
     }
     if stop.load(Ordering::SeqCst) {
-        remove_partial_checkpoints(&run_dir);
+        remove_partial_checkpoints(run_dir);
         bail!("run {id} stopped by a signal; `harness resume {id}` continues it");
     }
     if !killed.is_empty() {
         let msg = format!("ranks {killed:?} did not stop in time and were killed");
-        train::mark_failed(rt, &store, id, msg.clone())?;
+        train::mark_failed(rt, store, id, msg.clone())?;
         bail!("run {id} failed: {msg}");
     }
-    Ok(id)
+    Ok(())
 }

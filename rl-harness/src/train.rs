@@ -443,6 +443,37 @@ pub fn resume(
     overrides: &[Override],
 ) -> Result<i64> {
     let store = rt.block_on(Store::open(db))?;
+    let r = prepare_resume(rt, &store, spec, from_step, overrides, &|_| Ok(()))?;
+    resume_prepared(rt, &store, &r, None)
+}
+
+/// A run made ready to continue: the store rewound to its checkpoint and marked running.
+#[derive(Debug, Clone)]
+pub struct Resumed {
+    /// The run.
+    pub id: i64,
+    /// The checkpoint's step.
+    pub step: u64,
+    /// The checkpoint folder.
+    pub ckpt_dir: PathBuf,
+    /// The run's directory.
+    pub run_dir: PathBuf,
+    /// The config it continues with (the checkpoint's, with the overrides).
+    pub cfg: ExperimentConfig,
+}
+
+/// Picks the checkpoint of `spec` (its latest complete one, or the one at `from_step`), checks
+/// the overrides are resume-safe, drops the metrics and checkpoints past it and marks the run
+/// running again; nothing is trained yet. `check` sees the config first, before anything is
+/// written.
+pub fn prepare_resume(
+    rt: &Runtime,
+    store: &Store,
+    spec: &str,
+    from_step: Option<u64>,
+    overrides: &[Override],
+    check: &dyn Fn(&ExperimentConfig) -> Result<()>,
+) -> Result<Resumed> {
     let run = rt.block_on(store.resolve_run(spec))?;
     let id = run.id;
     if run.effective_status() == "running" {
@@ -483,6 +514,7 @@ pub fn resume(
             config::RESUME_SAFE_KEYS.join(", ")
         );
     }
+    check(&cfg)?;
     let step = ckpt.step;
     let config_json = config::to_json(&cfg)?;
     let change_msgs: Vec<String> = changes
@@ -558,40 +590,186 @@ pub fn resume(
     for path in removed {
         std::fs::remove_dir_all(&path).ok();
     }
-    let run_dir = PathBuf::from(&run.run_dir);
-    logging::to_file(&run_dir.join("harness.log"));
-    tracing::info!(
+    tracing::debug!(
         run = id,
         step,
         dropped,
-        "resuming from {}",
-        ckpt_dir.display()
+        "metric rows past the checkpoint dropped"
     );
+    Ok(Resumed {
+        id,
+        step: step as u64,
+        ckpt_dir,
+        run_dir: PathBuf::from(&run.run_dir),
+        cfg,
+    })
+}
+
+/// Trains a prepared run from its checkpoint to the end (on rank 0 of `group` when there is
+/// one) and records how it ended.
+fn resume_prepared(
+    rt: &Runtime,
+    store: &Store,
+    r: &Resumed,
+    group: Option<&SharedCollective>,
+) -> Result<i64> {
+    let (id, step, ckpt_dir, run_dir, cfg) = (r.id, r.step, &r.ckpt_dir, &r.run_dir, &r.cfg);
+    logging::to_file(&run_dir.join("harness.log"));
+    tracing::info!(run = id, step, "resuming from {}", ckpt_dir.display());
     eprintln!("harness: resuming run {id} from {}", ckpt_dir.display());
     let bars = Bars::new();
-    let result = build_trainer(&cfg, Some(bars.generation_hook())).and_then(|mut built| {
-        let trainer = &mut built.trainer;
-        trainer
-            .load_checkpoint(&ckpt_dir.join("trainer"))
-            .with_context(|| format!("resuming run {id} from {}", ckpt_dir.display()))?;
-        if trainer.global_step() != step as u64 {
-            bail!(
-                "checkpoint {} holds step {} but is recorded as step {step}",
-                ckpt_dir.display(),
-                trainer.global_step()
-            );
+    let result =
+        build_trainer_in(cfg, Some(bars.generation_hook()), group).and_then(|mut built| {
+            load_resumed(&mut built, r)?;
+            let place = Place {
+                store: Some(store),
+                group,
+            };
+            let outcome = drive(rt, place, id, run_dir, cfg, (&mut built, &bars), false)?;
+            if matches!(outcome, Outcome::Finished) {
+                export(&built, run_dir, cfg)?;
+            }
+            Ok(outcome)
+        });
+    finish(rt, store, id, cfg, result)
+}
+
+/// Loads the checkpoint of `r` into a freshly built trainer and checks its step.
+fn load_resumed(built: &mut Built, r: &Resumed) -> Result<()> {
+    let trainer = &mut built.trainer;
+    trainer
+        .load_checkpoint(&r.ckpt_dir.join("trainer"))
+        .with_context(|| format!("resuming run {} from {}", r.id, r.ckpt_dir.display()))?;
+    if trainer.global_step() != r.step {
+        bail!(
+            "checkpoint {} holds step {} but is recorded as step {}",
+            r.ckpt_dir.display(),
+            trainer.global_step(),
+            r.step
+        );
+    }
+    Ok(())
+}
+
+/// Resumes as one rank of a data-parallel run. Rank 0 rewinds the run in the store
+/// ([`prepare_resume`]) unless the launcher did (`HARNESS_RESUME_CHECKPOINT` set), and tells
+/// the others the checkpoint folder; every rank reads the config from it (with `overrides`,
+/// the same on every rank) and loads it; rank 0 alone writes the store.
+pub fn resume_rank(
+    rt: &Runtime,
+    db: &Path,
+    spec: &str,
+    from_step: Option<u64>,
+    overrides: &[Override],
+    me: &Rank,
+) -> Result<Option<i64>> {
+    let prepared = if me.rank == 0 {
+        let r = (|| -> Result<(Store, Resumed)> {
+            let store = rt.block_on(Store::open(db))?;
+            let r = match std::env::var_os(crate::launch::RESUME_CHECKPOINT_ENV) {
+                Some(dir) => {
+                    let id = me
+                        .run_id
+                        .context("HARNESS_RESUME_CHECKPOINT is set without HARNESS_RUN_ID")?;
+                    resumed_from_dir(rt, &store, id, Path::new(&dir), overrides)?
+                }
+                None => prepare_resume(rt, &store, spec, from_step, overrides, &|cfg| {
+                    crate::launch::check_data_parallel(cfg, me.world)
+                })?,
+            };
+            Ok((store, r))
+        })();
+        let path = prepared_path(&r);
+        share_path(&me.group, &path)?;
+        Some(r?)
+    } else {
+        None
+    };
+    match prepared {
+        Some((store, r)) => {
+            crate::launch::check_data_parallel(&r.cfg, me.world)?;
+            resume_prepared(rt, &store, &r, Some(&me.group)).map(Some)
         }
-        let place = Place {
-            store: Some(&store),
-            group: None,
-        };
-        let outcome = drive(rt, place, id, &run_dir, &cfg, (&mut built, &bars), false)?;
-        if matches!(outcome, Outcome::Finished) {
-            export(&built, &run_dir, &cfg)?;
+        None => {
+            let dir = share_path(&me.group, "")?;
+            if dir.is_empty() {
+                bail!("rank 0 could not prepare the resume (see rank 0's error)");
+            }
+            let id = me.run_id.unwrap_or(-1);
+            let r = resumed_from_dir_readonly(id, Path::new(&dir), overrides)?;
+            crate::launch::check_data_parallel(&r.cfg, me.world)?;
+            let bars = Bars::hidden();
+            let place = Place {
+                store: None,
+                group: Some(&me.group),
+            };
+            build_trainer_in(&r.cfg, None, Some(&me.group))
+                .and_then(|mut built| {
+                    load_resumed(&mut built, &r)?;
+                    drive(
+                        rt,
+                        place,
+                        id,
+                        &r.run_dir,
+                        &r.cfg,
+                        (&mut built, &bars),
+                        false,
+                    )
+                })
+                .and_then(|outcome| match outcome {
+                    Outcome::Finished => Ok(None),
+                    Outcome::Killed => bail!("stopped by a signal"),
+                })
+                .with_context(|| format!("rank {} of {} resuming from {dir}", me.rank, me.world))
         }
-        Ok(outcome)
-    });
-    finish(rt, &store, id, &cfg, result)
+    }
+}
+
+fn prepared_path(p: &Result<(Store, Resumed)>) -> String {
+    p.as_ref()
+        .map(|(_, r)| r.ckpt_dir.display().to_string())
+        .unwrap_or_default()
+}
+
+/// Rank 0's `path` on every rank (empty when rank 0 has none).
+fn share_path(group: &SharedCollective, path: &str) -> Result<String> {
+    let all = dist::all_gather_bytes(&mut *dist::lock(group)?, path.as_bytes())
+        .context("sharing the checkpoint folder from rank 0")?;
+    Ok(String::from_utf8_lossy(&all[0]).into_owned())
+}
+
+/// The resume the launcher prepared: checkpoint `dir` of run `id` (its step from
+/// `harness.json`), the config from its `config.json` with `overrides`.
+fn resumed_from_dir(
+    rt: &Runtime,
+    store: &Store,
+    id: i64,
+    dir: &Path,
+    overrides: &[Override],
+) -> Result<Resumed> {
+    let mut r = resumed_from_dir_readonly(id, dir, overrides)?;
+    r.run_dir = run_dir_of(rt, store, id)?;
+    Ok(r)
+}
+
+/// [`resumed_from_dir`] without the store (the ranks other than 0; `run_dir` is left empty).
+fn resumed_from_dir_readonly(id: i64, dir: &Path, overrides: &[Override]) -> Result<Resumed> {
+    let meta: CheckpointMeta = serde_json::from_slice(
+        &std::fs::read(dir.join("harness.json"))
+            .with_context(|| format!("reading {}/harness.json", dir.display()))?,
+    )
+    .with_context(|| format!("parsing {}/harness.json", dir.display()))?;
+    let stored = std::fs::read_to_string(dir.join("config.json"))
+        .with_context(|| format!("reading {}/config.json", dir.display()))?;
+    let cfg = config::from_stored(&stored, overrides)
+        .with_context(|| format!("the config stored in {}", dir.display()))?;
+    Ok(Resumed {
+        id,
+        step: meta.step,
+        ckpt_dir: dir.to_path_buf(),
+        run_dir: PathBuf::new(),
+        cfg,
+    })
 }
 
 /// Records how a drive ended and turns a kill into an error for the exit code.

@@ -222,7 +222,7 @@ fn two_ranks_of_sft_and_offline_dpo_follow_one_rank_step_for_step() {
 }
 
 #[test]
-fn a_two_rank_checkpoint_resumes_on_one_rank_with_the_two_rank_metrics() {
+fn a_two_rank_checkpoint_resumes_on_one_or_two_ranks_with_the_two_rank_metrics() {
     let env = setup_warm();
     let mut overrides = GRPO.to_vec();
     overrides.extend(["trainer.total_training_steps=4", "trainer.test_freq=2"]);
@@ -245,6 +245,29 @@ fn a_two_rank_checkpoint_resumes_on_one_rank_with_the_two_rank_metrics() {
         );
     }
     assert!(later > 10, "too few metrics after the checkpoint: {later}");
+    // and again through the launcher, on 2 ranks
+    env.ok(&[
+        "resume",
+        &run.to_string(),
+        "--from-step",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--dist-timeout-s",
+        "60",
+    ]);
+    let again = metrics(&env, run);
+    for (k, a) in &uninterrupted {
+        let b = again[k];
+        assert!(
+            (a - b).abs() <= 1e-5 * a.abs().max(1.0),
+            "{k:?}: 2 ranks {a}, resumed on 2 {b}"
+        );
+    }
+    let (rt, store) = env.store();
+    let r = rt.block_on(store.run(run)).unwrap().unwrap();
+    assert_eq!(r.status, "finished");
+    assert_eq!(r.resumed_from, Some(2));
 }
 
 /// The launcher's stderr, collected by a thread as it comes.
@@ -328,6 +351,7 @@ fn a_rank_killed_mid_run_fails_the_run_naming_it_and_leaves_no_partial_checkpoin
     );
     std::thread::sleep(Duration::from_millis(200));
     let text = stderr.lock().unwrap().clone();
+    eprintln!("{text}");
     assert!(!status.success(), "{text}");
     assert!(
         text.contains("rank 1 of 2 was killed by signal 9 (SIGKILL)"),
