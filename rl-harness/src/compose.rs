@@ -24,7 +24,7 @@ use rl_workers::roles::{
     ActorWorker, CriticWorker, ProgressHook, ReferenceWorker, RewardModelWorker, RolloutWorker,
     SharedPolicy, share,
 };
-use rl_workers::{CausalLm, ValueModel};
+use rl_workers::{CausalLm, TextCodec, ToolEnv, ValueModel};
 use serde_json::Value;
 use tch::{Device, Kind, Tensor};
 
@@ -142,6 +142,7 @@ pub fn check_groups(cfg: &ExperimentConfig, kind: TrainerKind) -> Result<()> {
     arr.rollout
         .validate()
         .map_err(|e| anyhow!("config group `actor_rollout_ref.rollout`: {e}"))?;
+    check_multi_turn(cfg, kind)?;
     if kind != TrainerKind::OnPolicy {
         return Ok(());
     }
@@ -155,6 +156,86 @@ pub fn check_groups(cfg: &ExperimentConfig, kind: TrainerKind) -> Result<()> {
         .check()
         .map_err(|e| anyhow!("{e}"))?;
     Ok(())
+}
+
+/// The rules of `actor_rollout_ref.rollout.multi_turn`: only the on-policy trainer runs it, with
+/// at least one tool, distinct tool names and limits in range.
+fn check_multi_turn(cfg: &ExperimentConfig, kind: TrainerKind) -> Result<()> {
+    let mt = &cfg.actor_rollout_ref.multi_turn;
+    if !mt.enable {
+        return Ok(());
+    }
+    if kind != TrainerKind::OnPolicy {
+        bail!(
+            "config key `actor_rollout_ref.rollout.multi_turn.enable`: multi-turn rollouts train \
+             with trainer.algorithm = \"on_policy\" only, not {kind:?}"
+        );
+    }
+    if mt.tools.is_empty() {
+        bail!(
+            "config key `actor_rollout_ref.rollout.multi_turn.tools`: multi_turn.enable needs at \
+             least one tool, e.g. [{{type = \"search\", url = \"http://127.0.0.1:8000/retrieve\"}}]"
+        );
+    }
+    for (i, t) in mt.tools.iter().enumerate() {
+        if mt.tools[..i].iter().any(|u| u.name() == t.name()) {
+            bail!(
+                "config key `actor_rollout_ref.rollout.multi_turn.tools`: two tools are called \
+                 `{}` (tools[{i}] and an earlier one)",
+                t.name()
+            );
+        }
+    }
+    mt.limits()
+        .validate()
+        .map_err(|e| anyhow!("config group `actor_rollout_ref.rollout`: {e}"))?;
+    Ok(())
+}
+
+/// The run's tokenizer as the multi-turn rollout's codec (no special tokens added, none
+/// skipped).
+#[derive(Debug)]
+struct TokenizerCodec(Arc<Tokenizer>);
+
+impl TextCodec for TokenizerCodec {
+    fn encode(&self, text: &str) -> std::result::Result<Vec<i64>, String> {
+        let ids = self.0.encode(text, false).map_err(|e| e.to_string())?;
+        Ok(ids.into_iter().map(i64::from).collect())
+    }
+
+    fn decode(&self, ids: &[i64]) -> std::result::Result<String, String> {
+        let ids = ids
+            .iter()
+            .map(|&i| u32::try_from(i).map_err(|_| format!("token id {i} is not a u32")))
+            .collect::<std::result::Result<Vec<u32>, String>>()?;
+        self.0.decode(&ids, false).map_err(|e| e.to_string())
+    }
+}
+
+/// The tools of `actor_rollout_ref.rollout.multi_turn` built from their specs (rl-tools), with
+/// the run's tokenizer; `None` when multi-turn is off.
+pub fn tool_env(cfg: &ExperimentConfig, tokenizer: &Arc<Tokenizer>) -> Result<Option<ToolEnv>> {
+    let mt = &cfg.actor_rollout_ref.multi_turn;
+    if !mt.enable {
+        return Ok(None);
+    }
+    let tools = mt
+        .tools
+        .iter()
+        .enumerate()
+        .map(|(i, spec)| {
+            rl_tools::build_tool(spec).with_context(|| {
+                format!("config key `actor_rollout_ref.rollout.multi_turn.tools[{i}]`")
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let env = ToolEnv::new(
+        tools,
+        Arc::new(TokenizerCodec(tokenizer.clone())),
+        mt.limits(),
+    )
+    .map_err(|e| anyhow!("config group `actor_rollout_ref.rollout`: {e}"))?;
+    Ok(Some(env))
 }
 
 /// Builds the trainer `cfg` selects, on `device`; `tch::manual_seed(trainer.seed)` first, so
@@ -534,7 +615,7 @@ pub fn build_on_policy_in(
         .eos_token_id()
         .ok_or_else(|| anyhow!("the tokenizer has no eos token (tokenizer_config.json)"))?;
     let pad = tokenizer.pad_id_or_eos()?;
-    let rollout = with_progress(
+    let mut rollout = with_progress(
         RolloutWorker::new(
             policy.clone(),
             arr.rollout.clone(),
@@ -544,6 +625,9 @@ pub fn build_on_policy_in(
         )?,
         progress,
     );
+    if let Some(env) = tool_env(cfg, tokenizer)? {
+        rollout = rollout.with_tools(env);
+    }
     let policy_device = policy
         .lock()
         .map_err(|_| anyhow!("the policy's lock is poisoned"))?

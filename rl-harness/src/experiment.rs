@@ -14,7 +14,7 @@ use serde_json::{Map, Value};
 
 use rl_algos::OverlongBufferConfig;
 use rl_algos::trainer::{ActorLossConfig, CriticLossConfig};
-use rl_workers::RolloutConfig;
+use rl_workers::{MultiTurnConfig, RolloutConfig};
 use rl_workers::roles::{ActorConfig, CriticConfig, RewardModelConfig, ValKwargs};
 
 /// How [`Merged`] starts the message of a key neither struct knows (the config loader turns
@@ -186,12 +186,53 @@ pub struct CriticModelGroup {
     pub model: CriticModelConfig,
 }
 
-/// `actor_rollout_ref.rollout.val_kwargs`.
+/// The keys of `actor_rollout_ref.rollout` beyond the sampler's: `val_kwargs` and `multi_turn`.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ValKwargsGroup {
     /// Sampling settings of validation.
     pub val_kwargs: ValKwargs,
+    /// Multi-turn rollouts with tools.
+    pub multi_turn: MultiTurn,
+}
+
+/// `actor_rollout_ref.rollout.multi_turn`: Search-R1-style rollouts that call tools between
+/// turns (`docs/algos/multi_turn.md`). Training and validation generations both use it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MultiTurn {
+    /// Generate in turns and call `tools` between them. Default false.
+    pub enable: bool,
+    /// Tool calls allowed per response, >= 1; a row that closes one more call tag stops there.
+    /// Default 4.
+    pub max_turns: usize,
+    /// Tokens kept of each observation, >= 1. Default 512.
+    pub max_obs_length: i64,
+    /// The tools, e.g. `[{type = "search", url = "http://127.0.0.1:8000/retrieve", topk = 3}]`
+    /// (rl-tools' `ToolSpec`); at least one when enabled, names distinct.
+    pub tools: Vec<rl_tools::ToolSpec>,
+}
+
+impl Default for MultiTurn {
+    fn default() -> Self {
+        let limits = MultiTurnConfig::default();
+        MultiTurn {
+            enable: false,
+            max_turns: limits.max_turns,
+            max_obs_length: limits.max_obs_length,
+            tools: Vec::new(),
+        }
+    }
+}
+
+impl MultiTurn {
+    /// The limits the rollout reads.
+    pub fn limits(&self) -> MultiTurnConfig {
+        MultiTurnConfig {
+            max_turns: self.max_turns,
+            max_obs_length: self.max_obs_length,
+        }
+    }
 }
 
 /// `actor_rollout_ref.ref`.
@@ -227,6 +268,8 @@ pub struct ActorRolloutRef {
     pub rollout: RolloutConfig,
     /// `actor_rollout_ref.rollout.val_kwargs`.
     pub val_kwargs: ValKwargs,
+    /// `actor_rollout_ref.rollout.multi_turn`.
+    pub multi_turn: MultiTurn,
     /// `actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu`.
     pub ref_micro_batch_size: Option<usize>,
 }
@@ -239,6 +282,7 @@ impl From<ActorRolloutRefWire> for ActorRolloutRef {
             actor_loss: w.actor.1,
             rollout: w.rollout.0,
             val_kwargs: w.rollout.1.val_kwargs,
+            multi_turn: w.rollout.1.multi_turn,
             ref_micro_batch_size: w.reference.log_prob_micro_batch_size_per_gpu,
         }
     }
@@ -253,6 +297,7 @@ impl From<ActorRolloutRef> for ActorRolloutRefWire {
                 a.rollout,
                 ValKwargsGroup {
                     val_kwargs: a.val_kwargs,
+                    multi_turn: a.multi_turn,
                 },
             ),
             reference: RefConfig {
