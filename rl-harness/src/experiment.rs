@@ -14,8 +14,8 @@ use serde_json::{Map, Value};
 
 use rl_algos::OverlongBufferConfig;
 use rl_algos::trainer::{ActorLossConfig, CriticLossConfig};
-use rl_workers::{MultiTurnConfig, RolloutConfig};
 use rl_workers::roles::{ActorConfig, CriticConfig, RewardModelConfig, ValKwargs};
+use rl_workers::{MultiTurnConfig, RolloutConfig};
 
 /// How [`Merged`] starts the message of a key neither struct knows (the config loader turns
 /// it into the full key path with the nearest known key).
