@@ -8,7 +8,6 @@ use std::io::{BufRead, BufReader};
 use std::process::{Child, Stdio};
 
 use common::Env;
-use rl_core::Tool;
 
 const CORPUS: &str = r#"{"id": "a", "contents": "\"Paris\"\nParis is the capital of France."}
 {"id": "b", "contents": "\"Berlin\"\nBerlin is the capital of Germany."}

@@ -78,30 +78,48 @@ fn index_err(path: &Path) -> impl Fn(tantivy::TantivyError) -> Error + '_ {
 /// Builds a BM25 index of `corpus_jsonl` in `index_dir` (created; it must be empty or absent).
 ///
 /// Each non-blank line must be `{"id": string | number, "contents": string}`; a bad line is an
-/// error naming the file and its line number, and nothing is committed. Documents keep corpus
-/// order, so equal scores rank in corpus order.
+/// error naming the file and its line number, and the folder is left as it was found (removed
+/// when this call created it, emptied otherwise). Documents keep corpus order, so equal scores
+/// rank in corpus order.
 pub fn build_index(corpus_jsonl: &Path, index_dir: &Path) -> Result<IndexStats> {
     let file = File::open(corpus_jsonl).map_err(|source| Error::Io {
         path: corpus_jsonl.to_path_buf(),
         source,
     })?;
-    std::fs::create_dir_all(index_dir).map_err(|source| Error::Io {
+    let io = |source| Error::Io {
         path: index_dir.to_path_buf(),
         source,
-    })?;
-    let not_empty = std::fs::read_dir(index_dir)
-        .map_err(|source| Error::Io {
-            path: index_dir.to_path_buf(),
-            source,
-        })?
-        .next()
-        .is_some();
-    if not_empty {
+    };
+    let existed = index_dir.exists();
+    if existed && std::fs::read_dir(index_dir).map_err(io)?.next().is_some() {
         return Err(Error::Index {
             path: index_dir.to_path_buf(),
             message: "the folder is not empty; give a new or empty folder".into(),
         });
     }
+    std::fs::create_dir_all(index_dir).map_err(io)?;
+    let built = write_index(file, corpus_jsonl, index_dir);
+    if built.is_err() {
+        // leave the folder as it was found
+        if existed {
+            if let Ok(entries) = std::fs::read_dir(index_dir) {
+                for e in entries.flatten() {
+                    let p = e.path();
+                    let _ = if p.is_dir() {
+                        std::fs::remove_dir_all(&p)
+                    } else {
+                        std::fs::remove_file(&p)
+                    };
+                }
+            }
+        } else {
+            let _ = std::fs::remove_dir_all(index_dir);
+        }
+    }
+    built
+}
+
+fn write_index(file: File, corpus_jsonl: &Path, index_dir: &Path) -> Result<IndexStats> {
     let (schema, id_f, contents_f) = schema();
     let index = Index::create_in_dir(index_dir, schema).map_err(index_err(index_dir))?;
     // One indexing thread keeps documents in corpus order (deterministic tie-breaking).

@@ -55,6 +55,21 @@ fn a_bad_corpus_line_names_the_file_and_line() {
         .to_string();
     assert!(e.starts_with(&format!("{}:3: ", c.display())), "{e}");
     assert!(e.contains("contents"), "{e}");
+    // nothing is left behind: the same folder takes a good corpus next
+    assert!(!tmp.path().join("idx").exists());
+    let good = corpus(tmp.path(), &LINES);
+    std::fs::create_dir(tmp.path().join("empty")).unwrap();
+    std::fs::write(tmp.path().join("bad.jsonl"), "not json\n").unwrap();
+    let e = build_index(&tmp.path().join("bad.jsonl"), &tmp.path().join("empty")).unwrap_err();
+    assert!(e.to_string().contains("bad.jsonl:1:"), "{e}");
+    assert_eq!(
+        std::fs::read_dir(tmp.path().join("empty")).unwrap().count(),
+        0
+    );
+    assert_eq!(
+        build_index(&good, &tmp.path().join("empty")).unwrap().docs,
+        4
+    );
     let c = corpus(tmp.path(), &[r#"{"id": [1], "contents": "x"}"#]);
     let e = build_index(&c, &tmp.path().join("idx2"))
         .unwrap_err()
