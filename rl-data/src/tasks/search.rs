@@ -267,15 +267,19 @@ impl SearchTask {
     }
 
     /// The corpus lines: one fact per entity and attribute,
-    /// `{"id": "0", "contents": "\"Bako\"\nBako color is red."}`, entity by entity.
+    /// `{"id": "0", "contents": "\"Bako\"\nBako color is red."}`, entity by entity, ids
+    /// counting from 0.
     pub fn corpus_lines(&self) -> Vec<String> {
         let mut lines = Vec::with_capacity(self.entities.len() * SEARCH_TASK_ATTRIBUTES.len());
         for e in &self.entities {
             for ((attr, _), value) in SEARCH_TASK_ATTRIBUTES.iter().zip(&e.values) {
                 let contents = format!("\"{}\"\n{}", e.name, fact(&e.name, attr, value));
-                lines.push(
-                    json!({ "id": lines.len().to_string(), "contents": contents }).to_string(),
-                );
+                // `id` first, as Search-R1's corpora are written
+                let id = Value::from(lines.len().to_string());
+                lines.push(format!(
+                    "{{\"id\": {id}, \"contents\": {}}}",
+                    Value::from(contents)
+                ));
             }
         }
         lines

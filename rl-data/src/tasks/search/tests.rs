@@ -110,12 +110,17 @@ fn train_and_test_ask_about_disjoint_entities_and_the_corpus_answers_every_quest
     assert_eq!(asked.len(), 200);
     let corpus = task.corpus_lines();
     assert_eq!(corpus.len(), (67 + 17) * 3);
+    assert!(
+        corpus[0].starts_with("{\"id\": \"0\", \"contents\": \""),
+        "{}",
+        corpus[0]
+    );
+    assert!(serde_json::from_str::<Value>(&corpus[1]).is_ok());
     for q in task.train.iter().chain(&task.test) {
         let contents = format!("\"{}\"\n{}", q.entity, q.fact());
-        let line = json!({"contents": contents}).to_string();
-        let needle = &line[1..line.len() - 1];
+        let needle = format!("\"contents\": {}}}", Value::from(contents));
         assert_eq!(
-            corpus.iter().filter(|l| l.contains(needle)).count(),
+            corpus.iter().filter(|l| l.ends_with(&needle)).count(),
             1,
             "{}",
             q.fact()
