@@ -461,6 +461,9 @@ fn supervise(
         bail!("run {id} failed: {msg}");
     }
     if stop.load(Ordering::SeqCst) {
+        // rank 0 records `killed` after its last checkpoint; this covers a rank 0 that the
+        // signal reached before it could
+        train::mark_ended(rt, store, id, "killed", None)?;
         remove_partial_checkpoints(run_dir);
         bail!("run {id} stopped by a signal; `harness resume {id}` continues it");
     }

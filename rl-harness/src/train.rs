@@ -404,32 +404,56 @@ fn broadcast_run_id(group: &SharedCollective, id: i64) -> Result<i64> {
 
 /// Marks run `id` failed with `error` (the launcher, when a rank died), unless it finished.
 pub fn mark_failed(rt: &Runtime, store: &Store, id: i64, error: String) -> Result<()> {
+    mark_ended(rt, store, id, "failed", Some(error))
+}
+
+/// Records run `id` as `status` (with `error`, also as an event) unless it already ended
+/// otherwise: a `failed` run may have been `running`, `killed` or `failed` (a launcher's
+/// diagnosis replaces a rank's), a `killed` one only `running`.
+pub fn mark_ended(
+    rt: &Runtime,
+    store: &Store,
+    id: i64,
+    status: &'static str,
+    error: Option<String>,
+) -> Result<()> {
+    let query = if status == "failed" {
+        "UPDATE runs SET status = ?, ended = ?, heartbeat = ?, error = ? \
+         WHERE id = ? AND status IN ('running', 'killed', 'failed')"
+    } else {
+        "UPDATE runs SET status = ?, ended = ?, heartbeat = ?, error = ? \
+         WHERE id = ? AND status = 'running'"
+    };
     rt.block_on(store.write(move |c| {
         Box::pin(async move {
             let t = now();
-            sqlx::query(
-                "UPDATE runs SET status = 'failed', ended = ?, heartbeat = ?, error = ? \
-                 WHERE id = ? AND status != 'finished'",
-            )
-            .bind(t)
-            .bind(t)
-            .bind(&error)
-            .bind(id)
-            .execute(&mut *c)
-            .await?;
-            sqlx::query(
-                "INSERT INTO events (run_id, time, kind, message) VALUES (?, ?, 'error', ?)",
-            )
-            .bind(id)
-            .bind(t)
-            .bind(&error)
-            .execute(&mut *c)
-            .await?;
-            tracker::enqueue_status(c, id, "failed", Some(t)).await?;
+            let changed = sqlx::query(query)
+                .bind(status)
+                .bind(t)
+                .bind(t)
+                .bind(&error)
+                .bind(id)
+                .execute(&mut *c)
+                .await?
+                .rows_affected();
+            if changed == 0 {
+                return Ok(0);
+            }
+            if let Some(e) = &error {
+                sqlx::query(
+                    "INSERT INTO events (run_id, time, kind, message) VALUES (?, ?, 'error', ?)",
+                )
+                .bind(id)
+                .bind(t)
+                .bind(e)
+                .execute(&mut *c)
+                .await?;
+            }
+            tracker::enqueue_status(c, id, status, Some(t)).await?;
             Ok(0)
         })
     }))
-    .with_context(|| format!("marking run {id} failed"))?;
+    .with_context(|| format!("recording run {id} as {status}"))?;
     rt.block_on(store.flush())?;
     Ok(())
 }

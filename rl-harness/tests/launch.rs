@@ -380,6 +380,74 @@ fn a_rank_killed_mid_run_fails_the_run_naming_it_and_leaves_no_partial_checkpoin
 }
 
 #[test]
+fn sigterm_to_the_launcher_stops_every_rank_after_the_same_step_with_a_checkpoint() {
+    let env = setup();
+    let file = experiment("quickstart");
+    let mut args = vec!["train", file.as_str()];
+    args.extend_from_slice(GRPO);
+    args.extend([
+        "trainer.total_training_steps=10000",
+        "trainer.save_freq=1000",
+        "--nproc-per-node",
+        "2",
+        "--dist-timeout-s",
+        "30",
+    ]);
+    let mut launcher = env
+        .cmd()
+        .args(&args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = collect(launcher.stderr.take().unwrap());
+    let (rt, store) = env.store();
+    wait_for("step 2's metrics", Duration::from_secs(120), || {
+        rt.block_on(store.all_metrics(1))
+            .map(|m| m.iter().any(|(s, _, _, _)| *s >= 2))
+            .unwrap_or(false)
+    });
+    let sent = std::process::Command::new("kill")
+        .args(["-TERM", &launcher.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = launcher.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "the launcher did not stop:\n{}",
+            stderr.lock().unwrap()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    std::thread::sleep(Duration::from_millis(200));
+    let text = stderr.lock().unwrap().clone();
+    assert!(!status.success(), "{text}");
+    assert!(text.contains("stopped by a signal"), "{text}");
+    let run = rt.block_on(store.run(1)).unwrap().unwrap();
+    assert_eq!(run.status, "killed", "{text}");
+    // rank 0 checkpointed the last step both ranks finished
+    let last = rt
+        .block_on(store.all_metrics(1))
+        .unwrap()
+        .iter()
+        .map(|m| m.0)
+        .max()
+        .unwrap();
+    let ckpts = rt.block_on(store.checkpoints(1)).unwrap();
+    assert_eq!(ckpts.last().map(|c| c.step), Some(last), "{text}");
+    // and the run continues from it, here on one rank
+    let until = format!("trainer.total_training_steps={}", last + 1);
+    env.ok(&["resume", "1", &until]);
+    let run = rt.block_on(store.run(1)).unwrap().unwrap();
+    assert_eq!(run.status, "finished");
+}
+
+#[test]
 fn configs_that_cannot_run_data_parallel_are_refused_before_any_rank_starts() {
     let env = setup();
     let refused = |file: &str, overrides: &[&str], nproc: &str| {
