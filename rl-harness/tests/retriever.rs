@@ -186,3 +186,44 @@ fn search_task_traces_hold_what_the_served_index_returns() {
         );
     }
 }
+
+#[test]
+fn the_search_commands_have_help_and_search_r1_writes_qa_parquet() {
+    let env = Env::new();
+    for args in [
+        vec!["retriever", "--help"],
+        vec!["retriever", "index", "--help"],
+        vec!["retriever", "serve", "--help"],
+        vec!["data", "search-task", "--help"],
+        vec!["data", "search-r1", "--help"],
+    ] {
+        let out = env.ok(&args);
+        assert!(out.contains("Usage:"), "{args:?}: {out}");
+    }
+    env.file(
+        "nq.jsonl",
+        "{\"id\": \"1\", \"question\": \"capital of norway\", \"golden_answers\": [\"Oslo\"]}\n",
+    );
+    let out = env.ok(&["data", "search-r1", "nq.jsonl", "nq/train.parquet"]);
+    assert!(out.contains("1 rows, data_source nq"), "{out}");
+    let ds = rl_data::RlDataset::open(
+        &[env.path().join("nq/train.parquet")],
+        &rl_data::ReadOptions {
+            prompt_key: "prompt".into(),
+            reward_fn_key: "data_source".into(),
+            max_samples: None,
+        },
+    )
+    .unwrap();
+    let row = ds.row(0).unwrap();
+    assert_eq!(
+        row.prompt[0].content,
+        rl_data::tasks::search_r1_prompt("capital of norway")
+    );
+    env.file("bad.jsonl", "{\"question\": \"q\"}\n");
+    let err = env.fails(&["data", "search-r1", "bad.jsonl", "x.parquet"]);
+    assert!(
+        err.contains("bad.jsonl: line 1") && err.contains("golden_answers"),
+        "{err}"
+    );
+}

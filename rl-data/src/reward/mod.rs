@@ -378,6 +378,14 @@ impl RewardRegistry {
         r
     }
 
+    /// [`RewardRegistry::verl_default`] with `cfg`'s mappings applied on top (a configured
+    /// prefix or source replaces the default of the same name).
+    pub fn with_config(cfg: &RewardConfig) -> Result<Self> {
+        let mut r = Self::verl_default();
+        r.apply_config(cfg)?;
+        Ok(r)
+    }
+
     /// Scores `data_source` with `f` (replacing any previous function).
     pub fn register_source(&mut self, data_source: impl Into<String>, f: Arc<dyn RewardFn>) {
         self.sources.insert(data_source.into(), f);

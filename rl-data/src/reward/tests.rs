@@ -290,7 +290,6 @@ fn search_r1_sources_with_and_without_the_prefix_go_to_qa_exact_match() {
 
 #[test]
 fn the_search_r1_format_score_is_configurable_and_rewards_only_a_wrong_answer_tag() {
-    let mut r = RewardRegistry::verl_default();
     let cfg: RewardConfig = toml::from_str(
         r#"
         [prefixes.searchR1_]
@@ -302,7 +301,7 @@ fn the_search_r1_format_score_is_configurable_and_rewards_only_a_wrong_answer_ta
         "#,
     )
     .unwrap();
-    r.apply_config(&cfg).unwrap();
+    let r = RewardRegistry::with_config(&cfg).unwrap();
     let gt = serde_json::json!({"target": ["Oslo"]});
     let score =
         |source: &str, response: &str| r.score(source, response, &gt, &Value::Null).unwrap().score;
