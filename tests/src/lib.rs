@@ -236,3 +236,56 @@ pub fn sft_until_loss(
 }
 
 // ---- end of the preference-test helpers ----
+
+// ---- multi-turn helpers (issue 10): appended block, owned by the search test ----
+
+/// An SFT batch of multi-turn traces in the rollout layout: each prompt (a user message)
+/// rendered with the chat template and the generation prompt, each response the concatenation
+/// of its segments, `loss_mask` (`[batch, seq_len]`) 1 on the segments marked generated and 0
+/// on the others (tool observations), so the SFT loss trains only what the model writes.
+pub fn multi_turn_sft_batch(
+    tokenizer: &Tokenizer,
+    prompts: &[String],
+    responses: &[Vec<(String, bool)>],
+) -> AnyResult<rl_core::Batch> {
+    if prompts.len() != responses.len() {
+        return Err(format!(
+            "{} prompts for {} responses",
+            prompts.len(),
+            responses.len()
+        )
+        .into());
+    }
+    let mut prompt_ids = Vec::with_capacity(prompts.len());
+    let mut response_ids = Vec::with_capacity(prompts.len());
+    let mut generated = Vec::with_capacity(prompts.len());
+    for (p, segments) in prompts.iter().zip(responses) {
+        let text = tokenizer.apply_chat_template(&[rl_data::Message::user(p.clone())], true)?;
+        prompt_ids.push(tokenizer.encode(&text, false)?);
+        let (mut ids, mut gen_flags) = (Vec::new(), Vec::new());
+        for (segment, is_generated) in segments {
+            let seg = tokenizer.encode(segment, false)?;
+            gen_flags.extend(std::iter::repeat_n(*is_generated, seg.len()));
+            ids.extend(seg);
+        }
+        response_ids.push(ids);
+        generated.push(gen_flags);
+    }
+    let mut batch = rollout_layout(&prompt_ids, &response_ids, tokenizer.pad_id_or_eos()?)?;
+    let seq_len = batch.get(rl_core::keys::INPUT_IDS)?.size()[1] as usize;
+    let response_len = batch.get(rl_core::keys::RESPONSES)?.size()[1] as usize;
+    let prompt_len = seq_len - response_len;
+    let mut loss = vec![0i64; prompts.len() * seq_len];
+    for (r, flags) in generated.iter().enumerate() {
+        for (t, &g) in flags.iter().enumerate() {
+            loss[r * seq_len + prompt_len + t] = i64::from(g);
+        }
+    }
+    batch.insert(
+        rl_core::keys::LOSS_MASK,
+        tch::Tensor::from_slice(&loss).view([prompts.len() as i64, seq_len as i64]),
+    )?;
+    Ok(batch)
+}
+
+// ---- end of the multi-turn helpers ----

@@ -1,0 +1,273 @@
+//! End to end on CPU, Search-R1 style: the synthetic search task is indexed and served on
+//! 127.0.0.1 by the BM25 retriever, a tiny character-level Llama is SFT-warmed on a few
+//! search-then-answer traces (observations masked out of the loss), then GRPO trains it with
+//! multi-turn rollouts that call the live retriever; held-out exact match must rise by at
+//! least 10 points and the policy must keep searching.
+
+use std::sync::Arc;
+
+use rl_algos::advantage::AdvEstimator;
+use rl_algos::trainer::SftLoss;
+use rl_core::Trainer;
+use rl_core::roles::Actor;
+use rl_data::tasks::{SearchTask, SearchTaskConfig, SplitSizes};
+use rl_data::{DataConfig, Tokenizer};
+use rl_e2e::*;
+use rl_tools::ToolSpec;
+use rl_workers::RolloutConfig;
+use rl_workers::roles::{ActorConfig, ActorWorker, OptimConfig};
+
+const SEED: u64 = 5;
+
+fn env_or(key: &str, default: u64) -> u64 {
+    std::env::var(key)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+#[test]
+fn grpo_with_a_live_retriever_raises_held_out_exact_match() {
+    let t0 = std::time::Instant::now();
+    let root = tempfile::tempdir().unwrap();
+    let model_dir = root.path().join("model");
+    rl_data::tasks::tiny_vocab::write_tiny_tokenizer(&model_dir).unwrap();
+    let tokenizer = Arc::new(Tokenizer::from_dir(&model_dir).unwrap());
+
+    // the task, its corpus indexed and served on 127.0.0.1
+    let n_train = env_or("SEARCH_TRAIN", 240) as usize;
+    let task = SearchTask::generate(
+        &SearchTaskConfig::default(),
+        SplitSizes {
+            train: n_train,
+            test: env_or("SEARCH_TEST", 100) as usize,
+        },
+        SEED,
+    )
+    .unwrap();
+    let corpus = root.path().join("corpus.jsonl");
+    task.write_corpus(&corpus).unwrap();
+    let index = root.path().join("index");
+    rl_tools::retriever::build_index(&corpus, &index).unwrap();
+    let server = rl_tools::retriever::serve_in_background(&index, 0).unwrap();
+    let spec = ToolSpec::Search {
+        url: server.url(),
+        topk: 1,
+        timeout_s: 30.0,
+        retries: 2,
+    };
+    let search = rl_tools::build_tool(&spec).unwrap();
+    let data = root.path().join("data");
+    std::fs::create_dir_all(&data).unwrap();
+    let files = task.write(&data, search.as_ref()).unwrap();
+
+    // SFT on a few traces: the search call and the answer are trained, the observation is not
+    let few = env_or("SFT_TRACES", 64) as usize;
+    let questions = &task.train[..few];
+    let queries: Vec<String> = questions.iter().map(|q| q.query()).collect();
+    let observations = search.call(&queries);
+    let prompts: Vec<String> = questions.iter().map(|q| q.prompt()).collect();
+    let responses: Vec<Vec<(String, bool)>> = questions
+        .iter()
+        .zip(&observations)
+        .map(|(q, o)| {
+            vec![
+                (format!("<search>{}</search>", q.query()), true),
+                (o.text.clone(), false),
+                (format!("<answer>{}</answer>", q.answer), true),
+            ]
+        })
+        .collect();
+    let sft_rows = 16;
+    let policy = fresh_tiny_policy(tokenizer.vocab_size() as i64, SEED as i64).unwrap();
+    let mut actor = ActorWorker::new(
+        policy.clone(),
+        ActorConfig {
+            ppo_mini_batch_size: sft_rows,
+            optim: OptimConfig {
+                lr: env_or("SFT_LR_E4", 30) as f64 * 1e-4,
+                weight_decay: 0.0,
+                ..OptimConfig::default()
+            },
+            ..ActorConfig::default()
+        },
+        1,
+    )
+    .unwrap();
+    let sft_steps = env_or("SFT_STEPS", 300) as usize;
+    let mut last = Vec::new();
+    for step in 0..sft_steps {
+        let idx: Vec<usize> = (0..sft_rows).map(|i| (step * sft_rows + i) % few).collect();
+        let batch = multi_turn_sft_batch(
+            &tokenizer,
+            &idx.iter().map(|&i| prompts[i].clone()).collect::<Vec<_>>(),
+            &idx.iter()
+                .map(|&i| responses[i].clone())
+                .collect::<Vec<_>>(),
+        )
+        .unwrap();
+        let m = actor.update(&batch, &SftLoss).unwrap();
+        last = m.values("train/loss").to_vec();
+    }
+    println!(
+        "sft: {sft_steps} steps on {few} traces, last loss {last:?} ({:.0}s)",
+        t0.elapsed().as_secs_f64()
+    );
+    drop(actor);
+
+    // GRPO with multi-turn rollouts against the live retriever
+    let response_length = 160;
+    let mut cfg = ExperimentConfig {
+        data: DataConfig {
+            train_files: vec![files.train.clone()],
+            val_files: vec![files.test.clone()],
+            max_prompt_length: 128,
+            max_response_length: response_length as usize,
+            train_batch_size: 16,
+            seed: Some(SEED),
+            pad_to_max_prompt_length: false,
+            return_raw_chat: false,
+            ..DataConfig::default()
+        },
+        ..ExperimentConfig::default()
+    };
+    let arr = &mut cfg.actor_rollout_ref;
+    arr.model.path = model_dir.clone();
+    arr.rollout = RolloutConfig {
+        n: 8,
+        response_length,
+        temperature: 1.0,
+        seed: SEED,
+        ..RolloutConfig::default()
+    };
+    arr.multi_turn.enable = true;
+    arr.multi_turn.max_turns = 2;
+    arr.multi_turn.max_obs_length = 100;
+    arr.multi_turn.tools = vec![spec.clone()];
+    arr.actor = ActorConfig {
+        ppo_mini_batch_size: 16,
+        ppo_micro_batch_size_per_gpu: Some(64),
+        optim: OptimConfig {
+            lr: env_or("RL_LR_E4", 5) as f64 * 1e-4,
+            weight_decay: 0.0,
+            ..OptimConfig::default()
+        },
+        ..ActorConfig::default()
+    };
+    cfg.algorithm.adv_estimator = AdvEstimator::Grpo;
+    cfg.trainer.total_training_steps = Some(env_or("RL_STEPS", 30));
+    cfg.trainer.log_val_generations = 2;
+    check_on_policy(&cfg).unwrap();
+    let mut trainer = build_on_policy(&cfg, policy, None, &tokenizer).unwrap();
+    let key = "val/test_score/searchR1_synthetic";
+    let (before, samples) = trainer.validate().unwrap();
+    println!(
+        "before: {key} = {:.3}; sample {:?}",
+        before[key],
+        samples.first()
+    );
+    let mut steps = Vec::new();
+    while trainer.global_step() < trainer.total_steps() {
+        let m = trainer.step().unwrap();
+        println!(
+            "step {}: score {:.3} search_calls {:.2} turns {:.2} valid {:.2} gen {:.1} obs {:.1} ({:.1}s, generation {:.1}s, update {:.1}s)",
+            trainer.global_step(),
+            m["critic/score/mean"],
+            m["env/search_calls"],
+            m["env/number_of_turns"],
+            m["env/valid_action_ratio"],
+            m["response_length/generated_mean"],
+            m["response_length/observation_mean"],
+            m["timing_s/step"],
+            m["timing_s/gen"],
+            m["timing_s/update_actor"],
+        );
+        steps.push(m);
+    }
+    let (after, samples) = trainer.validate().unwrap();
+    let (b, a) = (before[key], after[key]);
+    println!(
+        "search-r1 synthetic: held-out exact match {:.1}% -> {:.1}% over {} GRPO steps, {} retriever requests, {:.0}s in all; sample {:?}",
+        b * 100.0,
+        a * 100.0,
+        steps.len(),
+        server.requests(),
+        t0.elapsed().as_secs_f64(),
+        samples.first()
+    );
+    for (i, m) in steps.iter().enumerate() {
+        assert!(
+            m["env/search_calls"] > 0.0,
+            "step {}: no search calls",
+            i + 1
+        );
+        for k in [
+            "env/number_of_turns",
+            "env/valid_action_ratio",
+            "env/tool_errors",
+            "response_length/generated_mean",
+            "response_length/observation_mean",
+        ] {
+            assert!(m.contains_key(k), "step {} lacks {k}", i + 1);
+        }
+    }
+    assert!(a - b >= 0.10 - 1e-9, "held-out exact match {b} -> {a}");
+}
+
+fn load(overrides: &[&str]) -> Result<ExperimentConfig, String> {
+    let file =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../experiments/search_r1.toml");
+    let overrides = overrides
+        .iter()
+        .map(|o| rl_harness::config::Override::parse(o).map_err(|e| format!("{e:#}")))
+        .collect::<Result<Vec<_>, _>>()?;
+    rl_harness::config::load(&rl_harness::config::Sources {
+        file: Some(file),
+        env: false,
+        overrides,
+    })
+    .map_err(|e| format!("{e:#}"))
+}
+
+#[test]
+fn experiments_search_r1_resolves_and_bad_multi_turn_keys_are_named() {
+    let cfg = load(&[]).unwrap();
+    let mt = &cfg.actor_rollout_ref.multi_turn;
+    assert!(mt.enable);
+    assert_eq!((mt.max_turns, mt.max_obs_length), (2, 100));
+    assert_eq!(mt.tools.len(), 1);
+    assert_eq!(mt.tools[0].name(), "search");
+    let cases: &[(&[&str], &str)] = &[
+        (
+            &["actor_rollout_ref.rollout.multi_turn.tools=[]"],
+            "actor_rollout_ref.rollout.multi_turn.tools",
+        ),
+        (
+            &["actor_rollout_ref.rollout.multi_turn.max_turns=0"],
+            "multi_turn.max_turns",
+        ),
+        (
+            &["actor_rollout_ref.rollout.multi_turn.max_obs_length=0"],
+            "multi_turn.max_obs_length",
+        ),
+        (
+            &["actor_rollout_ref.rollout.multi_turn.max_turn=3"],
+            "actor_rollout_ref.rollout.multi_turn.max_turn",
+        ),
+        (
+            &[
+                r#"actor_rollout_ref.rollout.multi_turn.tools=[{type = "calculator"}, {type = "calculator"}]"#,
+            ],
+            "two tools are called `calculator`",
+        ),
+        (
+            &[r#"actor_rollout_ref.rollout.multi_turn.tools=[{type = "search"}]"#],
+            "url",
+        ),
+        (&["trainer.algorithm=online_dpo"], "multi_turn.enable"),
+    ];
+    for (overrides, want) in cases {
+        let err = load(overrides).unwrap_err();
+        assert!(err.contains(want), "{overrides:?}: {err}");
+    }
+}
