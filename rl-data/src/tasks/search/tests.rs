@@ -342,3 +342,24 @@ fn qa_jsonl_becomes_search_r1_parquet_and_a_bad_line_names_the_file_and_line() {
         .to_string();
     assert!(e.contains("line 2"), "{e}");
 }
+
+#[test]
+fn prompts_and_traces_fit_the_tiny_character_level_tokenizer() {
+    let vocab: HashSet<String> = crate::tasks::tiny_vocab::tiny_vocab().into_iter().collect();
+    let task = SearchTask::generate(&SearchTaskConfig::default(), sizes(300, 30), 9).unwrap();
+    let tool = FakeSearch::new(&task);
+    let mut longest = (0, 0);
+    for q in &task.train {
+        let obs = &tool.call(&[q.query()])[0].text;
+        let (prompt, trace) = (q.prompt(), q.trace(obs));
+        for c in prompt.chars().chain(trace.chars()) {
+            assert!(vocab.contains(&c.to_string()), "{c:?} in {trace:?}");
+        }
+        longest = (
+            longest.0.max(prompt.chars().count()),
+            longest.1.max(trace.chars().count()),
+        );
+    }
+    // one token per character: short enough for a tiny model's context
+    assert!(longest.0 <= 64 && longest.1 <= 256, "{longest:?}");
+}
