@@ -36,6 +36,8 @@ pub enum ToolSpec {
         #[serde(default = "default_timeout_s")]
         timeout_s: f64,
         /// Extra attempts after a connection error, a timeout or an HTTP 5xx, 0..=10; default 2.
+        /// A call takes at most `(retries + 1) * timeout_s` plus `0.1 * retries * (retries + 1)
+        /// / 2` seconds of back-off before it gives failed observations.
         #[serde(default = "default_retries")]
         retries: u32,
     },
