@@ -28,6 +28,27 @@ const GRPO: &[&str] = &[
     "actor_rollout_ref.rollout.n=2",
 ];
 
+/// `harness ARGS` with one intra-op thread (the launcher gives each of 2 ranks cores / 2 = 1 on
+/// this machine; libtorch's OpenMP threads spin, so on a shared machine more threads than free
+/// cores make the 1-rank runs many times slower), asserted to succeed; stdout.
+fn ok(env: &Env, args: &[&str]) -> String {
+    let out = cmd(env).args(args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "harness {args:?} failed:\nstdout: {}\nstderr: {}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The harness command of `env` with one intra-op thread.
+fn cmd(env: &Env) -> std::process::Command {
+    let mut c = env.cmd();
+    c.env("OMP_NUM_THREADS", "1");
+    c
+}
+
 fn experiment(name: &str) -> String {
     repo_root()
         .join(format!("experiments/{name}.toml"))
@@ -39,19 +60,25 @@ fn experiment(name: &str) -> String {
 fn setup() -> Env {
     let env = Env::new();
     tiny_llm(&env, 64, 16);
-    env.ok(&[
-        "data",
-        "tiny-addition",
-        "data/tiny-addition",
-        "--train",
-        "64",
-        "--test",
-        "16",
-        "--seed",
-        "7",
-        "--pairs",
-    ]);
-    env.ok(&["model", "init-tiny", "models/tiny-llama-sft", "--seed", "7"]);
+    ok(
+        &env,
+        &[
+            "data",
+            "tiny-addition",
+            "data/tiny-addition",
+            "--train",
+            "64",
+            "--test",
+            "16",
+            "--seed",
+            "7",
+            "--pairs",
+        ],
+    );
+    ok(
+        &env,
+        &["model", "init-tiny", "models/tiny-llama-sft", "--seed", "7"],
+    );
     env
 }
 
@@ -83,7 +110,7 @@ fn train(env: &Env, file: &str, overrides: &[&str], nproc: usize) -> i64 {
     if nproc > 1 {
         args.extend(["--nproc-per-node", &n, "--dist-timeout-s", "60"]);
     }
-    let out = env.ok(&args);
+    let out = ok(env, &args);
     out.lines()
         .find_map(|l| {
             l.strip_prefix("run ")?
@@ -229,7 +256,7 @@ fn a_two_rank_checkpoint_resumes_on_one_or_two_ranks_with_the_two_rank_metrics()
     let run = train(&env, &experiment("quickstart"), &overrides, 2);
     let uninterrupted = metrics(&env, run);
     // rerun steps 3 and 4 from the 2-rank checkpoint of step 2, in one process
-    env.ok(&["resume", &run.to_string(), "--from-step", "2"]);
+    ok(&env, &["resume", &run.to_string(), "--from-step", "2"]);
     let resumed = metrics(&env, run);
     assert_eq!(
         uninterrupted.keys().collect::<Vec<_>>(),
@@ -246,16 +273,19 @@ fn a_two_rank_checkpoint_resumes_on_one_or_two_ranks_with_the_two_rank_metrics()
     }
     assert!(later > 10, "too few metrics after the checkpoint: {later}");
     // and again through the launcher, on 2 ranks
-    env.ok(&[
-        "resume",
-        &run.to_string(),
-        "--from-step",
-        "2",
-        "--nproc-per-node",
-        "2",
-        "--dist-timeout-s",
-        "60",
-    ]);
+    ok(
+        &env,
+        &[
+            "resume",
+            &run.to_string(),
+            "--from-step",
+            "2",
+            "--nproc-per-node",
+            "2",
+            "--dist-timeout-s",
+            "60",
+        ],
+    );
     let again = metrics(&env, run);
     for (k, a) in &uninterrupted {
         let b = again[k];
@@ -297,8 +327,7 @@ fn a_rank_killed_mid_run_fails_the_run_naming_it_and_leaves_no_partial_checkpoin
         "--dist-timeout-s",
         "30",
     ]);
-    let mut launcher = env
-        .cmd()
+    let mut launcher = cmd(&env)
         .args(&args)
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -393,8 +422,7 @@ fn sigterm_to_the_launcher_stops_every_rank_after_the_same_step_with_a_checkpoin
         "--dist-timeout-s",
         "30",
     ]);
-    let mut launcher = env
-        .cmd()
+    let mut launcher = cmd(&env)
         .args(&args)
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -442,7 +470,7 @@ fn sigterm_to_the_launcher_stops_every_rank_after_the_same_step_with_a_checkpoin
     assert_eq!(ckpts.last().map(|c| c.step), Some(last), "{text}");
     // and the run continues from it, here on one rank
     let until = format!("trainer.total_training_steps={}", last + 1);
-    env.ok(&["resume", "1", &until]);
+    ok(&env, &["resume", "1", &until]);
     let run = rt.block_on(store.run(1)).unwrap().unwrap();
     assert_eq!(run.status, "finished");
 }
