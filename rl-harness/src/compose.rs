@@ -250,8 +250,8 @@ pub fn build(
 
 /// [`build`] as one rank of the data-parallel `group` (`docs/distributed.md`): the sources
 /// yield this rank's share of each global batch, the actor and critic average their gradients
-/// over the group, the trainer reduces its metrics. Only the on-policy, SFT and offline DPO
-/// trainers are data-parallel; the others are refused with more than one rank.
+/// over the group, the trainer reduces its metrics. Only the on-policy, SFT, offline DPO and
+/// SPIN trainers are data-parallel; the others are refused with more than one rank.
 pub fn build_with_group(
     cfg: &ExperimentConfig,
     device: Device,
@@ -266,12 +266,12 @@ pub fn build_with_group(
     if world > 1
         && !matches!(
             cfg.trainer.algorithm,
-            TrainerKind::OnPolicy | TrainerKind::Sft | TrainerKind::Dpo
+            TrainerKind::OnPolicy | TrainerKind::Sft | TrainerKind::Dpo | TrainerKind::Spin
         )
     {
         bail!(
             "config key `trainer.algorithm`: {:?} is not data-parallel; run it with one rank \
-             (on_policy, sft and dpo are)",
+             (on_policy, sft, dpo and spin are)",
             cfg.trainer.algorithm
         );
     }
@@ -312,12 +312,13 @@ pub fn build_with_group(
         TrainerKind::OnlineDpo => {
             Box::new(build_online_dpo(cfg, policy.clone(), &tokenizer, progress)?)
         }
-        TrainerKind::Spin => Box::new(build_spin(
+        TrainerKind::Spin => Box::new(build_spin_in(
             cfg,
             policy.clone(),
             &tokenizer,
             device,
             progress,
+            group,
         )?),
         TrainerKind::Bandit => bail!("the bandit trainer is built by the harness itself"),
     };
@@ -1046,20 +1047,43 @@ pub fn build_spin(
     device: Device,
     progress: Option<ProgressHook>,
 ) -> Result<SpinTrainer> {
+    build_spin_in(cfg, policy, tokenizer, device, progress, None)
+}
+
+/// [`build_spin`] as one rank of `group`: `sft.train_batch_size` rows is the global batch, each
+/// rank generates for and trains on its contiguous share.
+pub fn build_spin_in(
+    cfg: &ExperimentConfig,
+    policy: SharedPolicy,
+    tokenizer: &Arc<Tokenizer>,
+    device: Device,
+    progress: Option<ProgressHook>,
+    group: Option<&SharedCollective>,
+) -> Result<SpinTrainer> {
     check_groups(cfg, TrainerKind::Spin)?;
     let (_, val) = loaders(cfg, tokenizer)?;
     let response = ResponseKey::parse(&cfg.sft.response_key)?;
     let seed = cfg.data.seed.unwrap_or(cfg.trainer.seed);
-    let train = SftSource::new(
+    let mut train = SftSource::new(
         Arc::new(RlDataset::train(&cfg.data)?),
         tokenizer.clone(),
         response,
         cfg.sft.train_batch_size,
         seed,
     )?;
+    let (rank, world) = rank_world(group)?;
+    if group.is_some() {
+        train
+            .sampler
+            .set_shard(rank, world)
+            .map_err(|e| anyhow!("sft.train_batch_size: {e}"))?;
+    }
     let dcfg = dpo_config(cfg, train.batches_per_epoch())?;
     let rollout = rollout_worker(cfg, &policy, tokenizer, 1, progress)?;
-    let actor = pair_actor(cfg, policy.clone())?;
+    let mut actor = pair_actor(cfg, policy.clone())?;
+    if let Some(g) = group {
+        actor = actor.with_group(g.clone())?;
+    }
     let start = cfg.actor_rollout_ref.model.path.clone();
     let kind = cfg.actor_rollout_ref.model.dtype.kind();
     let micro = cfg.actor_rollout_ref.ref_micro_batch_size;
@@ -1070,7 +1094,7 @@ pub fn build_spin(
         }) as Box<dyn Reference>)
     });
     let reward = RuleReward::new(tokenizer.clone(), RewardRegistry::verl_default());
-    Ok(SpinTrainer::new(
+    let trainer = SpinTrainer::new(
         dcfg,
         Box::new(actor),
         Box::new(rollout),
@@ -1078,5 +1102,9 @@ pub fn build_spin(
         Box::new(reward),
         Box::new(train),
         val,
-    )?)
+    )?;
+    Ok(match group {
+        Some(g) => trainer.with_group(g.clone(), cfg.sft.train_batch_size)?,
+        None => trainer,
+    })
 }

@@ -41,7 +41,7 @@ pub fn timeout(seconds: f64) -> Result<Duration> {
 }
 
 /// The data-parallel rules of a config on `world` ranks, each error naming its key: the
-/// trainer must be one of the data-parallel ones (on_policy, sft, dpo), every global batch must
+/// trainer must be one of the data-parallel ones (on_policy, sft, dpo, spin), every global batch must
 /// split over the ranks, and DAPO's dynamic sampling is refused.
 pub fn check_data_parallel(cfg: &ExperimentConfig, world: usize) -> Result<()> {
     if world <= 1 {
@@ -86,7 +86,7 @@ pub fn check_data_parallel(cfg: &ExperimentConfig, world: usize) -> Result<()> {
                 );
             }
         }
-        TrainerKind::Sft => {
+        TrainerKind::Sft | TrainerKind::Spin => {
             splits("sft.train_batch_size", cfg.sft.train_batch_size, "rows")?;
             splits(mini_key, mini, "rows")?;
         }
@@ -100,7 +100,7 @@ pub fn check_data_parallel(cfg: &ExperimentConfig, world: usize) -> Result<()> {
         }
         other => bail!(
             "config key `trainer.algorithm`: {other:?} is not data-parallel; run it with one \
-             rank (without --nproc-per-node or WORLD_SIZE). on_policy, sft and dpo are"
+             rank (without --nproc-per-node or WORLD_SIZE). on_policy, sft, dpo and spin are"
         ),
     }
     Ok(())

@@ -194,6 +194,7 @@ impl Trainer for OnlineDpoTrainer {
             self.reward.as_mut(),
             &self.val,
             self.global_step,
+            None,
         )?;
         Ok((m, Vec::new()))
     }

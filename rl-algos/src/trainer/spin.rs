@@ -6,9 +6,12 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Instant;
 
+use rl_core::dist::{self, SharedCollective};
 use rl_core::roles::{Actor, Reference, Reward, Rollout};
 use rl_core::{Batch, Sample, StepMetrics, Trainer, keys};
 use tch::{Kind, Tensor};
+
+use crate::trainer::dp::Dp;
 
 use crate::trainer::preference::{
     DpoLoss, DpoTrainerConfig, PairTrainerState, RefCache, prepare_pairs,
@@ -163,12 +166,27 @@ pub(crate) fn task_validation(
     reward: &mut dyn Reward,
     val: &[Batch],
     global_step: u64,
+    dp: Option<&Dp>,
 ) -> rl_core::Result<StepMetrics> {
-    let mut per_source: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+    let (rank, world) = dp.map_or((0, 1), |d| (d.rank, d.world));
+    // data_source -> (sum of scores, rows)
+    let mut per_source: BTreeMap<String, (f64, f64)> = BTreeMap::new();
     for b in val {
-        let mut prompts = b.shallow_clone();
+        // each rank generates for its contiguous share of the batch
+        let shard = dist::shard_range(b.len(), rank, world);
+        if shard.is_empty() {
+            continue;
+        }
+        let offset = shard.start;
+        let mut prompts = if world > 1 {
+            b.slice(shard)?
+        } else {
+            b.shallow_clone()
+        };
         let meta = prompts.meta_info_mut();
         meta.insert("validate".into(), true.into());
+        // sampled validation draws each row's stream by its index in the whole batch
+        meta.insert(dist::DP_PROMPT_OFFSET.into(), offset.into());
         meta.insert("global_step".into(), (global_step * 1000 + 999).into());
         let mut out = rollout.generate(&prompts)?;
         out.union(reward.score(&out)?)?;
@@ -183,18 +201,22 @@ pub(crate) fn task_validation(
             .map(|v| v.as_str().map_or_else(|| v.to_string(), str::to_owned))
             .collect();
         for (s, ds) in scores.into_iter().zip(sources) {
-            per_source.entry(ds).or_default().push(s);
+            let e = per_source.entry(ds).or_default();
+            e.0 += s;
+            e.1 += 1.0;
         }
     }
-    Ok(per_source
+    let local = per_source
         .into_iter()
-        .map(|(ds, s)| {
-            (
-                format!("val/test_score/{ds}"),
-                s.iter().sum::<f64>() / s.len().max(1) as f64,
-            )
-        })
-        .collect())
+        .map(|(ds, (sum, n))| (format!("val/test_score/{ds}"), (sum / n.max(1.0), n)))
+        .collect();
+    match dp.filter(|d| d.world > 1) {
+        // means weighted by each rank's rows: the mean over the whole validation set
+        Some(d) => dist::reduce_metrics(&mut *dist::lock(&d.group)?, &local, |_| {
+            dist::MetricReduce::Mean
+        }),
+        None => Ok(local.into_iter().map(|(k, (v, _))| (k, v)).collect()),
+    }
 }
 
 /// SPIN. Each [`step`](Trainer::step): take a batch of prompts with their ground-truth responses
@@ -219,6 +241,7 @@ pub struct SpinTrainer {
     train: Box<dyn BatchSource>,
     val: Vec<Batch>,
     global_step: u64,
+    dp: Option<Dp>,
 }
 
 impl std::fmt::Debug for SpinTrainer {
@@ -261,7 +284,31 @@ impl SpinTrainer {
             train,
             val,
             global_step: 0,
+            dp: None,
         })
+    }
+
+    /// Makes the trainer one rank of a data-parallel job over `group`, as `DpoTrainer::with_group`:
+    /// the actor must have been given the same group (`rollout_n = 2`, so
+    /// `ppo_mini_batch_size` counts global pairs) and the source must yield this rank's
+    /// contiguous share of each global batch of `rows` rows (`sft.train_batch_size`). Each rank
+    /// generates for its own rows, each row from the random stream of its global index
+    /// (`meta_info.dp_prompt_offset`), so the generations, hence the pairs, are those of one
+    /// process; every row makes exactly one pair, so the ranks' pair counts stay equal. The
+    /// reference is rebuilt from the (identical) policy on every rank; metrics are reduced,
+    /// weights compared after the first step, validation sharded, and only rank 0 writes
+    /// checkpoints.
+    ///
+    /// Errors when `rows` does not split over the ranks or the actor was not given a group of
+    /// the same size.
+    pub fn with_group(mut self, group: SharedCollective, rows: usize) -> rl_core::Result<Self> {
+        self.dp = Some(Dp::new(
+            group,
+            self.actor.as_ref(),
+            "sft.train_batch_size",
+            rows,
+        )?);
+        Ok(self)
     }
 
     /// The actor (to probe its log-probs in tests).
@@ -291,6 +338,13 @@ impl Trainer for SpinTrainer {
         prompts
             .meta_info_mut()
             .insert("global_step".into(), self.global_step.into());
+        if let Some(dp) = self.dp.as_ref().filter(|d| d.world > 1) {
+            // equal shards of the global batch: this rank's rows start at rank * len
+            let offset = dp.rank * prompts.len();
+            let meta = prompts.meta_info_mut();
+            meta.insert(dist::DP_RANK.into(), dp.rank.into());
+            meta.insert(dist::DP_PROMPT_OFFSET.into(), offset.into());
+        }
         let t_gen = Instant::now();
         let generated = self.rollout.generate(&prompts)?;
         let gen_s = t_gen.elapsed().as_secs_f64();
@@ -343,7 +397,13 @@ impl Trainer for SpinTrainer {
             t_upd.elapsed().as_secs_f64(),
         );
         m.insert("timing_s/step".into(), t.elapsed().as_secs_f64());
-        Ok(m)
+        match &mut self.dp {
+            Some(dp) => {
+                dp.check_replicas_once(self.actor.as_ref())?;
+                dp.reduce(m, truth.len() as f64)
+            }
+            None => Ok(m),
+        }
     }
 
     fn validate(&mut self) -> rl_core::Result<(StepMetrics, Vec<Sample>)> {
@@ -352,11 +412,16 @@ impl Trainer for SpinTrainer {
             self.reward.as_mut(),
             &self.val,
             self.global_step,
+            self.dp.as_ref(),
         )?;
         Ok((m, Vec::new()))
     }
 
     fn save_checkpoint(&self, dir: &Path) -> rl_core::Result<()> {
+        // every rank holds the same weights and the same global source state: rank 0 writes
+        if self.dp.as_ref().is_some_and(|d| d.rank != 0) {
+            return Ok(());
+        }
         PairTrainerState::save(
             dir,
             self.actor.as_ref(),
