@@ -490,6 +490,90 @@ fn sigterm_to_the_launcher_stops_every_rank_after_the_same_step_with_a_checkpoin
     assert_eq!(run.status, "finished");
 }
 
+/// Runs `args` as 2 ranks started by hand, as torchrun or a Slurm wrapper would (torchrun's
+/// variables, no `HARNESS_RUN_ID`); returns each rank's (success, stdout, stderr).
+fn outside_launcher(env: &Env, args: &[&str]) -> Vec<(bool, String, String)> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
+    let ranks: Vec<_> = (0..2)
+        .map(|rank| {
+            cmd(env)
+                .args(args)
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", "2")
+                .env("LOCAL_RANK", rank.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", &port)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    ranks
+        .into_iter()
+        .map(|c| {
+            let o = c.wait_with_output().unwrap();
+            (
+                o.status.success(),
+                String::from_utf8_lossy(&o.stdout).into_owned(),
+                String::from_utf8_lossy(&o.stderr).into_owned(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn ranks_started_by_an_outside_launcher_record_one_run_from_rank_0_and_resume() {
+    let env = setup();
+    let file = experiment("quickstart");
+    let mut args = vec!["train", file.as_str()];
+    args.extend_from_slice(GRPO);
+    args.extend(["--dist-timeout-s", "60"]);
+    let out = outside_launcher(&env, &args);
+    for (rank, (ok, stdout, stderr)) in out.iter().enumerate() {
+        assert!(ok, "rank {rank}:\n{stdout}\n{stderr}");
+    }
+    // rank 0 recorded the run and reports it; rank 1 wrote nothing
+    assert!(out[0].1.contains("run 1 finished"), "{}", out[0].1);
+    assert!(out[1].1.is_empty(), "{}", out[1].1);
+    let (rt, store) = env.store();
+    let runs = rt.block_on(store.runs(None)).unwrap();
+    assert_eq!(runs.len(), 1);
+    assert_eq!(runs[0].status, "finished");
+    let before = metrics(&env, 1);
+    assert!(before.keys().any(|(s, _)| *s == 3));
+    // every rank runs `harness resume`: rank 0 rewinds the run and shares the checkpoint
+    let out = outside_launcher(
+        &env,
+        &["resume", "1", "--from-step", "1", "--dist-timeout-s", "60"],
+    );
+    for (rank, (ok, stdout, stderr)) in out.iter().enumerate() {
+        assert!(ok, "rank {rank}:\n{stdout}\n{stderr}");
+    }
+    let after = metrics(&env, 1);
+    assert_eq!(
+        before.keys().collect::<Vec<_>>(),
+        after.keys().collect::<Vec<_>>()
+    );
+    for (k, a) in &before {
+        let b = after[k];
+        assert!(
+            (a - b).abs() <= 1e-5 * a.abs().max(1.0),
+            "{k:?}: {a} then {b}"
+        );
+    }
+    let run = rt.block_on(store.run(1)).unwrap().unwrap();
+    assert_eq!(
+        (run.status.as_str(), run.resumed_from),
+        ("finished", Some(1))
+    );
+}
+
 #[test]
 fn configs_that_cannot_run_data_parallel_are_refused_before_any_rank_starts() {
     let env = setup();
