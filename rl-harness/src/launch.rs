@@ -195,6 +195,7 @@ fn forward(
     rank: usize,
     from: impl Read + Send + 'static,
     to_stderr: bool,
+    port_taken: Arc<AtomicBool>,
 ) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
         let mut lines = BufReader::new(from);
@@ -206,6 +207,10 @@ fn forward(
                 Ok(_) => {
                     let text = String::from_utf8_lossy(&line);
                     let text = text.trim_end_matches(['\n', '\r']);
+                    let lower = text.to_lowercase();
+                    if lower.contains("eaddrinuse") || lower.contains("address already in use") {
+                        port_taken.store(true, Ordering::SeqCst);
+                    }
                     let _ = if to_stderr {
                         writeln!(std::io::stderr().lock(), "[rank {rank}] {text}")
                     } else {
@@ -293,86 +298,42 @@ fn check_launch(nproc: usize) -> Result<()> {
     Ok(())
 }
 
-/// Starts the ranks of run `id`, forwards their output, waits; when one fails, gives the others
-/// `timeout`, kills the rest and marks the run failed naming the lost rank.
-#[allow(clippy::too_many_arguments)]
-fn supervise(
-    rt: &Runtime,
-    store: &Store,
+/// How a set of ranks ended.
+struct Ended {
+    /// Each rank's exit status (`None` if it could not be reaped).
+    exits: Vec<Option<ExitStatus>>,
+    /// The first rank that failed (not counting a stop by a signal) and how.
+    lost: Option<(usize, ExitStatus)>,
+    /// The ranks the launcher killed after the timeout.
+    killed: Vec<usize>,
+    /// Whether a rank reported the rendezvous port taken.
+    port_taken: bool,
+}
+
+/// Starts `nproc` ranks with `spawn`, forwards their output and waits: when one fails the
+/// others get `timeout` (none when the rendezvous port was taken), then are killed; when `stop`
+/// is set, the ranks get SIGTERM.
+fn wait_ranks(
     id: i64,
-    run_dir: &Path,
     nproc: usize,
     timeout: Duration,
-    child_args: &[OsString],
-    extra_env: &[(&str, OsString)],
-) -> Result<()> {
-    let exe = std::env::current_exe().context("finding the harness executable to start ranks")?;
-    let port = TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .context("picking a free port on 127.0.0.1 for the ranks' rendezvous")?
-        .port();
-    let threads = std::env::var("OMP_NUM_THREADS").unwrap_or_else(|_| {
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        (cores / nproc).max(1).to_string()
-    });
-    eprintln!(
-        "harness: run {id}: starting {nproc} ranks on 127.0.0.1:{port} ({threads} thread(s) each)"
-    );
-    let stop = Arc::new(AtomicBool::new(false));
-    let signals = {
-        let stop = stop.clone();
-        let _guard = rt.enter();
-        rt.spawn(async move {
-            use tokio::signal::unix::{SignalKind, signal};
-            let (Ok(mut int), Ok(mut term)) = (
-                signal(SignalKind::interrupt()),
-                signal(SignalKind::terminate()),
-            ) else {
-                return;
-            };
-            tokio::select! {
-                _ = int.recv() => {},
-                _ = term.recv() => {},
-            }
-            stop.store(true, Ordering::SeqCst);
-        })
-    };
+    stop: &AtomicBool,
+    mut spawn: impl FnMut(usize) -> Result<Child>,
+) -> Result<Ended> {
+    let port_taken = Arc::new(AtomicBool::new(false));
     let mut children = Children(Vec::with_capacity(nproc));
     let mut forwarders = Vec::new();
     for rank in 0..nproc {
-        let mut cmd = Command::new(&exe);
-        cmd.args(child_args)
-            .env("RANK", rank.to_string())
-            .env("WORLD_SIZE", nproc.to_string())
-            .env("LOCAL_RANK", rank.to_string())
-            .env("LOCAL_WORLD_SIZE", nproc.to_string())
-            .env("MASTER_ADDR", "127.0.0.1")
-            .env("MASTER_PORT", port.to_string())
-            .env("OMP_NUM_THREADS", &threads)
-            .env(RUN_ID_ENV, id.to_string())
-            .envs(extra_env.iter().map(|(k, v)| (k, v)))
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        let mut child = match cmd.spawn() {
-            Ok(c) => c,
-            Err(e) => {
-                let msg = format!("starting rank {rank} ({}): {e}", exe.display());
-                drop(children);
-                train::mark_failed(rt, store, id, msg.clone())?;
-                bail!("run {id} failed: {msg}");
-            }
-        };
+        let mut child = spawn(rank)?;
         eprintln!("harness: run {id}: rank {rank} is pid {}", child.id());
         if let Some(out) = child.stdout.take() {
-            forwarders.push(forward(rank, out, false));
+            forwarders.push(forward(rank, out, false, port_taken.clone()));
         }
         if let Some(err) = child.stderr.take() {
-            forwarders.push(forward(rank, err, true));
+            forwarders.push(forward(rank, err, true, port_taken.clone()));
         }
         children.0.push(child);
     }
-
     let mut exits: Vec<Option<ExitStatus>> = vec![None; nproc];
     // the first rank to fail (a signal beats an exit code seen in the same poll) and how
     let mut lost: Option<(usize, ExitStatus)> = None;
@@ -406,6 +367,10 @@ fn supervise(
         if exits.iter().all(Option::is_some) {
             break;
         }
+        if lost.is_some() && port_taken.load(Ordering::SeqCst) {
+            // the others wait for a rendezvous that will not happen
+            deadline = Some(Instant::now());
+        }
         if stop.load(Ordering::SeqCst) && !forwarded {
             // every rank stops after the same step (they agree over the group), then rank 0
             // checkpoints and records the run as killed
@@ -437,7 +402,109 @@ fn supervise(
     for f in forwarders {
         let _ = f.join();
     }
+    Ok(Ended {
+        exits,
+        lost,
+        killed,
+        port_taken: port_taken.load(Ordering::SeqCst),
+    })
+}
+
+/// Starts the ranks of run `id`, forwards their output, waits; when one fails, gives the others
+/// `timeout`, kills the rest and marks the run failed naming the lost rank.
+#[allow(clippy::too_many_arguments)]
+fn supervise(
+    rt: &Runtime,
+    store: &Store,
+    id: i64,
+    run_dir: &Path,
+    nproc: usize,
+    timeout: Duration,
+    child_args: &[OsString],
+    extra_env: &[(&str, OsString)],
+) -> Result<()> {
+    let exe = std::env::current_exe().context("finding the harness executable to start ranks")?;
+    let threads = std::env::var("OMP_NUM_THREADS").unwrap_or_else(|_| {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        (cores / nproc).max(1).to_string()
+    });
+    let stop = Arc::new(AtomicBool::new(false));
+    let signals = {
+        let stop = stop.clone();
+        let _guard = rt.enter();
+        rt.spawn(async move {
+            use tokio::signal::unix::{SignalKind, signal};
+            let (Ok(mut int), Ok(mut term)) = (
+                signal(SignalKind::interrupt()),
+                signal(SignalKind::terminate()),
+            ) else {
+                return;
+            };
+            tokio::select! {
+                _ = int.recv() => {},
+                _ = term.recv() => {},
+            }
+            stop.store(true, Ordering::SeqCst);
+        })
+    };
+    let spawn = |rank: usize, port: u16| {
+        Command::new(&exe)
+            .args(child_args)
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", nproc.to_string())
+            .env("LOCAL_RANK", rank.to_string())
+            .env("LOCAL_WORLD_SIZE", nproc.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .env("OMP_NUM_THREADS", &threads)
+            .env(RUN_ID_ENV, id.to_string())
+            .envs(extra_env.iter().map(|(k, v)| (k, v)))
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .with_context(|| format!("starting rank {rank} ({})", exe.display()))
+    };
+    // a port picked free may be taken before rank 0 binds it: then start over on another
+    let mut tries = 0;
+    let ended = loop {
+        tries += 1;
+        let port = match std::env::var("MASTER_PORT") {
+            // the launcher's own MASTER_PORT, as torchrun's --master-port, on the first try
+            Ok(p) if tries == 1 => p
+                .trim()
+                .parse::<u16>()
+                .with_context(|| format!("MASTER_PORT={p:?} is not a port number"))?,
+            _ => TcpListener::bind("127.0.0.1:0")
+                .and_then(|l| l.local_addr())
+                .context("picking a free port on 127.0.0.1 for the ranks' rendezvous")?
+                .port(),
+        };
+        eprintln!(
+            "harness: run {id}: starting {nproc} ranks on 127.0.0.1:{port} ({threads} thread(s) \
+             each)"
+        );
+        let ended = match wait_ranks(id, nproc, timeout, &stop, |rank| spawn(rank, port)) {
+            Ok(e) => e,
+            Err(e) => {
+                signals.abort();
+                train::mark_failed(rt, store, id, crate::one_line(&e))?;
+                return Err(e.context(format!("run {id} failed")));
+            }
+        };
+        if ended.port_taken && ended.lost.is_some() && tries < 3 {
+            eprintln!("harness: run {id}: port {port} was taken; trying another");
+            continue;
+        }
+        break ended;
+    };
     signals.abort();
+    let Ended {
+        exits,
+        lost,
+        killed,
+        ..
+    } = ended;
     if let Some((rank, status)) = lost {
         let others: Vec<String> = exits
             .iter()

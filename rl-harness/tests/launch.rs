@@ -575,6 +575,33 @@ fn ranks_started_by_an_outside_launcher_record_one_run_from_rank_0_and_resume() 
 }
 
 #[test]
+fn a_taken_rendezvous_port_makes_the_launcher_start_over_on_another() {
+    let env = setup();
+    // the port the launcher is told to use first is held here
+    let held = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = held.local_addr().unwrap().port().to_string();
+    let file = experiment("quickstart");
+    let mut args = vec!["train", file.as_str()];
+    args.extend_from_slice(GRPO);
+    args.extend(["trainer.total_training_steps=1", "--nproc-per-node", "2"]);
+    let out = cmd(&env)
+        .args(&args)
+        .env("MASTER_PORT", &port)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains(&format!("port {port} was taken; trying another")),
+        "{stderr}"
+    );
+    let (rt, store) = env.store();
+    let run = rt.block_on(store.run(1)).unwrap().unwrap();
+    assert_eq!(run.status, "finished");
+    drop(held);
+}
+
+#[test]
 fn configs_that_cannot_run_data_parallel_are_refused_before_any_rank_starts() {
     let env = setup();
     let refused = |file: &str, overrides: &[&str], nproc: &str| {
