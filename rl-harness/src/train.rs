@@ -132,7 +132,19 @@ pub fn build_trainer_in(
     progress: Option<ProgressHook>,
     group: Option<&SharedCollective>,
 ) -> Result<Built> {
-    let device = crate::device::open(&cfg.trainer.device)?;
+    let device = match (group, cfg.trainer.device.as_str()) {
+        // torch DDP's convention: each rank of a host on its own GPU, cuda:LOCAL_RANK
+        (Some(_), "cuda") => {
+            let local = std::env::var("LOCAL_RANK").unwrap_or_else(|_| "0".into());
+            let local: usize = local
+                .trim()
+                .parse()
+                .with_context(|| format!("LOCAL_RANK={local:?} is not a rank"))?;
+            crate::device::open(&format!("cuda:{local}"))
+                .context("trainer.device = \"cuda\" on a data-parallel rank is cuda:LOCAL_RANK")?
+        }
+        _ => crate::device::open(&cfg.trainer.device)?,
+    };
     match cfg.trainer.algorithm {
         TrainerKind::Bandit if group.is_some() => bail!(
             "config key `trainer.algorithm`: the bandit trainer is not data-parallel; run it \
