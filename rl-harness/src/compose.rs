@@ -10,7 +10,7 @@ use anyhow::{Context, Result, anyhow, bail};
 use rl_algos::trainer::{
     BatchSource, CombinedReward, DpoTrainer, DpoTrainerConfig, OnPolicyConfig, OnPolicyTrainer,
     OnlineDpoTrainer, RefInit, ReferenceFactory, RewardPart, Roles, SftConfig, SftTrainer,
-    SpinTrainer, TrainerSection,
+    SpinTrainer, TrainValReward, TrainerSection,
 };
 use rl_core::dist::SharedCollective;
 use rl_core::roles::Reference;
@@ -671,7 +671,8 @@ pub fn build_on_policy_in(
 
 /// The reward role of `reward_model`: the rule reward of each row's `data_source`, or, when
 /// `reward_model.enable`, `rm_coef * rm_score + rule_coef * rule_score` from a reward model
-/// (`reward_model.model.path`) and the rule.
+/// (`reward_model.model.path`) and the rule for training, and the rule alone for validation
+/// (verl's `val_reward_fn`), so `val/test_score/*` stays the task's score.
 pub fn reward_role(
     cfg: &ExperimentConfig,
     device: &Device,
@@ -695,7 +696,8 @@ pub fn reward_role(
         rm.worker.clone(),
     )
     .with_context(|| format!("loading reward_model.model.path {}", path.display()))?;
-    Ok(Box::new(CombinedReward::new(vec![
+    let val = rule.clone();
+    let train = CombinedReward::new(vec![
         RewardPart {
             name: "rm".into(),
             weight: rm.own.rm_coef,
@@ -706,7 +708,12 @@ pub fn reward_role(
             weight: rm.own.rule_coef,
             reward: rule,
         },
-    ])?))
+    ])?;
+    // validation scores with the rule reward alone, as verl's `val_reward_fn`
+    Ok(Box::new(TrainValReward {
+        train: Box::new(train),
+        val,
+    }))
 }
 
 /// Builds the SFT trainer of `cfg`: `data.train_files` rows with their `sft.response_key`
