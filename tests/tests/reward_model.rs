@@ -1,9 +1,9 @@
 //! End to end on CPU: reward models on the tiny carry-free addition task (a tiny Llama
-//! SFT-warmed once per test binary). Bradley–Terry training raises held-out preference accuracy
-//! (chosen: the right sum, rejected: a wrong one); resume is exact; the combination with a rule
-//! reward is exactly the weighted sum at the last response token. GRPO with the learned reward
-//! as its only reward (combined with the rule reward at weight 0) is here but ignored: it hacks
-//! the tiny reward model (see docs/algos/reward_model.md).
+//! SFT-warmed once per test binary). Bradley–Terry training on the SFT policy's own samples
+//! (labelled by the rule reward, the stand-in for human preferences) raises held-out preference
+//! accuracy; resume is exact; the combination with a rule reward is exactly the weighted sum at
+//! the last response token; PPO and GRPO with the learned reward as their only training reward
+//! raise rule-checked held-out accuracy over the SFT start (see docs/algos/reward_model.md).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -989,9 +989,11 @@ fn grpo_with_the_learned_reward_raises_accuracy() {
     let settings = RlSettings {
         steps: 20,
         lr_e4: 1,
-        kl_e3: 200,
+        kl_e3: 500,
         kl_loss: true,
     };
     let (before, after, _) = rl_with_learned_reward("grpo", AdvEstimator::Grpo, settings);
+    // measured 26.5% -> 41.5% (held-out every 2 steps: 27.5, 32, 35.5, 36.5, 38.5, 37.5, 41.5,
+    // 41.5, 42, 41.5%); with a KL loss of 0.05 it peaked at 37.5% (step 6) and fell to 20.0%
     assert!(after - before >= 0.05 - 1e-9, "{before} -> {after}");
 }
