@@ -250,8 +250,8 @@ pub fn build(
 
 /// [`build`] as one rank of the data-parallel `group` (`docs/distributed.md`): the sources
 /// yield this rank's share of each global batch, the actor and critic average their gradients
-/// over the group, the trainer reduces its metrics. Only the on-policy, SFT, offline DPO and
-/// SPIN trainers are data-parallel; the others are refused with more than one rank.
+/// over the group, the trainer reduces its metrics. The on-policy, SFT, DPO (offline and
+/// online) and SPIN trainers are data-parallel; the others are refused with more than one rank.
 pub fn build_with_group(
     cfg: &ExperimentConfig,
     device: Device,
@@ -266,12 +266,16 @@ pub fn build_with_group(
     if world > 1
         && !matches!(
             cfg.trainer.algorithm,
-            TrainerKind::OnPolicy | TrainerKind::Sft | TrainerKind::Dpo | TrainerKind::Spin
+            TrainerKind::OnPolicy
+                | TrainerKind::Sft
+                | TrainerKind::Dpo
+                | TrainerKind::OnlineDpo
+                | TrainerKind::Spin
         )
     {
         bail!(
             "config key `trainer.algorithm`: {:?} is not data-parallel; run it with one rank \
-             (on_policy, sft, dpo and spin are)",
+             (on_policy, sft, dpo, online_dpo and spin are)",
             cfg.trainer.algorithm
         );
     }
@@ -309,9 +313,13 @@ pub fn build_with_group(
             )?)
         }
         TrainerKind::Dpo => Box::new(build_dpo_in(cfg, policy.clone(), &tokenizer, group)?),
-        TrainerKind::OnlineDpo => {
-            Box::new(build_online_dpo(cfg, policy.clone(), &tokenizer, progress)?)
-        }
+        TrainerKind::OnlineDpo => Box::new(build_online_dpo_in(
+            cfg,
+            policy.clone(),
+            &tokenizer,
+            progress,
+            group,
+        )?),
         TrainerKind::Spin => Box::new(build_spin_in(
             cfg,
             policy.clone(),
@@ -1024,15 +1032,34 @@ pub fn build_online_dpo(
     tokenizer: &Arc<Tokenizer>,
     progress: Option<ProgressHook>,
 ) -> Result<OnlineDpoTrainer> {
+    build_online_dpo_in(cfg, policy, tokenizer, progress, None)
+}
+
+/// [`build_online_dpo`] as one rank of `group`: `data.train_batch_size` prompts is the global
+/// batch, each rank generates for its contiguous share, the pairs are shared out evenly.
+pub fn build_online_dpo_in(
+    cfg: &ExperimentConfig,
+    policy: SharedPolicy,
+    tokenizer: &Arc<Tokenizer>,
+    progress: Option<ProgressHook>,
+    group: Option<&SharedCollective>,
+) -> Result<OnlineDpoTrainer> {
     check_groups(cfg, TrainerKind::OnlineDpo)?;
-    let (train, val) = loaders(cfg, tokenizer)?;
+    let (mut train, val) = loaders(cfg, tokenizer)?;
+    let (rank, world) = rank_world(group)?;
+    if group.is_some() {
+        train.0 = train.0.with_shard(rank, world)?;
+    }
     let dcfg = dpo_config(cfg, train.0.batches_per_epoch())?;
     let rollout = rollout_worker(cfg, &policy, tokenizer, dcfg.n, progress)?;
     let reference = frozen_reference(cfg, &policy)?;
     let pairs = cfg.actor_rollout_ref.actor.ppo_mini_batch_size;
-    let actor = pair_actor(cfg, policy)?;
+    let mut actor = pair_actor(cfg, policy)?;
+    if let Some(g) = group {
+        actor = actor.with_group(g.clone())?;
+    }
     let reward = RuleReward::new(tokenizer.clone(), RewardRegistry::verl_default());
-    Ok(OnlineDpoTrainer::new(
+    let trainer = OnlineDpoTrainer::new(
         dcfg,
         Box::new(actor),
         Box::new(rollout),
@@ -1041,7 +1068,11 @@ pub fn build_online_dpo(
         Box::new(train),
         val,
         pairs,
-    )?)
+    )?;
+    Ok(match group {
+        Some(g) => trainer.with_group(g.clone(), cfg.data.train_batch_size)?,
+        None => trainer,
+    })
 }
 
 /// Builds SPIN: the rows' answers (`sft.response_key`) against one generation each, the

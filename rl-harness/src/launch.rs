@@ -41,7 +41,7 @@ pub fn timeout(seconds: f64) -> Result<Duration> {
 }
 
 /// The data-parallel rules of a config on `world` ranks, each error naming its key: the
-/// trainer must be one of the data-parallel ones (on_policy, sft, dpo, spin), every global batch must
+/// trainer must be one of the data-parallel ones (on_policy, sft, dpo, online_dpo, spin), every global batch must
 /// split over the ranks, and DAPO's dynamic sampling is refused.
 pub fn check_data_parallel(cfg: &ExperimentConfig, world: usize) -> Result<()> {
     if world <= 1 {
@@ -90,6 +90,14 @@ pub fn check_data_parallel(cfg: &ExperimentConfig, world: usize) -> Result<()> {
             splits("sft.train_batch_size", cfg.sft.train_batch_size, "rows")?;
             splits(mini_key, mini, "rows")?;
         }
+        TrainerKind::OnlineDpo => {
+            splits(
+                "data.train_batch_size",
+                cfg.data.train_batch_size,
+                "prompts",
+            )?;
+            splits(mini_key, mini, "pairs")?;
+        }
         TrainerKind::Dpo => {
             splits(
                 "preference_data.train_batch_size",
@@ -100,7 +108,7 @@ pub fn check_data_parallel(cfg: &ExperimentConfig, world: usize) -> Result<()> {
         }
         other => bail!(
             "config key `trainer.algorithm`: {other:?} is not data-parallel; run it with one \
-             rank (without --nproc-per-node or WORLD_SIZE). on_policy, sft, dpo and spin are"
+             rank (without --nproc-per-node or WORLD_SIZE). on_policy, sft, dpo, online_dpo and spin are"
         ),
     }
     Ok(())

@@ -264,6 +264,28 @@ fn two_ranks_of_sft_offline_dpo_and_spin_follow_one_rank_step_for_step() {
 }
 
 #[test]
+fn two_ranks_of_online_dpo_follow_one_rank_step_for_step() {
+    // warmed up, so some groups' rewards differ (ties make no pair): the ranks then hold
+    // different numbers of pairs, which the trainer gathers and shares out again
+    let env = setup_warm();
+    let d = assert_two_ranks_follow_one(
+        &env,
+        "online_dpo",
+        &[
+            "trainer.total_training_steps=3",
+            "trainer.save_freq=1",
+            "trainer.test_freq=3",
+            "trainer.max_ckpt_to_keep=10",
+            "data.train_batch_size=8",
+            "dpo.n=4",
+            "actor_rollout_ref.rollout.n=4",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        ],
+    );
+    eprintln!("online dpo: worst weight difference {d:e}");
+}
+
+#[test]
 fn a_two_rank_checkpoint_resumes_on_one_or_two_ranks_with_the_two_rank_metrics() {
     let env = setup_warm();
     let mut overrides = GRPO.to_vec();
@@ -611,9 +633,21 @@ fn configs_that_cannot_run_data_parallel_are_refused_before_any_rank_starts() {
         args.extend(["--nproc-per-node", nproc]);
         env.fails(&args)
     };
-    let e = refused("online_dpo", &[], "2");
+    let e = refused("bandit", &[], "2");
     assert!(
-        e.contains("trainer.algorithm") && e.contains("OnlineDpo"),
+        e.contains("trainer.algorithm") && e.contains("Bandit"),
+        "{e}"
+    );
+    let e = refused(
+        "online_dpo",
+        &[
+            "data.train_batch_size=4",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=3",
+        ],
+        "2",
+    );
+    assert!(
+        e.contains("actor_rollout_ref.actor.ppo_mini_batch_size"),
         "{e}"
     );
     let e = refused("dapo", &[], "2");

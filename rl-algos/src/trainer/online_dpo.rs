@@ -6,15 +6,18 @@
 use std::path::Path;
 use std::time::Instant;
 
+use rl_core::dist::{self, SharedCollective};
 use rl_core::roles::{Actor, Reference, Reward, Rollout};
 use rl_core::{Batch, Sample, StepMetrics, Trainer, keys};
-use tch::Kind;
+use tch::{Kind, Tensor};
+
+use crate::trainer::dp::Dp;
 
 use crate::trainer::preference::{
     DpoLoss, DpoTrainerConfig, PairTrainerState, RefCache, prepare_pairs,
 };
 use crate::trainer::source::BatchSource;
-use crate::trainer::spin::{interleave_pairs, task_validation};
+use crate::trainer::spin::{LAYOUT, interleave_pairs, task_validation};
 
 /// Picks (chosen, rejected) rows from `n`-row groups of `scores`: the first best and the first
 /// worst row of each group; a group whose best equals its worst is a tie and is skipped.
@@ -58,6 +61,7 @@ pub struct OnlineDpoTrainer {
     val: Vec<Batch>,
     pairs_per_update: usize,
     global_step: u64,
+    dp: Option<Dp>,
 }
 
 impl std::fmt::Debug for OnlineDpoTrainer {
@@ -105,8 +109,111 @@ impl OnlineDpoTrainer {
             val,
             pairs_per_update,
             global_step: 0,
+            dp: None,
         })
     }
+
+    /// Makes the trainer one rank of a data-parallel job over `group`: the actor must have been
+    /// given the same group (`rollout_n = 2`) and the source must yield this rank's contiguous
+    /// share of each global batch of `prompts` prompts (`data.train_batch_size`).
+    ///
+    /// Each rank generates for its own prompts, each row from the random stream of its global
+    /// index (`meta_info.dp_prompt_offset`), and pairs its groups' best and worst responses.
+    /// Ties make the ranks' pair counts differ, so the pairs are then gathered in global prompt
+    /// order (prompts left-padded and responses right-padded to the widths of the whole
+    /// batch, which are one process's), the first multiple of `pairs_per_update` is kept, and
+    /// each global mini-batch of `pairs_per_update` pairs is split evenly over the ranks: the
+    /// update is the one-process update. Metrics are global, validation sharded, and only rank
+    /// 0 writes checkpoints.
+    ///
+    /// Errors when `prompts` or `pairs_per_update` does not split over the ranks, or the actor
+    /// was not given a group of the same size.
+    pub fn with_group(mut self, group: SharedCollective, prompts: usize) -> rl_core::Result<Self> {
+        let dp = Dp::new(group, self.actor.as_ref(), "data.train_batch_size", prompts)?;
+        if !self.pairs_per_update.is_multiple_of(dp.world) {
+            return Err(rl_core::Error::InvalidArgument {
+                name: "actor_rollout_ref.actor.ppo_mini_batch_size",
+                reason: format!(
+                    "{} pairs per update do not split over {} data-parallel ranks",
+                    self.pairs_per_update, dp.world
+                ),
+            });
+        }
+        self.dp = Some(dp);
+        Ok(self)
+    }
+}
+
+/// The layout keys of `batch` with prompts left-padded (token 0, mask 0) to `prompt_width` and
+/// responses right-padded (token 0, mask 0) to `response_width`.
+///
+/// # Shapes
+/// - `batch`: rollout layout, `[batch, prompt_len]` prompts and `[batch, response_len]`
+///   responses no wider than the widths
+/// - returns: the same keys, `[batch, prompt_width]` prompts, `[batch, response_width]`
+///   responses
+fn pad_layout(batch: &Batch, prompt_width: i64, response_width: i64) -> rl_core::Result<Batch> {
+    let p = batch.get(keys::PROMPTS)?.size()[1];
+    let r = batch.get(keys::RESPONSES)?.size()[1];
+    let (left, right) = (prompt_width - p, response_width - r);
+    let mut out = Batch::new();
+    for k in LAYOUT {
+        let t = batch.get(k)?;
+        let rows = t.size()[0];
+        let zeros = |w: i64| Tensor::zeros([rows, w], (t.kind(), t.device()));
+        let mut parts = Vec::new();
+        if left > 0 && k != keys::RESPONSES && k != keys::RESPONSE_MASK {
+            parts.push(zeros(left));
+        }
+        parts.push(t.shallow_clone());
+        if right > 0 && k != keys::PROMPTS {
+            if k == keys::POSITION_IDS {
+                // positions go on past the last one, as the rollout writes them
+                let last = t.narrow(1, t.size()[1] - 1, 1);
+                let step = Tensor::arange_start(1, right + 1, (t.kind(), t.device())).unsqueeze(0);
+                parts.push(last + step);
+            } else {
+                parts.push(zeros(right));
+            }
+        }
+        out.insert(k, Tensor::cat(&parts, 1))?;
+    }
+    Ok(out)
+}
+
+/// One data-parallel step's pairs: every rank's `local` pairs (rollout layout, `2 * c_r` rows)
+/// gathered in rank (global prompt) order, the first multiple of `per_update` kept, and this
+/// rank's share of each global mini-batch. Returns (this rank's pair batch, kept pairs, dropped
+/// pairs), the same counts on every rank.
+fn share_pairs(
+    dp: &Dp,
+    local: &Batch,
+    per_update: usize,
+) -> rl_core::Result<(Batch, usize, usize)> {
+    let mut g = dist::lock(&dp.group)?;
+    let mut counts = vec![0.0; dp.world];
+    counts[dp.rank] = (local.len() / 2) as f64;
+    dist::all_reduce_f64(&mut *g, &mut counts, dist::ReduceOp::Sum)?;
+    let mut widths = [
+        local.get(keys::PROMPTS)?.size()[1] as f64,
+        local.get(keys::RESPONSES)?.size()[1] as f64,
+    ];
+    dist::all_reduce_f64(&mut *g, &mut widths, dist::ReduceOp::Max)?;
+    let padded = pad_layout(local, widths[0] as i64, widths[1] as i64)?;
+    let mut all = Batch::new();
+    for k in LAYOUT {
+        all.insert(k, dist::gather_rows(&mut *g, padded.get(k)?)?)?;
+    }
+    let total = counts.iter().sum::<f64>() as usize;
+    let keep = total / per_update * per_update;
+    let share = per_update / dp.world;
+    let rows: Vec<i64> = (0..keep / per_update)
+        .flat_map(|m| {
+            let first = m * per_update + dp.rank * share;
+            (first..first + share).flat_map(|p| [2 * p as i64, 2 * p as i64 + 1])
+        })
+        .collect();
+    Ok((all.reorder(&rows)?, keep, total - keep))
 }
 
 impl Trainer for OnlineDpoTrainer {
@@ -124,6 +231,13 @@ impl Trainer for OnlineDpoTrainer {
         prompts
             .meta_info_mut()
             .insert("global_step".into(), self.global_step.into());
+        if let Some(dp) = self.dp.as_ref().filter(|d| d.world > 1) {
+            // equal shards of the global batch: this rank's prompts start at rank * len
+            let offset = dp.rank * prompts.len();
+            let meta = prompts.meta_info_mut();
+            meta.insert(dist::DP_RANK.into(), dp.rank.into());
+            meta.insert(dist::DP_PROMPT_OFFSET.into(), offset.into());
+        }
         let t_gen = Instant::now();
         let mut generated = self.rollout.generate(&prompts)?;
         let gen_s = t_gen.elapsed().as_secs_f64();
@@ -147,15 +261,36 @@ impl Trainer for OnlineDpoTrainer {
                 false,
                 Kind::Double,
             ))?;
-        let (mut chosen, mut rejected, ties) = best_worst_pairs(&scores, n);
-        let keep = chosen.len() / self.pairs_per_update * self.pairs_per_update;
-        let dropped = chosen.len() - keep;
-        chosen.truncate(keep);
-        rejected.truncate(keep);
+        let (mut chosen, mut rejected, mut ties) = best_worst_pairs(&scores, n);
+        let mut groups = prompts.len() as f64;
+        let (batch, keep, dropped) = match self.dp.as_ref().filter(|d| d.world > 1) {
+            Some(dp) => {
+                let local =
+                    interleave_pairs(&generated.reorder(&chosen)?, &generated.reorder(&rejected)?)?;
+                let mut totals = [ties as f64, groups];
+                dp.sum(&mut totals)?;
+                (ties, groups) = (totals[0] as usize, totals[1]);
+                let (batch, keep, dropped) = share_pairs(dp, &local, self.pairs_per_update)?;
+                (Some(batch).filter(|_| keep > 0), keep, dropped)
+            }
+            None => {
+                let keep = chosen.len() / self.pairs_per_update * self.pairs_per_update;
+                let dropped = chosen.len() - keep;
+                chosen.truncate(keep);
+                rejected.truncate(keep);
+                let batch = if keep > 0 {
+                    Some(interleave_pairs(
+                        &generated.reorder(&chosen)?,
+                        &generated.reorder(&rejected)?,
+                    )?)
+                } else {
+                    None
+                };
+                (batch, keep, dropped)
+            }
+        };
         let mut m = StepMetrics::new();
-        if keep > 0 {
-            let mut batch =
-                interleave_pairs(&generated.reorder(&chosen)?, &generated.reorder(&rejected)?)?;
+        if let Some(mut batch) = batch {
             let t_ref = Instant::now();
             let mut nocache = RefCache::new(false);
             prepare_pairs(&mut batch, &self.cfg, self.reference.as_mut(), &mut nocache)?;
@@ -174,7 +309,7 @@ impl Trainer for OnlineDpoTrainer {
             );
         }
         self.global_step += 1;
-        let groups = prompts.len().max(1) as f64;
+        let groups = groups.max(1.0);
         m.insert(
             "critic/score/mean".into(),
             scores.iter().sum::<f64>() / scores.len().max(1) as f64,
@@ -185,7 +320,14 @@ impl Trainer for OnlineDpoTrainer {
         m.insert("online_dpo/dropped_pairs".into(), dropped as f64);
         m.insert("timing_s/gen".into(), gen_s);
         m.insert("timing_s/step".into(), t.elapsed().as_secs_f64());
-        Ok(m)
+        match &mut self.dp {
+            // the counts are global already; the means are weighted by each rank's rows
+            Some(dp) => {
+                dp.check_replicas_once(self.actor.as_ref())?;
+                dp.reduce(m, generated.len() as f64)
+            }
+            None => Ok(m),
+        }
     }
 
     fn validate(&mut self) -> rl_core::Result<(StepMetrics, Vec<Sample>)> {
@@ -194,12 +336,16 @@ impl Trainer for OnlineDpoTrainer {
             self.reward.as_mut(),
             &self.val,
             self.global_step,
-            None,
+            self.dp.as_ref(),
         )?;
         Ok((m, Vec::new()))
     }
 
     fn save_checkpoint(&self, dir: &Path) -> rl_core::Result<()> {
+        // every rank holds the same weights and the same global source state: rank 0 writes
+        if self.dp.as_ref().is_some_and(|d| d.rank != 0) {
+            return Ok(());
+        }
         PairTrainerState::save(
             dir,
             self.actor.as_ref(),

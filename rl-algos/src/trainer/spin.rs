@@ -32,7 +32,7 @@ pub enum RefInit {
 pub type ReferenceFactory = Box<dyn FnMut(RefInit) -> rl_core::Result<Box<dyn Reference>>>;
 
 /// The rollout-layout keys a pair batch is made of.
-const LAYOUT: [&str; 6] = [
+pub(crate) const LAYOUT: [&str; 6] = [
     keys::INPUT_IDS,
     keys::ATTENTION_MASK,
     keys::POSITION_IDS,
