@@ -1,7 +1,7 @@
 //! `harness train --nproc-per-node 2` (issue 11): the launcher starts two ranks of the binary
 //! over Gloo on 127.0.0.1, and the run they make is the 1-rank run: the same weights at every
-//! step (within 1e-5) and the same metrics, for GRPO (the quickstart), SFT, offline DPO and
-//! SPIN. A rank killed mid-run fails the run, naming the rank, with no partial checkpoint
+//! step (within 1e-5) and the same metrics, for GRPO (the quickstart), SFT, offline and online
+//! DPO and SPIN. A rank killed mid-run fails the run, naming the rank, with no partial checkpoint
 //! recorded; SIGTERM stops every rank after the same step; a 2-rank checkpoint resumes on one
 //! or two ranks; configs that cannot run data-parallel are refused before any rank starts,
 //! naming the key.
