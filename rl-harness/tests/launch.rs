@@ -623,6 +623,57 @@ fn a_taken_rendezvous_port_makes_the_launcher_start_over_on_another() {
     drop(held);
 }
 
+/// torchrun itself (PyTorch's, from the reference environment `scripts/reference-env` makes in
+/// `.venv`; skipped, saying so, where there is none): `torchrun --no-python --nproc-per-node 2
+/// harness train ...` records one run from rank 0 and finishes it. Under torchrun the agent
+/// hosts the TCPStore, and libtorch's store connects to it (`TORCHELASTIC_USE_AGENT_STORE`).
+#[test]
+fn torchrun_starts_the_ranks_of_one_run() {
+    let torchrun = repo_root().join(".venv/bin/torchrun");
+    if !torchrun.is_file() {
+        eprintln!("skipped: no {} (scripts/reference-env)", torchrun.display());
+        return;
+    }
+    let env = setup();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
+    let file = experiment("quickstart");
+    let mut args = vec![
+        "--no-python",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        port.as_str(),
+        env!("CARGO_BIN_EXE_harness"),
+        "train",
+        file.as_str(),
+    ];
+    args.extend_from_slice(GRPO);
+    args.extend(["--dist-timeout-s", "60"]);
+    let out = std::process::Command::new(&torchrun)
+        .args(&args)
+        .current_dir(env.path())
+        .env("RUST_LOG", "warn")
+        .env_remove("RL_TRAINER__DB")
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert_eq!(stdout.matches("run 1 finished").count(), 1, "{stdout}");
+    let (rt, store) = env.store();
+    let runs = rt.block_on(store.runs(None)).unwrap();
+    assert_eq!(runs.len(), 1);
+    assert_eq!(runs[0].status, "finished");
+    assert_eq!(rt.block_on(store.checkpoints(1)).unwrap().len(), 3);
+}
+
 #[test]
 fn configs_that_cannot_run_data_parallel_are_refused_before_any_rank_starts() {
     let env = setup();
