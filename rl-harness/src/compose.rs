@@ -9,8 +9,8 @@ use std::sync::Arc;
 use anyhow::{Context, Result, anyhow, bail};
 use rl_algos::trainer::{
     BatchSource, CombinedReward, DpoTrainer, DpoTrainerConfig, OnPolicyConfig, OnPolicyTrainer,
-    OnlineDpoTrainer, RefInit, ReferenceFactory, RewardPart, Roles, SftConfig, SftTrainer,
-    SpinTrainer, TrainValReward, TrainerSection,
+    OnlineDpoTrainer, RefInit, ReferenceFactory, RewardPart, RmTrainer, Roles, SftConfig,
+    SftTrainer, SpinTrainer, TrainValReward, TrainerSection,
 };
 use rl_core::dist::SharedCollective;
 use rl_core::roles::Reference;
@@ -21,8 +21,8 @@ use rl_data::{
     DataLoader, LoaderOptions, LoaderState, PreferenceDataset, RlDataset, RlRow, Sampler, Tokenizer,
 };
 use rl_workers::roles::{
-    ActorWorker, CriticWorker, ProgressHook, ReferenceWorker, RewardModelWorker, RolloutWorker,
-    SharedPolicy, share,
+    ActorWorker, CriticWorker, ProgressHook, ReferenceWorker, RewardModelWorker, RmWorker,
+    RolloutWorker, SharedPolicy, reward_model_from_lm, share,
 };
 use rl_workers::{CausalLm, TextCodec, ToolEnv, ValueModel};
 use serde_json::Value;
@@ -96,6 +96,9 @@ pub fn check(cfg: &ExperimentConfig) -> Result<()> {
 /// The checks of the groups trainer `kind` reads, whatever `trainer.algorithm` says (the
 /// builders below run them: they are also called directly, with a policy already loaded).
 pub fn check_groups(cfg: &ExperimentConfig, kind: TrainerKind) -> Result<()> {
+    if kind == TrainerKind::RewardModel {
+        return check_reward_model(cfg);
+    }
     let arr = &cfg.actor_rollout_ref;
     arr.actor
         .validate("actor_rollout_ref.actor")
@@ -155,6 +158,40 @@ pub fn check_groups(cfg: &ExperimentConfig, kind: TrainerKind) -> Result<()> {
     on_policy_config(cfg, 1)
         .check()
         .map_err(|e| anyhow!("{e}"))?;
+    Ok(())
+}
+
+/// The rules of `trainer.algorithm = "reward_model"`: `preference_data` train and val files,
+/// whole pairs a step, `reward_model.train` in range.
+fn check_reward_model(cfg: &ExperimentConfig) -> Result<()> {
+    let p = &cfg.preference_data;
+    if p.train_files.is_empty() || p.val_files.is_empty() {
+        bail!(
+            "config keys `preference_data.train_files` and `preference_data.val_files`: \
+             reward-model training needs both"
+        );
+    }
+    if p.train_batch_size == 0 {
+        bail!("config key `preference_data.train_batch_size`: 0 pairs a step");
+    }
+    let train = &cfg.reward_model.own.train;
+    if let Some(micro) = train.micro_train_batch_size
+        && (micro == 0 || !p.train_batch_size.is_multiple_of(micro))
+    {
+        bail!(
+            "config key `reward_model.train.micro_train_batch_size`: {micro} must divide \
+             `preference_data.train_batch_size` ({}), the pairs of a step",
+            p.train_batch_size
+        );
+    }
+    train
+        .worker(p.train_batch_size)
+        .validate("reward_model.train")
+        .map_err(|e| anyhow!("{e}"))?;
+    train
+        .trainer(1)
+        .check()
+        .map_err(|e| anyhow!("config group `reward_model.train`: {e}"))?;
     Ok(())
 }
 
@@ -287,6 +324,14 @@ pub fn build_with_group(
         Tokenizer::from_dir(&tok_dir)
             .with_context(|| format!("loading the tokenizer of {}", tok_dir.display()))?,
     );
+    if cfg.trainer.algorithm == TrainerKind::RewardModel {
+        // trains a reward model, not the policy: nothing to export as a policy
+        return Ok(Built {
+            trainer: Box::new(build_reward_model(cfg, device, &tokenizer)?),
+            policy: None,
+            source_dir: None,
+        });
+    }
     let policy = share(
         CausalLm::from_pretrained(&dir, device, kind)
             .with_context(|| format!("loading actor_rollout_ref.model.path {}", dir.display()))?,
@@ -328,6 +373,7 @@ pub fn build_with_group(
             progress,
             group,
         )?),
+        TrainerKind::RewardModel => bail!("the reward-model trainer is built above"),
         TrainerKind::Bandit => bail!("the bandit trainer is built by the harness itself"),
     };
     Ok(Built {
@@ -854,6 +900,50 @@ pub fn dpo_config(cfg: &ExperimentConfig, batches_per_epoch: usize) -> Result<Dp
         .unwrap_or(cfg.trainer.total_epochs * batches_per_epoch as u64);
     d.check().map_err(|e| anyhow!("config group `dpo`: {e}"))?;
     Ok(d)
+}
+
+/// Builds the reward-model trainer of `cfg` (`trainer.algorithm = "reward_model"`): a
+/// `*ForSequenceClassification` model from `actor_rollout_ref.model.path` with a fresh
+/// one-label head (seeded by `trainer.seed` in [`build`]), trained with Bradley–Terry on
+/// `preference_data`'s pairs (`reward_model.train`), validated on its `val_files`. Its
+/// checkpoints hold `rm/`, the folder `reward_model.model.path` loads.
+pub fn build_reward_model(
+    cfg: &ExperimentConfig,
+    device: Device,
+    tokenizer: &Arc<Tokenizer>,
+) -> Result<RmTrainer> {
+    check_groups(cfg, TrainerKind::RewardModel)?;
+    let p = &cfg.preference_data;
+    let open = |files: &[PathBuf], what: &str| {
+        PreferenceDataset::open(files, p)
+            .map(Arc::new)
+            .with_context(|| format!("reading preference_data.{what}"))
+    };
+    let train = open(&p.train_files, "train_files")?;
+    let val = open(&p.val_files, "val_files")?;
+    let seed = cfg.data.seed.unwrap_or(cfg.trainer.seed);
+    let source = PreferenceSource::new(train, tokenizer.clone(), p.train_batch_size, seed)?;
+    let val_source = PreferenceSource::new(val.clone(), tokenizer.clone(), 1, seed)?;
+    let all: Vec<usize> = (0..val.len()).collect();
+    let val_batches = all
+        .chunks(p.train_batch_size)
+        .map(|idx| val_source.batch(idx))
+        .collect::<Result<Vec<_>>>()?;
+    let steps = cfg
+        .trainer
+        .total_training_steps
+        .unwrap_or(cfg.trainer.total_epochs * source.sampler.batches_per_epoch() as u64);
+    let dir = &cfg.actor_rollout_ref.model.path;
+    let model = reward_model_from_lm(dir, device, cfg.actor_rollout_ref.model.dtype.kind())
+        .with_context(|| format!("loading actor_rollout_ref.model.path {}", dir.display()))?;
+    let rm = &cfg.reward_model.own.train;
+    let worker = RmWorker::new(model, rm.worker(p.train_batch_size))?;
+    Ok(RmTrainer::new(
+        rm.trainer(steps),
+        Box::new(worker),
+        Box::new(source),
+        val_batches,
+    )?)
 }
 
 /// Offline DPO pairs from a TRL-schema parquet, each batch `[chosen_0, rejected_0, chosen_1,

@@ -38,10 +38,15 @@ pub enum TrainerKind {
     /// SPIN: the row's answer (`sft.response_key`) against the policy's own generation, the
     /// reference replaced by the policy every `dpo.ref_update_freq` steps.
     Spin,
+    /// A Bradley–Terry reward model on the `preference_data` pairs, initialised from
+    /// `actor_rollout_ref.model.path` with a fresh one-label head (`reward_model.train` holds
+    /// its settings); each checkpoint's `rm/` folder is what `reward_model.model.path` loads.
+    RewardModel,
 }
 
 impl TrainerKind {
-    /// Whether this kind trains a Hugging Face policy (and so exports one at the end).
+    /// Whether this kind trains a Hugging Face model from `actor_rollout_ref.model.path` (the
+    /// policy, or for `reward_model` a reward model initialised from it).
     pub fn trains_policy(self) -> bool {
         !matches!(self, TrainerKind::Bandit)
     }

@@ -13,8 +13,10 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use serde_json::{Map, Value};
 
 use rl_algos::OverlongBufferConfig;
-use rl_algos::trainer::{ActorLossConfig, CriticLossConfig};
-use rl_workers::roles::{ActorConfig, CriticConfig, RewardModelConfig, ValKwargs};
+use rl_algos::trainer::{ActorLossConfig, CriticLossConfig, RmTrainerConfig};
+use rl_workers::roles::{
+    ActorConfig, CriticConfig, OptimConfig, RewardModelConfig, RmWorkerConfig, ValKwargs,
+};
 use rl_workers::{MultiTurnConfig, RolloutConfig};
 
 /// How [`Merged`] starts the message of a key neither struct knows (the config loader turns
@@ -356,6 +358,8 @@ pub struct RewardModelOwn {
     pub rule_coef: f64,
     /// DAPO's overlong-response penalty.
     pub overlong_buffer: OverlongBufferConfig,
+    /// Training a reward model (`trainer.algorithm = "reward_model"`).
+    pub train: RmTrainGroup,
 }
 
 impl Default for RewardModelOwn {
@@ -366,6 +370,62 @@ impl Default for RewardModelOwn {
             rm_coef: 1.0,
             rule_coef: 1.0,
             overlong_buffer: OverlongBufferConfig::default(),
+            train: RmTrainGroup::default(),
+        }
+    }
+}
+
+/// `reward_model.train`: the Bradley–Terry reward-model trainer's settings
+/// (`trainer.algorithm = "reward_model"`, docs/algos/reward_model.md). The pairs are
+/// `preference_data`'s, `preference_data.train_batch_size` a step, for
+/// `trainer.total_training_steps` steps.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RmTrainGroup {
+    /// A margin every pair's reward gap must clear, >= 0. Default 0 (plain Bradley–Terry).
+    pub margin: f64,
+    /// TRL's `center_rewards_coefficient`, >= 0: adds `c * mean((r_chosen + r_rejected)^2)`.
+    /// Default 0 (off).
+    pub center_rewards_coefficient: f64,
+    /// Pairs per micro-batch (gradient accumulation); none = the whole step. Default none.
+    pub micro_train_batch_size: Option<usize>,
+    /// Global gradient-norm clip, > 0. Default 1.0.
+    pub grad_clip: f64,
+    /// AdamW and LR schedule (verl's `optim` keys); defaults `lr` 9e-6 and `weight_decay` 0
+    /// (OpenRLHF's).
+    pub optim: OptimConfig,
+}
+
+impl Default for RmTrainGroup {
+    fn default() -> Self {
+        let (w, t) = (RmWorkerConfig::default(), RmTrainerConfig::default());
+        RmTrainGroup {
+            margin: t.margin,
+            center_rewards_coefficient: t.center_rewards_coefficient,
+            micro_train_batch_size: w.micro_train_batch_size,
+            grad_clip: w.grad_clip,
+            optim: w.optim,
+        }
+    }
+}
+
+impl RmTrainGroup {
+    /// The worker's config for `pairs` pairs a step.
+    pub fn worker(&self, pairs: usize) -> RmWorkerConfig {
+        RmWorkerConfig {
+            train_batch_size: pairs,
+            micro_train_batch_size: self.micro_train_batch_size,
+            grad_clip: self.grad_clip,
+            optim: self.optim.clone(),
+        }
+    }
+
+    /// The trainer's config for `steps` steps.
+    pub fn trainer(&self, steps: u64) -> RmTrainerConfig {
+        RmTrainerConfig {
+            total_training_steps: steps,
+            margin: self.margin,
+            center_rewards_coefficient: self.center_rewards_coefficient,
         }
     }
 }
@@ -382,7 +442,7 @@ pub struct RewardModelGroup {
     /// The scoring worker's keys (`micro_batch_size_per_gpu`, `use_dynamic_bsz`,
     /// `forward_max_token_len_per_gpu`).
     pub worker: RewardModelConfig,
-    /// `enable`, `model.path`, `rm_coef`, `rule_coef`, `overlong_buffer`.
+    /// `enable`, `model.path`, `rm_coef`, `rule_coef`, `overlong_buffer`, `train`.
     pub own: RewardModelOwn,
 }
 

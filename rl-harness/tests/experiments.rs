@@ -67,8 +67,9 @@ fn exercised() -> Vec<(&'static str, Vec<&'static str>)> {
 /// Resolved and checked only: they need a real model (and the Qwen one a GPU); search_r1 a
 /// live retriever (tests/tests/search.rs trains it against one).
 const RESOLVED_ONLY: &[&str] = &["smollm2_arith_grpo", "gsm8k_qwen_ppo", "search_r1"];
-/// The bandit experiments are exercised by tests/cli.rs and tests/sweep.rs.
-const ELSEWHERE: &[&str] = &["bandit", "bandit_sweep"];
+/// The bandit experiments are exercised by tests/cli.rs and tests/sweep.rs, the reward model
+/// (which exports no policy) by tests/reward_model.rs.
+const ELSEWHERE: &[&str] = &["bandit", "bandit_sweep", "reward_model"];
 const SWEEPS: &[&str] = &["kl_coef"];
 
 #[test]
