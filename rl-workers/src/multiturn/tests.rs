@@ -627,3 +627,46 @@ fn the_rollout_worker_writes_the_loss_mask_and_the_turn_columns() {
     assert_eq!(out.column(keys::VALID_ACTIONS).unwrap()[3], 1);
     assert_eq!(tool.batches.lock().unwrap().len(), 1);
 }
+
+/// The actor's log-probs of a multi-turn batch (one forward over the compacted history) equal
+/// the rollout's at every generated token: the layout, positions and masks line up.
+#[test]
+fn the_actor_recomputes_the_rollout_log_probs_of_generated_tokens() {
+    use crate::roles::{ActorConfig, ActorWorker, RolloutWorker, ValKwargs, share};
+    use rl_core::roles::{Actor, Rollout};
+    use rl_core::{Batch, keys};
+    let tool = Arc::new(Lookup::named("t"));
+    let mt = MultiTurnConfig {
+        max_turns: 3,
+        max_obs_length: 5,
+    };
+    let policy = share(tiny(19));
+    let cfg = RolloutConfig {
+        n: 2,
+        response_length: 40,
+        ..RolloutConfig::default()
+    };
+    let mut worker = RolloutWorker::new(policy.clone(), cfg, ValKwargs::default(), vec![2], 0)
+        .unwrap()
+        .with_tools(env(&tool, mixed, mt));
+    let (ids, mask, pos) = prompts();
+    let mut prompts = Batch::new();
+    prompts.insert(keys::INPUT_IDS, ids).unwrap();
+    prompts.insert(keys::ATTENTION_MASK, mask).unwrap();
+    prompts.insert(keys::POSITION_IDS, pos).unwrap();
+    let out = worker.generate(&prompts).unwrap();
+    let mut actor = ActorWorker::new(policy, ActorConfig::default(), 2).unwrap();
+    let old = actor.compute_log_prob(&out, false).unwrap();
+    let policy_mask = keys::policy_mask(&out).unwrap();
+    let observed = (out.get(keys::RESPONSE_MASK).unwrap() - &policy_mask)
+        .sum(Kind::Float)
+        .double_value(&[]);
+    assert!(observed > 0.0, "no observation tokens to skip");
+    let diff = ((old.get(keys::OLD_LOG_PROBS).unwrap()
+        - out.get(keys::ROLLOUT_LOG_PROBS).unwrap())
+        * &policy_mask)
+        .abs()
+        .max()
+        .double_value(&[]);
+    assert!(diff < 1e-4, "{diff}");
+}
