@@ -355,7 +355,9 @@ pub(crate) fn run(cli: Cli) -> Result<()> {
                 crate::launch::launch(&rt, cfg, member, a.nproc_per_node, timeout, &args)?
             } else if let Some(me) = crate::launch::rank_from_env(timeout)? {
                 let id = train::train_rank(&rt, cfg, member, &me)?;
-                if me.rank != 0 {
+                // the launcher (HARNESS_RUN_ID) reports the run itself; under an outside
+                // launcher rank 0 does
+                if me.rank != 0 || me.run_id.is_some() {
                     return Ok(());
                 }
                 id
@@ -397,8 +399,8 @@ pub(crate) fn run(cli: Cli) -> Result<()> {
                 )?
             } else if let Some(me) = crate::launch::rank_from_env(timeout)? {
                 match train::resume_rank(&rt, &db, &run, from_step, &parsed, &me)? {
-                    Some(id) => id,
-                    None => return Ok(()),
+                    Some(id) if me.run_id.is_none() => id,
+                    _ => return Ok(()),
                 }
             } else {
                 train::resume(&rt, &db, &run, from_step, &parsed)?
