@@ -512,9 +512,14 @@ fn sigterm_to_the_launcher_stops_every_rank_after_the_same_step_with_a_checkpoin
     assert_eq!(run.status, "finished");
 }
 
+/// Where rank 1 is pointed for its store and run directory: paths nobody can create, so a
+/// rank other than 0 that opened the store or wrote in a run directory would fail.
+const NOWHERE: &[&str] = &["--db", "/proc/rl-no-store/harness.db"];
+
 /// Runs `args` as 2 ranks started by hand, as torchrun or a Slurm wrapper would (torchrun's
-/// variables, no `HARNESS_RUN_ID`); returns each rank's (success, stdout, stderr).
-fn outside_launcher(env: &Env, args: &[&str]) -> Vec<(bool, String, String)> {
+/// variables, no `HARNESS_RUN_ID`), rank 1 with [`NOWHERE`] in front; returns each rank's
+/// (success, stdout, stderr).
+fn outside_launcher(env: &Env, args: &[&str], rank1_tail: &[&str]) -> Vec<(bool, String, String)> {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -523,9 +528,15 @@ fn outside_launcher(env: &Env, args: &[&str]) -> Vec<(bool, String, String)> {
         .to_string();
     let ranks: Vec<_> = (0..2)
         .map(|rank| {
-            cmd(env)
-                .args(args)
-                .env("RANK", rank.to_string())
+            let mut c = cmd(env);
+            if rank == 1 {
+                c.args(NOWHERE);
+            }
+            c.args(args);
+            if rank == 1 {
+                c.args(rank1_tail);
+            }
+            c.env("RANK", rank.to_string())
                 .env("WORLD_SIZE", "2")
                 .env("LOCAL_RANK", rank.to_string())
                 .env("MASTER_ADDR", "127.0.0.1")
@@ -556,11 +567,13 @@ fn ranks_started_by_an_outside_launcher_record_one_run_from_rank_0_and_resume() 
     let mut args = vec!["train", file.as_str()];
     args.extend_from_slice(GRPO);
     args.extend(["--dist-timeout-s", "60"]);
-    let out = outside_launcher(&env, &args);
+    // rank 1's run directory could not be made either
+    let out = outside_launcher(&env, &args, &["trainer.runs_dir=/proc/rl-no-runs"]);
     for (rank, (ok, stdout, stderr)) in out.iter().enumerate() {
         assert!(ok, "rank {rank}:\n{stdout}\n{stderr}");
     }
-    // rank 0 recorded the run and reports it; rank 1 wrote nothing
+    // rank 0 recorded the run and reports it; rank 1 (whose store could not be opened) wrote
+    // nothing
     assert!(out[0].1.contains("run 1 finished"), "{}", out[0].1);
     assert!(out[1].1.is_empty(), "{}", out[1].1);
     let (rt, store) = env.store();
@@ -573,6 +586,7 @@ fn ranks_started_by_an_outside_launcher_record_one_run_from_rank_0_and_resume() 
     let out = outside_launcher(
         &env,
         &["resume", "1", "--from-step", "1", "--dist-timeout-s", "60"],
+        &[],
     );
     for (rank, (ok, stdout, stderr)) in out.iter().enumerate() {
         assert!(ok, "rank {rank}:\n{stdout}\n{stderr}");
