@@ -703,6 +703,11 @@ fn configs_that_cannot_run_data_parallel_are_refused_before_any_rank_starts() {
         e.contains("trainer.algorithm") && e.contains("Bandit"),
         "{e}"
     );
+    let e = refused("reward_model", &[], "2");
+    assert!(
+        e.contains("trainer.algorithm") && e.contains("RewardModel"),
+        "{e}"
+    );
     let e = refused(
         "online_dpo",
         &[
