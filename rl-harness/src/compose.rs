@@ -174,6 +174,13 @@ fn check_reward_model(cfg: &ExperimentConfig) -> Result<()> {
     if p.train_batch_size == 0 {
         bail!("config key `preference_data.train_batch_size`: 0 pairs a step");
     }
+    if let Some(dir) = &cfg.trainer.export_dir {
+        bail!(
+            "config key `trainer.export_dir` ({}): a reward_model run exports no policy; its \
+             checkpoints' `trainer/rm/` folder is the reward model (`reward_model.model.path`)",
+            dir.display()
+        );
+    }
     let train = &cfg.reward_model.own.train;
     if let Some(micro) = train.micro_train_batch_size
         && (micro == 0 || !p.train_batch_size.is_multiple_of(micro))

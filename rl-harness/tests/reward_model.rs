@@ -148,6 +148,7 @@ fn bad_reward_model_keys_are_refused_naming_the_key() {
         ),
         ("reward_model.train.margin=-1", "margin"),
         ("reward_model.train.grad_clip=0", "grad_clip"),
+        ("trainer.export_dir=out", "trainer.export_dir"),
         // an unknown key names itself and the group's keys
         ("reward_model.train.lr=0.1", "reward_model.train.lr"),
         ("reward_model.train.lr=0.1", "`optim`"),

@@ -7,7 +7,7 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 use std::time::Instant;
 
 use rl_algos::KlPenalty;
@@ -37,6 +37,16 @@ fn env_or(key: &str, default: u64) -> u64 {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(default)
+}
+
+/// Seeds torch's global generator with `seed` and runs `init` (a model with fresh weights)
+/// while no other test thread can reseed or draw from it: the tests of this binary run on
+/// parallel threads and share that generator.
+fn seeded<T>(seed: i64, init: impl FnOnce() -> T) -> T {
+    static GENERATOR: Mutex<()> = Mutex::new(());
+    let _only_me = GENERATOR.lock().unwrap_or_else(|e| e.into_inner());
+    tch::manual_seed(seed);
+    init()
 }
 
 struct Warm {
@@ -87,7 +97,8 @@ fn warm() -> &'static Warm {
                 ckpt: dir.join("policy"),
             };
         }
-        let policy = fresh_tiny_policy(task.tokenizer.vocab_size() as i64, SEED as i64).unwrap();
+        let vocab = task.tokenizer.vocab_size() as i64;
+        let policy = seeded(SEED as i64, || fresh_tiny_policy(vocab, SEED as i64)).unwrap();
         let actor = ActorConfig {
             ppo_mini_batch_size: 32,
             optim: OptimConfig {
@@ -477,8 +488,10 @@ fn trained_rm() -> &'static TrainedRm {
         let held_out_batches = pair_batches(&held_out_pairs, 1, SEED, pad).unwrap();
         let (_, val_batches) = pair_sources(&train, &val, tok, pairs, 1).unwrap();
         let sample_secs = t0.elapsed().as_secs_f64();
-        tch::manual_seed(SEED as i64);
-        let model = reward_model_from_lm(&w.ckpt, Device::Cpu, Kind::Float).unwrap();
+        let model = seeded(SEED as i64, || {
+            reward_model_from_lm(&w.ckpt, Device::Cpu, Kind::Float)
+        })
+        .unwrap();
         let lr = env_or("RM_LR_E4", 20) as f64 * 1e-4;
         let worker = RmWorker::new(
             model,
@@ -609,10 +622,9 @@ fn small_rm_trainer(task: &TinyTask, init: i64, steps: u64) -> AnyResult<RmTrain
     let train = RlDataset::train(&data)?;
     let val = RlDataset::val(&data)?;
     let (source, val_batches) = pair_sources(&train, &val, &task.tokenizer, 8, 1)?;
-    tch::manual_seed(init);
     let mut cfg = tiny_llama_config(task.tokenizer.vocab_size() as i64);
     cfg.set_num_labels(1);
-    let model = RewardModel::new(&cfg, Device::Cpu, Kind::Float)?;
+    let model = seeded(init, || RewardModel::new(&cfg, Device::Cpu, Kind::Float))?;
     let worker = RmWorker::new(model, rm_worker_config(8, 1e-3))?;
     let tcfg = RmTrainerConfig {
         total_training_steps: steps,
@@ -729,10 +741,9 @@ fn rm_plus_rule_is_the_weighted_sum_at_the_last_token() {
     let train = RlDataset::train(&data).unwrap();
     let tok = task.tokenizer.clone();
     let batch = scored_rows(&train, &tok, 6).unwrap();
-    tch::manual_seed(5);
     let mut cfg = tiny_llama_config(tok.vocab_size() as i64);
     cfg.set_num_labels(1);
-    let model = RewardModel::new(&cfg, Device::Cpu, Kind::Float).unwrap();
+    let model = seeded(5, || RewardModel::new(&cfg, Device::Cpu, Kind::Float)).unwrap();
     let rm_cfg = RewardModelConfig {
         micro_batch_size_per_gpu: Some(4),
         ..RewardModelConfig::default()
@@ -902,8 +913,10 @@ fn rl_with_learned_reward(
     cfg.reward_model.own.rule_coef = 0.0;
     let policy = load_policy(&w.ckpt).unwrap();
     let critic = adv.needs_critic().then(|| {
-        tch::manual_seed(SEED as i64);
-        ValueModel::from_pretrained(&w.ckpt, Device::Cpu, Kind::Float).unwrap()
+        seeded(SEED as i64, || {
+            ValueModel::from_pretrained(&w.ckpt, Device::Cpu, Kind::Float)
+        })
+        .unwrap()
     });
     let mut trainer = build_on_policy(&cfg, policy, critic, &tok).unwrap();
     let key = "val/test_score/arithmetic";
