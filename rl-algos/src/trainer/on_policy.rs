@@ -16,6 +16,7 @@ use crate::advantage::{self, AdvEstimator, AdvantageInputs};
 use crate::dapo;
 use crate::kl::{self, KlController};
 use crate::trainer::config::OnPolicyConfig;
+use crate::trainer::dp;
 use crate::trainer::objective::{PolicyLoss, ValueLoss};
 use crate::trainer::source::BatchSource;
 
@@ -208,9 +209,12 @@ impl OnPolicyTrainer {
     /// the scores. Only rank 0 writes checkpoints ([`Trainer::save_checkpoint`] is a no-op on
     /// other ranks and issues no collective); every rank loads them, at any world size.
     ///
-    /// Errors when `data.train_batch_size` does not split over the ranks, when the actor (or
-    /// critic) was not given a group of the same size, or when DAPO's dynamic sampling
-    /// (`algorithm.filter_groups.enable`) is on, which is not data-parallel yet.
+    /// With DAPO's dynamic sampling (`algorithm.filter_groups.enable`) the kept-group count is
+    /// global and the kept groups are re-shared over the ranks, so each rank trains on its
+    /// contiguous share of the batch one process would keep.
+    ///
+    /// Errors when `data.train_batch_size` does not split over the ranks, or when the actor (or
+    /// critic) was not given a group of the same size.
     pub fn with_group(mut self, group: SharedCollective) -> rl_core::Result<Self> {
         let world = dist::lock(&group)?.world_size();
         if !self.cfg.train_batch_size.is_multiple_of(world) {
@@ -222,12 +226,6 @@ impl OnPolicyTrainer {
                 ),
             ));
         }
-        let filter = self
-            .cfg
-            .algorithm
-            .filter_groups
-            .as_ref()
-            .is_some_and(|f| f.enable);
         let roles = [
             ("actor", Some(self.roles.actor.data_parallel_ranks())),
             (
@@ -246,12 +244,6 @@ impl OnPolicyTrainer {
                     ),
                 ));
             }
-        }
-        if filter && world > 1 {
-            return Err(role_err(
-                "trainer",
-                "algorithm.filter_groups.enable: DAPO's dynamic sampling is not data-parallel yet; run it with one rank",
-            ));
         }
         self.group = Some(group);
         Ok(self)
@@ -341,6 +333,12 @@ impl OnPolicyTrainer {
 
     /// DAPO's dynamic sampling: generation batches until `train_batch_size` informative groups
     /// are kept, bounded by `max_num_gen_batches`.
+    ///
+    /// Data parallel, each rank generates and filters its share of every generation batch; the
+    /// kept-group count is summed over the ranks after each batch, so every rank generates the
+    /// same number of batches and stops together, and the kept rows are then gathered in global
+    /// order (batch by batch, ranks in order) and re-shared (`dp::share_rounds`): each rank
+    /// trains on its contiguous share of the batch one process would keep.
     fn generate_filtered(
         &mut self,
         timing: &mut BTreeMap<&'static str, f64>,
@@ -348,8 +346,10 @@ impl OnPolicyTrainer {
     ) -> rl_core::Result<Batch> {
         let fg = self.cfg.algorithm.filter_groups.clone().unwrap_or_default();
         let metric = fg.metric.clone().unwrap_or_default();
+        let group = self.dp_group()?;
+        // this rank's kept rows of each generation batch (possibly none)
         let mut kept: Vec<Batch> = Vec::new();
-        let mut kept_groups = 0i64;
+        let (mut kept_groups, mut dropped_groups) = (0i64, 0i64);
         let mut gen_batches = 0u64;
         loop {
             let batch = self.generate(gen_batches, timing)?;
@@ -376,7 +376,8 @@ impl OnPolicyTrainer {
                     Kind::Double,
                 ),
             };
-            let index = advantage::group_index(&string_column(&batch, keys::UID)?);
+            let uids = string_column(&batch, keys::UID)?;
+            let index = advantage::group_index(&uids);
             let f = dapo::filter_groups(&per_row.to_kind(Kind::Double), &index).map_err(wrap)?;
             let keep: Vec<i64> = Vec::<bool>::try_from(&f.keep)?
                 .iter()
@@ -384,13 +385,18 @@ impl OnPolicyTrainer {
                 .filter(|(_, k)| **k)
                 .map(|(i, _)| i as i64)
                 .collect();
-            kept_groups += f.kept_groups;
-            if !keep.is_empty() {
-                let mut part = batch.reorder(&keep)?;
-                // the generation batches differ only in their sampler seed; concat needs equal meta
-                part.meta_info_mut().remove("global_step");
-                kept.push(part);
+            let groups = uids.iter().collect::<std::collections::BTreeSet<_>>().len();
+            // [kept, dropped] groups of the whole generation batch (groups never cross ranks)
+            let mut counts = [f.kept_groups as f64, (groups as i64 - f.kept_groups) as f64];
+            if let Some(g) = &group {
+                dist::all_reduce_f64(&mut *dist::lock(g)?, &mut counts, dist::ReduceOp::Sum)?;
             }
+            kept_groups += counts[0] as i64;
+            dropped_groups += counts[1] as i64;
+            let mut part = batch.reorder(&keep)?;
+            // the generation batches differ only in their sampler seed; concat needs equal meta
+            part.meta_info_mut().remove("global_step");
+            kept.push(part);
             if kept_groups >= self.cfg.train_batch_size as i64 {
                 break;
             }
@@ -406,8 +412,13 @@ impl OnPolicyTrainer {
             }
         }
         metrics.insert("train/num_gen_batches".into(), gen_batches as f64);
-        let all = Batch::concat(&kept)?;
-        all.slice(0..self.cfg.train_batch_size * self.cfg.rollout_n)
+        // groups whose responses all scored the same, over this step's generation batches
+        metrics.insert("train/num_dropped_groups".into(), dropped_groups as f64);
+        let rows = self.cfg.train_batch_size * self.cfg.rollout_n;
+        match &group {
+            Some(g) => dp::share_rounds(&mut *dist::lock(g)?, &kept, rows),
+            None => dp::share_rounds(&mut dist::Solo, &kept, rows),
+        }
     }
 
     /// KL-in-reward (when configured) and the advantage estimator over `batch`, which holds

@@ -9,9 +9,9 @@ use std::time::Instant;
 use rl_core::dist::{self, SharedCollective};
 use rl_core::roles::{Actor, Reference, Reward, Rollout};
 use rl_core::{Batch, Sample, StepMetrics, Trainer, keys};
-use tch::{Kind, Tensor};
+use tch::Kind;
 
-use crate::trainer::dp::Dp;
+use crate::trainer::dp::{self, Dp};
 
 use crate::trainer::preference::{
     DpoLoss, DpoTrainerConfig, PairTrainerState, RefCache, prepare_pairs,
@@ -144,43 +144,6 @@ impl OnlineDpoTrainer {
     }
 }
 
-/// The layout keys of `batch` with prompts left-padded (token 0, mask 0) to `prompt_width` and
-/// responses right-padded (token 0, mask 0) to `response_width`.
-///
-/// # Shapes
-/// - `batch`: rollout layout, `[batch, prompt_len]` prompts and `[batch, response_len]`
-///   responses no wider than the widths
-/// - returns: the same keys, `[batch, prompt_width]` prompts, `[batch, response_width]`
-///   responses
-fn pad_layout(batch: &Batch, prompt_width: i64, response_width: i64) -> rl_core::Result<Batch> {
-    let p = batch.get(keys::PROMPTS)?.size()[1];
-    let r = batch.get(keys::RESPONSES)?.size()[1];
-    let (left, right) = (prompt_width - p, response_width - r);
-    let mut out = Batch::new();
-    for k in LAYOUT {
-        let t = batch.get(k)?;
-        let rows = t.size()[0];
-        let zeros = |w: i64| Tensor::zeros([rows, w], (t.kind(), t.device()));
-        let mut parts = Vec::new();
-        if left > 0 && k != keys::RESPONSES && k != keys::RESPONSE_MASK {
-            parts.push(zeros(left));
-        }
-        parts.push(t.shallow_clone());
-        if right > 0 && k != keys::PROMPTS {
-            if k == keys::POSITION_IDS {
-                // positions go on past the last one, as the rollout writes them
-                let last = t.narrow(1, t.size()[1] - 1, 1);
-                let step = Tensor::arange_start(1, right + 1, (t.kind(), t.device())).unsqueeze(0);
-                parts.push(last + step);
-            } else {
-                parts.push(zeros(right));
-            }
-        }
-        out.insert(k, Tensor::cat(&parts, 1))?;
-    }
-    Ok(out)
-}
-
 /// One data-parallel step's pairs: every rank's `local` pairs (rollout layout, `2 * c_r` rows)
 /// gathered in rank (global prompt) order, the first multiple of `per_update` kept, and this
 /// rank's share of each global mini-batch. Returns (this rank's pair batch, kept pairs, dropped
@@ -199,7 +162,7 @@ fn share_pairs(
         local.get(keys::RESPONSES)?.size()[1] as f64,
     ];
     dist::all_reduce_f64(&mut *g, &mut widths, dist::ReduceOp::Max)?;
-    let padded = pad_layout(local, widths[0] as i64, widths[1] as i64)?;
+    let padded = dp::pad_to_widths(local, widths[0] as i64, widths[1] as i64)?;
     let mut all = Batch::new();
     for k in LAYOUT {
         all.insert(k, dist::gather_rows(&mut *g, padded.get(k)?)?)?;
