@@ -42,7 +42,7 @@ pub fn timeout(seconds: f64) -> Result<Duration> {
 
 /// The data-parallel rules of a config on `world` ranks, each error naming its key: the
 /// trainer must be one of the data-parallel ones (on_policy, sft, dpo, online_dpo, spin), every global batch must
-/// split over the ranks, and DAPO's dynamic sampling is refused.
+/// split over the ranks.
 pub fn check_data_parallel(cfg: &ExperimentConfig, world: usize) -> Result<()> {
     if world <= 1 {
         return Ok(());
@@ -72,18 +72,6 @@ pub fn check_data_parallel(cfg: &ExperimentConfig, world: usize) -> Result<()> {
                     cfg.critic.worker.ppo_mini_batch_size,
                     "prompts",
                 )?;
-            }
-            if cfg
-                .algorithm
-                .filter_groups
-                .as_ref()
-                .is_some_and(|f| f.enable)
-            {
-                bail!(
-                    "config key `algorithm.filter_groups.enable`: DAPO's dynamic sampling is not \
-                     data-parallel (the kept-group count would have to be global); run it with \
-                     one rank or set it to false"
-                );
             }
         }
         TrainerKind::Sft | TrainerKind::Spin => {
