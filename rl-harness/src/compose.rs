@@ -4,7 +4,7 @@
 //! trainer from rl-algos. Every check runs before any model loads, each error naming its key.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use anyhow::{Context, Result, anyhow, bail};
 use rl_algos::trainer::{
@@ -24,19 +24,19 @@ use rl_workers::roles::{
     ActorWorker, CriticWorker, ProgressHook, ReferenceWorker, RewardModelWorker, RmWorker,
     RolloutWorker, SharedPolicy, reward_model_from_lm, share,
 };
-use rl_workers::{CausalLm, TextCodec, ToolEnv, ValueModel};
+use rl_workers::{CausalLm, RewardModel, TextCodec, ToolEnv, ValueModel};
 use serde_json::Value;
 use tch::{Device, Kind, Tensor};
 
 use crate::config::{ExperimentConfig, TrainerKind};
 
-/// A trainer ready to drive, with the policy it trains (to export it at the end).
+/// A trainer ready to drive, with the model it trains (to export it at the end).
 pub struct Built {
     /// The trainer.
     pub trainer: Box<dyn Trainer>,
-    /// The policy's weights, shared with the trainer's actor; `None` for the bandit.
-    pub policy: Option<SharedPolicy>,
-    /// The folder the policy and its tokenizer came from.
+    /// The trained model, shared with the trainer's worker; `None` for the bandit.
+    pub model: Option<TrainedModel>,
+    /// The folder the model's tokenizer came from.
     pub source_dir: Option<PathBuf>,
 }
 
@@ -46,6 +46,37 @@ impl std::fmt::Debug for Built {
             .field("global_step", &self.trainer.global_step())
             .field("source_dir", &self.source_dir)
             .finish_non_exhaustive()
+    }
+}
+
+/// What a run trains and exports at the end as a Hugging Face folder (`<run dir>/model` and
+/// `trainer.export_dir`): the handle shares the weights the trainer moves.
+#[derive(Clone)]
+pub enum TrainedModel {
+    /// The policy (`*ForCausalLM`) of every LLM trainer but the reward model's.
+    Policy(SharedPolicy),
+    /// The reward model (`*ForSequenceClassification`, one label) of
+    /// `trainer.algorithm = "reward_model"`, the folder `reward_model.model.path` loads.
+    RewardModel(Arc<Mutex<RewardModel>>),
+}
+
+impl TrainedModel {
+    /// What it is, for messages.
+    pub fn name(&self) -> &'static str {
+        match self {
+            TrainedModel::Policy(_) => "policy",
+            TrainedModel::RewardModel(_) => "reward model",
+        }
+    }
+
+    /// Writes `config.json` and the weights into `out`.
+    fn save_pretrained(&self, out: &Path) -> Result<()> {
+        let poisoned = || anyhow!("the {}'s lock is poisoned", self.name());
+        match self {
+            TrainedModel::Policy(p) => p.lock().map_err(|_| poisoned())?.save_pretrained(out),
+            TrainedModel::RewardModel(m) => m.lock().map_err(|_| poisoned())?.save_pretrained(out),
+        }
+        .with_context(|| format!("exporting the {} to {}", self.name(), out.display()))
     }
 }
 
@@ -174,13 +205,6 @@ fn check_reward_model(cfg: &ExperimentConfig) -> Result<()> {
     if p.train_batch_size == 0 {
         bail!("config key `preference_data.train_batch_size`: 0 pairs a step");
     }
-    if let Some(dir) = &cfg.trainer.export_dir {
-        bail!(
-            "config key `trainer.export_dir` ({}): a reward_model run exports no policy; its \
-             checkpoints' `trainer/rm/` folder is the reward model (`reward_model.model.path`)",
-            dir.display()
-        );
-    }
     let train = &cfg.reward_model.own.train;
     if let Some(micro) = train.micro_train_batch_size
         && (micro == 0 || !p.train_batch_size.is_multiple_of(micro))
@@ -295,7 +319,8 @@ pub fn build(
 /// [`build`] as one rank of the data-parallel `group` (`docs/distributed.md`): the sources
 /// yield this rank's share of each global batch, the actor and critic average their gradients
 /// over the group, the trainer reduces its metrics. The on-policy, SFT, DPO (offline and
-/// online) and SPIN trainers are data-parallel; the others are refused with more than one rank.
+/// online), SPIN and reward-model trainers are data-parallel; the bandit is refused with more
+/// than one rank.
 pub fn build_with_group(
     cfg: &ExperimentConfig,
     device: Device,
@@ -315,11 +340,12 @@ pub fn build_with_group(
                 | TrainerKind::Dpo
                 | TrainerKind::OnlineDpo
                 | TrainerKind::Spin
+                | TrainerKind::RewardModel
         )
     {
         bail!(
             "config key `trainer.algorithm`: {:?} is not data-parallel; run it with one rank \
-             (on_policy, sft, dpo, online_dpo and spin are)",
+             (on_policy, sft, dpo, online_dpo, spin and reward_model are)",
             cfg.trainer.algorithm
         );
     }
@@ -332,11 +358,12 @@ pub fn build_with_group(
             .with_context(|| format!("loading the tokenizer of {}", tok_dir.display()))?,
     );
     if cfg.trainer.algorithm == TrainerKind::RewardModel {
-        // trains a reward model, not the policy: nothing to export as a policy
+        // trains a reward model from the policy's folder: the reward model is exported
+        let (trainer, model) = build_reward_model_in(cfg, device, &tokenizer, group)?;
         return Ok(Built {
-            trainer: Box::new(build_reward_model(cfg, device, &tokenizer)?),
-            policy: None,
-            source_dir: None,
+            trainer: Box::new(trainer),
+            model: Some(TrainedModel::RewardModel(model)),
+            source_dir: Some(tok_dir),
         });
     }
     let policy = share(
@@ -385,7 +412,7 @@ pub fn build_with_group(
     };
     Ok(Built {
         trainer,
-        policy: Some(policy),
+        model: Some(TrainedModel::Policy(policy)),
         source_dir: Some(tok_dir),
     })
 }
@@ -841,11 +868,14 @@ pub fn build_sft_in(
 /// Writes the trained policy as a Hugging Face folder: weights and `config.json` from the
 /// policy, the tokenizer files copied from `source_dir`.
 pub fn export_policy(policy: &SharedPolicy, source_dir: &Path, out: &Path) -> Result<()> {
-    let lm = policy
-        .lock()
-        .map_err(|_| anyhow!("the policy's lock is poisoned"))?;
-    lm.save_pretrained(out)
-        .with_context(|| format!("exporting the policy to {}", out.display()))?;
+    export_model(&TrainedModel::Policy(policy.clone()), source_dir, out)
+}
+
+/// Writes a trained model as a Hugging Face folder: weights and `config.json` from the model
+/// (a reward model's with its one-label `score` head), the tokenizer files copied from
+/// `source_dir`.
+pub fn export_model(model: &TrainedModel, source_dir: &Path, out: &Path) -> Result<()> {
+    model.save_pretrained(out)?;
     for name in [
         "tokenizer.json",
         "tokenizer_config.json",
@@ -919,6 +949,18 @@ pub fn build_reward_model(
     device: Device,
     tokenizer: &Arc<Tokenizer>,
 ) -> Result<RmTrainer> {
+    Ok(build_reward_model_in(cfg, device, tokenizer, None)?.0)
+}
+
+/// [`build_reward_model`] as one rank of `group` (`preference_data.train_batch_size` pairs is
+/// the global batch, each rank trains on its contiguous share of the pairs), with the trained
+/// model's handle, which a finished run exports.
+pub fn build_reward_model_in(
+    cfg: &ExperimentConfig,
+    device: Device,
+    tokenizer: &Arc<Tokenizer>,
+    group: Option<&SharedCollective>,
+) -> Result<(RmTrainer, Arc<Mutex<RewardModel>>)> {
     check_groups(cfg, TrainerKind::RewardModel)?;
     let p = &cfg.preference_data;
     let open = |files: &[PathBuf], what: &str| {
@@ -929,7 +971,14 @@ pub fn build_reward_model(
     let train = open(&p.train_files, "train_files")?;
     let val = open(&p.val_files, "val_files")?;
     let seed = cfg.data.seed.unwrap_or(cfg.trainer.seed);
-    let source = PreferenceSource::new(train, tokenizer.clone(), p.train_batch_size, seed)?;
+    let mut source = PreferenceSource::new(train, tokenizer.clone(), p.train_batch_size, seed)?;
+    let (rank, world) = rank_world(group)?;
+    if group.is_some() {
+        source
+            .sampler
+            .set_shard(rank, world)
+            .map_err(|e| anyhow!("preference_data.train_batch_size: {e}"))?;
+    }
     let val_source = PreferenceSource::new(val.clone(), tokenizer.clone(), 1, seed)?;
     let all: Vec<usize> = (0..val.len()).collect();
     let val_batches = all
@@ -944,13 +993,22 @@ pub fn build_reward_model(
     let model = reward_model_from_lm(dir, device, cfg.actor_rollout_ref.model.dtype.kind())
         .with_context(|| format!("loading actor_rollout_ref.model.path {}", dir.display()))?;
     let rm = &cfg.reward_model.own.train;
-    let worker = RmWorker::new(model, rm.worker(p.train_batch_size))?;
-    Ok(RmTrainer::new(
+    let mut worker = RmWorker::new(model, rm.worker(p.train_batch_size))?;
+    if let Some(g) = group {
+        worker = worker.with_group(g.clone())?;
+    }
+    let model = worker.model();
+    let trainer = RmTrainer::new(
         rm.trainer(steps),
         Box::new(worker),
         Box::new(source),
         val_batches,
-    )?)
+    )?;
+    let trainer = match group {
+        Some(g) => trainer.with_group(g.clone(), p.train_batch_size)?,
+        None => trainer,
+    };
+    Ok((trainer, model))
 }
 
 /// Offline DPO pairs from a TRL-schema parquet, each batch `[chosen_0, rejected_0, chosen_1,

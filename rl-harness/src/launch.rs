@@ -41,7 +41,8 @@ pub fn timeout(seconds: f64) -> Result<Duration> {
 }
 
 /// The data-parallel rules of a config on `world` ranks, each error naming its key: the
-/// trainer must be one of the data-parallel ones (on_policy, sft, dpo, online_dpo, spin), every global batch must
+/// trainer must be one of the data-parallel ones (on_policy, sft, dpo, online_dpo, spin,
+/// reward_model), every global batch must
 /// split over the ranks.
 pub fn check_data_parallel(cfg: &ExperimentConfig, world: usize) -> Result<()> {
     if world <= 1 {
@@ -94,9 +95,17 @@ pub fn check_data_parallel(cfg: &ExperimentConfig, world: usize) -> Result<()> {
             )?;
             splits(mini_key, mini, "pairs")?;
         }
+        TrainerKind::RewardModel => {
+            splits(
+                "preference_data.train_batch_size",
+                cfg.preference_data.train_batch_size,
+                "pairs",
+            )?;
+        }
         other => bail!(
             "config key `trainer.algorithm`: {other:?} is not data-parallel; run it with one \
-             rank (without --nproc-per-node or WORLD_SIZE). on_policy, sft, dpo, online_dpo and spin are"
+             rank (without --nproc-per-node or WORLD_SIZE). on_policy, sft, dpo, online_dpo, spin \
+             and reward_model are"
         ),
     }
     Ok(())

@@ -163,7 +163,7 @@ pub fn build_trainer_in(
                     cfg.algorithm.kl_ctrl.kl_coef,
                     device,
                 )?),
-                policy: None,
+                model: None,
                 source_dir: None,
             })
         }
@@ -171,18 +171,22 @@ pub fn build_trainer_in(
     }
 }
 
-/// After a finished run: the trained policy as a Hugging Face folder in `<run dir>/model` and,
-/// when set, in `trainer.export_dir`.
+/// After a finished run: the trained model (the policy, or the reward model of a reward_model
+/// run) as a Hugging Face folder in `<run dir>/model` and, when set, in `trainer.export_dir`.
 fn export(built: &Built, run_dir: &Path, cfg: &ExperimentConfig) -> Result<()> {
-    let (Some(policy), Some(src)) = (&built.policy, &built.source_dir) else {
+    let (Some(model), Some(src)) = (&built.model, &built.source_dir) else {
         return Ok(());
     };
     let mut outs = vec![run_dir.join("model")];
     outs.extend(cfg.trainer.export_dir.clone());
     for out in outs {
-        compose::export_policy(policy, src, &out)?;
-        tracing::info!("policy exported to {}", out.display());
-        eprintln!("harness: trained policy written to {}", out.display());
+        compose::export_model(model, src, &out)?;
+        tracing::info!("{} exported to {}", model.name(), out.display());
+        eprintln!(
+            "harness: trained {} written to {}",
+            model.name(),
+            out.display()
+        );
     }
     Ok(())
 }

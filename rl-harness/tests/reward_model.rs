@@ -1,15 +1,19 @@
 //! `trainer.algorithm = "reward_model"` through the `harness` binary: experiments/reward_model.toml
 //! trains a Bradley–Terry reward model on the tiny preference pairs, a run stopped at a
-//! checkpoint and resumed ends with the same weights as an uninterrupted one, the checkpoint's
-//! `rm/` folder is the reward role of a GRPO run (`reward_model.model.path`), and bad
+//! checkpoint and resumed ends with the same weights as an uninterrupted one, a finished run
+//! exports its reward model (`<run>/model`, `trainer.export_dir`) with the last checkpoint's
+//! weights, and that folder is the reward role of a GRPO run (`reward_model.model.path`); two
+//! ranks through `--nproc-per-node 2` follow the 1-rank run step for step; bad
 //! `reward_model.train` / `preference_data` keys are refused before any model loads, naming the
 //! key.
 
 mod common;
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use common::{Env, repo_root};
+use tch::Tensor;
 
 fn experiment() -> String {
     repo_root()
@@ -42,6 +46,55 @@ fn rm_dir(run_dir: &str, step: u64) -> PathBuf {
     Path::new(run_dir).join(format!("checkpoints/global_step_{step}/trainer/rm"))
 }
 
+/// The tensors of `dir/model.safetensors` by name.
+fn weights(dir: &Path) -> BTreeMap<String, Tensor> {
+    let file = dir.join("model.safetensors");
+    Tensor::read_safetensors(&file)
+        .unwrap_or_else(|e| panic!("{}: {e}", file.display()))
+        .into_iter()
+        .collect()
+}
+
+/// The largest `|a - b|` over every tensor; the two must hold the same names.
+fn max_abs_diff(a: &BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>) -> f64 {
+    assert_eq!(
+        a.keys().collect::<Vec<_>>(),
+        b.keys().collect::<Vec<_>>(),
+        "different tensors"
+    );
+    a.iter()
+        .map(|(k, t)| (t - &b[k]).abs().max().double_value(&[]))
+        .fold(0.0, f64::max)
+}
+
+/// Asserts that `dir` is an exported reward model: a one-label `*ForSequenceClassification`
+/// `config.json`, the tokenizer, and exactly the weights of the checkpoint folder `ckpt`.
+fn assert_exported(dir: &Path, ckpt: &Path) {
+    let text = std::fs::read_to_string(dir.join("config.json"))
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+    let cfg: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let arch = cfg["architectures"][0].as_str().unwrap_or_default();
+    assert!(arch.ends_with("ForSequenceClassification"), "{text}");
+    assert_eq!(
+        cfg["id2label"].as_object().map(|m| m.len()),
+        Some(1),
+        "{text}"
+    );
+    for file in ["tokenizer.json", "tokenizer_config.json"] {
+        assert!(dir.join(file).is_file(), "{} lacks {file}", dir.display());
+    }
+    let (exported, last) = (weights(dir), weights(ckpt));
+    assert!(exported.contains_key("score.weight"));
+    assert!(!exported.contains_key("lm_head.weight"));
+    assert_eq!(
+        max_abs_diff(&exported, &last),
+        0.0,
+        "{} differs from {}",
+        dir.display(),
+        ckpt.display()
+    );
+}
+
 const SMALL: &[&str] = &[
     "preference_data.train_batch_size=4",
     "reward_model.train.micro_train_batch_size=2",
@@ -50,7 +103,7 @@ const SMALL: &[&str] = &[
 ];
 
 #[test]
-fn reward_model_trains_resumes_exactly_and_scores_a_grpo_run() {
+fn reward_model_trains_resumes_exactly_exports_and_scores_a_grpo_run() {
     let env = setup();
     let file = experiment();
     // run 1: 4 steps straight
@@ -63,12 +116,13 @@ fn reward_model_trains_resumes_exactly_and_scores_a_grpo_run() {
     args.extend(SMALL);
     let out = env.ok(&args);
     assert!(out.contains("val/rm/accuracy"), "{out}");
-    // run 2: 2 steps, then resumed to 4
+    // run 2: 2 steps, then resumed to 4, exporting to trainer.export_dir too
     let mut args = vec![
         "train",
         file.as_str(),
         "trainer.total_training_steps=2",
         "trainer.experiment_name=b",
+        "trainer.export_dir=exported",
     ];
     args.extend(SMALL);
     env.ok(&args);
@@ -106,9 +160,15 @@ fn reward_model_trains_resumes_exactly_and_scores_a_grpo_run() {
     let read = |dir: &Path| std::fs::read(dir.join("model.safetensors")).unwrap();
     assert!(ra.join("config.json").is_file(), "{}", ra.display());
     assert_eq!(read(&ra), read(&rb), "the resumed reward model differs");
-    // the checkpoint's rm/ is the reward role of a GRPO run, its only training reward
+    // a finished run exports the reward model, the last checkpoint's weights, to <run>/model
+    // and to trainer.export_dir (the resumed run's, at its end)
+    let exported_a = Path::new(&a.run_dir).join("model");
+    assert_exported(&exported_a, &ra);
+    assert_exported(&Path::new(&b.run_dir).join("model"), &rb);
+    assert_exported(&env.path().join("exported"), &rb);
+    // the exported folder is the reward role of a GRPO run, its only training reward
     let quickstart = repo_root().join("experiments/quickstart.toml");
-    let rm_path = format!("reward_model.model.path={}", ra.display());
+    let rm_path = format!("reward_model.model.path={}", exported_a.display());
     env.ok(&[
         "train",
         quickstart.to_str().unwrap(),
@@ -136,6 +196,118 @@ fn reward_model_trains_resumes_exactly_and_scores_a_grpo_run() {
     );
 }
 
+/// `harness train FILE overrides.. [--nproc-per-node N]` with one intra-op thread per process
+/// (libtorch's OpenMP threads spin: more threads than free cores slow the 1-rank run badly),
+/// asserted to succeed; the run id.
+fn train_ranks(env: &Env, file: &str, overrides: &[&str], nproc: usize) -> i64 {
+    let n = nproc.to_string();
+    let mut args = vec!["train", file];
+    args.extend_from_slice(overrides);
+    if nproc > 1 {
+        args.extend(["--nproc-per-node", &n, "--dist-timeout-s", "60"]);
+    }
+    let out = env
+        .cmd()
+        .env("OMP_NUM_THREADS", "1")
+        .args(&args)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "harness {args:?} failed:\nstdout: {stdout}\nstderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("run ")?
+                .strip_suffix(" finished")?
+                .parse()
+                .ok()
+        })
+        .unwrap_or_else(|| panic!("no `run N finished` in {stdout}"))
+}
+
+#[test]
+fn two_ranks_train_the_reward_model_of_one_rank_step_for_step() {
+    let env = setup();
+    let file = experiment();
+    // 4 pairs a step: 2 per rank, one micro-batch of 2 pairs each
+    let overrides = [
+        "trainer.total_training_steps=3",
+        "trainer.save_freq=1",
+        "trainer.test_freq=3",
+        "trainer.max_ckpt_to_keep=10",
+        "preference_data.train_batch_size=4",
+        "reward_model.train.micro_train_batch_size=2",
+    ];
+    let solo = train_ranks(&env, &file, &overrides, 1);
+    let pair = train_ranks(&env, &file, &overrides, 2);
+    let (rt, store) = env.store();
+    assert_eq!(
+        rt.block_on(store.runs(None)).unwrap().len(),
+        2,
+        "one run each"
+    );
+    let ckpts = |run: i64| -> Vec<(i64, PathBuf)> {
+        rt.block_on(store.checkpoints(run))
+            .unwrap()
+            .into_iter()
+            .map(|c| (c.step, Path::new(&c.path).join("trainer/rm")))
+            .collect()
+    };
+    let (one, two) = (ckpts(solo), ckpts(pair));
+    assert_eq!(
+        one.iter().map(|c| c.0).collect::<Vec<_>>(),
+        vec![1, 2, 3],
+        "checkpoint steps of the 1-rank run"
+    );
+    assert_eq!(
+        one.iter().map(|c| c.0).collect::<Vec<_>>(),
+        two.iter().map(|c| c.0).collect::<Vec<_>>()
+    );
+    let moved = max_abs_diff(&weights(&one[0].1), &weights(&one[2].1));
+    assert!(moved > 1e-4, "the weights did not move ({moved})");
+    let mut worst = 0.0f64;
+    for ((step, a), (_, b)) in one.iter().zip(&two) {
+        let d = max_abs_diff(&weights(a), &weights(b));
+        assert!(
+            d < 1e-5,
+            "step {step}: 1 and 2 ranks' weights differ by {d}"
+        );
+        worst = worst.max(d);
+    }
+    eprintln!("reward model, 1 vs 2 ranks: worst weight difference {worst:e}");
+    let metrics = |run: i64| -> BTreeMap<(i64, String), f64> {
+        rt.block_on(store.all_metrics(run))
+            .unwrap()
+            .into_iter()
+            .filter(|(_, k, _, _)| !k.starts_with("timing_s/") && !k.starts_with("perf/"))
+            .map(|(s, k, v, _)| ((s, k), v))
+            .collect()
+    };
+    let (m1, m2) = (metrics(solo), metrics(pair));
+    assert_eq!(
+        m1.keys().collect::<Vec<_>>(),
+        m2.keys().collect::<Vec<_>>(),
+        "metric keys"
+    );
+    for key in ["rm/loss", "rm/accuracy", "rm/grad_norm", "val/rm/loss"] {
+        assert!(m1.keys().any(|(_, k)| k == key), "no {key}");
+    }
+    for (k, a) in &m1 {
+        let b = m2[k];
+        assert!(
+            (a - b).abs() <= 1e-5 * a.abs().max(1.0),
+            "{k:?}: 1 rank {a}, 2 ranks {b}"
+        );
+    }
+    // rank 0 exported the trained reward model
+    let run = rt.block_on(store.run(pair)).unwrap().unwrap();
+    assert_exported(&Path::new(&run.run_dir).join("model"), &two[2].1);
+}
+
 #[test]
 fn bad_reward_model_keys_are_refused_naming_the_key() {
     let env = setup();
@@ -148,7 +320,6 @@ fn bad_reward_model_keys_are_refused_naming_the_key() {
         ),
         ("reward_model.train.margin=-1", "margin"),
         ("reward_model.train.grad_clip=0", "grad_clip"),
-        ("trainer.export_dir=out", "trainer.export_dir"),
         // an unknown key names itself and the group's keys
         ("reward_model.train.lr=0.1", "reward_model.train.lr"),
         ("reward_model.train.lr=0.1", "`optim`"),

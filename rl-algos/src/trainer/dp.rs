@@ -1,5 +1,5 @@
 //! Data parallelism shared by the trainers: the group checks, metric reduction and replica
-//! check of the single-actor trainers (SFT, DPO), and the re-sharing of rows the ranks kept in
+//! check of the single-model trainers (SFT, DPO, the reward model), and the re-sharing of rows the ranks kept in
 //! unequal numbers (online DPO's pairs, DAPO's dynamically sampled groups).
 
 use std::collections::BTreeMap;
@@ -44,6 +44,25 @@ impl Dp {
         batch_key: &str,
         batch: usize,
     ) -> rl_core::Result<Self> {
+        Self::for_role(
+            group,
+            "actor",
+            actor.data_parallel_ranks(),
+            batch_key,
+            batch,
+        )
+    }
+
+    /// [`new`](Self::new) for any trained role: `ranks` is the number of ranks the `role`
+    /// averages its gradients over (`Actor::data_parallel_ranks`,
+    /// `Critic::data_parallel_ranks`).
+    pub(crate) fn for_role(
+        group: SharedCollective,
+        role: &str,
+        ranks: usize,
+        batch_key: &str,
+        batch: usize,
+    ) -> rl_core::Result<Self> {
         let (rank, world) = {
             let g = dist::lock(&group)?;
             (g.rank(), g.world_size())
@@ -54,10 +73,9 @@ impl Dp {
                  global batch; make it a multiple of the world size)"
             )));
         }
-        let ranks = actor.data_parallel_ranks();
         if ranks != world {
             return Err(err(format!(
-                "the actor role averages gradients over {ranks} rank(s) but the trainer's group \
+                "the {role} role averages gradients over {ranks} rank(s) but the trainer's group \
                  has {world}: build it with `with_group` on the same group"
             )));
         }
@@ -81,11 +99,21 @@ impl Dp {
 
     /// After the first step: fails naming the ranks whose actor weights differ from rank 0's.
     pub(crate) fn check_replicas_once(&mut self, actor: &dyn Actor) -> rl_core::Result<()> {
+        self.check_digests_once("actor weights", || actor.weights_digest())
+    }
+
+    /// After the first step: fails naming the ranks whose `what` (the digest `digest` computes)
+    /// differ from rank 0's.
+    pub(crate) fn check_digests_once(
+        &mut self,
+        what: &str,
+        digest: impl FnOnce() -> rl_core::Result<Option<u64>>,
+    ) -> rl_core::Result<()> {
         if self.replicas_checked || self.world == 1 {
             return Ok(());
         }
-        let digest = actor.weights_digest()?;
-        dist::check_digests(&mut *dist::lock(&self.group)?, "actor weights", digest)?;
+        let digest = digest()?;
+        dist::check_digests(&mut *dist::lock(&self.group)?, what, digest)?;
         self.replicas_checked = true;
         Ok(())
     }

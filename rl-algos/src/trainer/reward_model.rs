@@ -10,6 +10,7 @@
 use std::path::Path;
 use std::time::Instant;
 
+use rl_core::dist::{self, SharedCollective};
 use rl_core::roles::{Critic, Metrics, MiniBatchInfo, ValueObjective};
 use rl_core::{Batch, Sample, StepMetrics, Trainer, keys};
 use serde::{Deserialize, Serialize};
@@ -17,6 +18,7 @@ use serde_json::Value;
 use tch::{Kind, Tensor};
 
 use crate::rm;
+use crate::trainer::dp::Dp;
 use crate::trainer::preference::{PAIR_INDEX, io_err, mark_pairs, read_json, write_json};
 use crate::trainer::source::BatchSource;
 
@@ -184,7 +186,10 @@ fn reward_metrics(prefix: &str, chosen: &Tensor, rejected: &Tensor) -> rl_core::
 /// (chosen, rejected) pairs.
 ///
 /// The micro-batch's loss is its pairs' mean loss scaled by its share of the mini-batch's pairs
-/// (`MiniBatchInfo::sequences / 2`), so accumulation over micro-batches is exact. Logs `rm/loss`
+/// (`MiniBatchInfo::sequences / 2`), so accumulation over micro-batches is exact. Under data
+/// parallelism the count is the global mini-batch's and the loss is multiplied by `dp_size`
+/// (`meta_info.dp_size`, as the DPO loss), so the ranks' averaged gradients are the gradient of
+/// the whole global mini-batch. Logs `rm/loss`
 /// (summed over micro-batches: the mini-batch loss), `rm/accuracy`, `rm/chosen_reward`,
 /// `rm/rejected_reward` and `rm/margin` (the mean reward gap, chosen minus rejected).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -210,7 +215,8 @@ impl ValueObjective for BradleyTerryLoss {
         let mean = rm::pairwise_loss(&c, &r, margin.as_ref(), self.center_rewards_coefficient)
             .map_err(wrap)?;
         let mini_pairs = (info.sequences / 2.0).max(1.0);
-        let loss = mean * (pairs as f64 / mini_pairs);
+        let dp = dist::dp_size(micro) as f64;
+        let loss = mean * (pairs as f64 / mini_pairs * dp);
         let mut m = reward_metrics("rm/", &c, &r)?;
         m.push("rm/loss", loss.detach().double_value(&[]));
         Ok((loss, m))
@@ -236,12 +242,15 @@ struct RmTrainerState {
 /// `val/rm/rejected_reward` and `val/rm/margin`, pooled over every pair. A checkpoint holds
 /// `rm/` (the worker's state: a Hugging Face `*ForSequenceClassification` folder plus the
 /// optimiser) and `trainer_state.json` (step and data position), so resume is exact.
+///
+/// Data parallel with [`with_group`](Self::with_group).
 pub struct RmTrainer {
     cfg: RmTrainerConfig,
     rm: Box<dyn Critic>,
     train: Box<dyn BatchSource>,
     val: Vec<Batch>,
     global_step: u64,
+    dp: Option<Dp>,
 }
 
 impl std::fmt::Debug for RmTrainer {
@@ -268,7 +277,33 @@ impl RmTrainer {
             train,
             val,
             global_step: 0,
+            dp: None,
         })
+    }
+
+    /// Makes the trainer one rank of a data-parallel job over `group`, as
+    /// `DpoTrainer::with_group`: the worker must have been given the same group
+    /// (`RmWorker::with_group`, whose `train_batch_size` counts global pairs) and the source
+    /// must yield this rank's contiguous share of each global batch of `pairs` pairs
+    /// (`preference_data.train_batch_size`; pairs are never split over ranks).
+    /// [`BradleyTerryLoss`] then normalises by the global pair count times `dp_size`, so the
+    /// averaged gradients are one process's; each step's metrics are combined over the ranks,
+    /// the ranks' weights are compared after the first step, validation scores each rank's
+    /// share of the pairs of every validation batch and pools the gathered rewards, and only
+    /// rank 0 writes checkpoints (a no-op without any collective elsewhere); every rank loads
+    /// them, at any world size.
+    ///
+    /// Errors when `pairs` does not split over the ranks or the worker was not given a group of
+    /// the same size.
+    pub fn with_group(mut self, group: SharedCollective, pairs: usize) -> rl_core::Result<Self> {
+        self.dp = Some(Dp::for_role(
+            group,
+            "reward-model",
+            self.rm.data_parallel_ranks(),
+            "preference_data.train_batch_size",
+            pairs,
+        )?);
+        Ok(self)
     }
 
     /// The config.
@@ -302,35 +337,50 @@ impl Trainer for RmTrainer {
         m.insert("timing_s/update_rm".into(), t_upd.elapsed().as_secs_f64());
         m.insert("timing_s/step".into(), t.elapsed().as_secs_f64());
         m.insert("training/global_step".into(), self.global_step as f64);
-        Ok(m)
+        match &mut self.dp {
+            Some(dp) => {
+                let rm = self.rm.as_ref();
+                dp.check_digests_once("reward-model weights", || rm.weights_digest())?;
+                dp.reduce(m, batch.len() as f64)
+            }
+            None => Ok(m),
+        }
     }
 
     fn validate(&mut self) -> rl_core::Result<(StepMetrics, Vec<Sample>)> {
-        let (mut cs, mut rs, mut ms) = (Vec::new(), Vec::new(), Vec::new());
+        let (rank, world) = self.dp.as_ref().map_or((0, 1), |d| (d.rank, d.world));
+        let mut parts = Vec::new();
         for b in &self.val {
-            let mut b = b.shallow_clone();
+            // each rank scores its contiguous share of the batch's pairs
+            let pairs = dist::shard_range(b.len() / 2, rank, world);
+            if pairs.is_empty() {
+                continue;
+            }
+            let mut b = b.slice(2 * pairs.start..2 * pairs.end)?;
             mark_pairs(&mut b)?;
             let v = self.rm.compute_values(&b)?;
             let seq = row_rewards(v.get(keys::VALUES)?, b.get(keys::RESPONSE_MASK)?)?;
             let (c, r) = split_pairs(&seq);
             let pairs = c.size()[0];
-            ms.push(
-                pair_margin(&b, self.cfg.margin, pairs)?
-                    .unwrap_or_else(|| c.zeros_like())
-                    .to_device(c.device()),
-            );
-            cs.push(c);
-            rs.push(r);
+            let margin = pair_margin(&b, self.cfg.margin, pairs)?
+                .unwrap_or_else(|| c.zeros_like())
+                .to_device(c.device());
+            // [pairs, 3]: chosen, rejected, margin
+            parts.push(Tensor::stack(&[c, r, margin], 1).to_device(tch::Device::Cpu));
+        }
+        let mut cols = if parts.is_empty() {
+            Tensor::zeros([0, 3], (Kind::Float, tch::Device::Cpu))
+        } else {
+            Tensor::cat(&parts, 0).to_kind(Kind::Float)
+        };
+        if let Some(dp) = self.dp.as_ref().filter(|d| d.world > 1) {
+            cols = dist::gather_rows(&mut *dist::lock(&dp.group)?, &cols)?;
         }
         let mut m = StepMetrics::new();
-        if cs.is_empty() {
+        if cols.size()[0] == 0 {
             return Ok((m, Vec::new()));
         }
-        let (c, r, margin) = (
-            Tensor::cat(&cs, 0),
-            Tensor::cat(&rs, 0),
-            Tensor::cat(&ms, 0),
-        );
+        let (c, r, margin) = (cols.select(1, 0), cols.select(1, 1), cols.select(1, 2));
         let loss = rm::pairwise_loss(&c, &r, Some(&margin), self.cfg.center_rewards_coefficient)
             .map_err(wrap)?;
         m.extend(reward_metrics("val/rm/", &c, &r)?.mean());
@@ -339,6 +389,10 @@ impl Trainer for RmTrainer {
     }
 
     fn save_checkpoint(&self, dir: &Path) -> rl_core::Result<()> {
+        // every rank holds the same weights and the same global source state: rank 0 writes
+        if self.dp.as_ref().is_some_and(|d| d.rank != 0) {
+            return Ok(());
+        }
         let rm_dir = dir.join("rm");
         std::fs::create_dir_all(&rm_dir).map_err(|e| io_err(&rm_dir, e))?;
         self.rm.save_state(&rm_dir)?;

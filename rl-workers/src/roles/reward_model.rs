@@ -3,7 +3,9 @@
 //! [`RmWorker`] trains one with its own AdamW (driven as a [`Critic`] by rl-algos' `RmTrainer`).
 
 use std::path::Path;
+use std::sync::{Arc, Mutex};
 
+use rl_core::dist::{self, SharedCollective};
 use rl_core::roles::{Critic, Metrics, Reward, ValueObjective};
 use rl_core::{Batch, keys};
 use serde::{Deserialize, Serialize};
@@ -14,7 +16,7 @@ use crate::error::{Error, Result};
 use crate::heads::{CONFIG_JSON, RewardModel};
 use crate::hf::{self, Checkpoint};
 use crate::model::Config;
-use crate::roles::actor::update_loop;
+use crate::roles::actor::{broadcast_from_rank0, lock, sorted_vars, update_loop, update_loop_dp};
 use crate::roles::config::{ActorConfig, OptimConfig};
 use crate::roles::micro;
 use crate::roles::optim::AdamW;
@@ -317,11 +319,24 @@ impl RmWorkerConfig {
 /// `rm/lr` and `rm/skipped_steps` next to the objective's metrics. `save_state` writes a
 /// Hugging Face `*ForSequenceClassification` folder (loadable by [`RewardModelWorker`] and
 /// transformers) plus the optimiser state.
-#[derive(Debug)]
+///
+/// Data parallel with [`with_group`](Self::with_group), as the actor: each rank updates on its
+/// share of the pairs and the gradients are averaged over the ranks before clip and step.
 pub struct RmWorker {
-    model: RewardModel,
+    model: Arc<Mutex<RewardModel>>,
     cfg: RmWorkerConfig,
     optim: AdamW,
+    group: Option<SharedCollective>,
+}
+
+impl std::fmt::Debug for RmWorker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RmWorker")
+            .field("cfg", &self.cfg)
+            .field("optim", &self.optim)
+            .field("data_parallel", &self.group.is_some())
+            .finish_non_exhaustive()
+    }
 }
 
 impl RmWorker {
@@ -331,29 +346,59 @@ impl RmWorker {
             .map_err(role_err("reward_model"))?;
         check_one_label(&model).map_err(role_err("reward_model"))?;
         let optim = AdamW::new(model.var_store(), cfg.optim.clone());
-        Ok(RmWorker { model, cfg, optim })
+        Ok(RmWorker {
+            model: Arc::new(Mutex::new(model)),
+            cfg,
+            optim,
+            group: None,
+        })
     }
 
-    /// The model.
-    pub fn model(&self) -> &RewardModel {
-        &self.model
+    /// Makes the worker data-parallel over `group`, as `ActorWorker::with_group`:
+    /// `train_batch_size` becomes the global pairs of an optimiser step (each rank updates on
+    /// its `1 / world_size` share, the objective normalising by the global pair count times
+    /// `meta_info.dp_size`), gradients are averaged over the ranks before clipping and
+    /// stepping, and rank 0's weights are broadcast now, so replicas start equal. A collective:
+    /// every rank calls it.
+    ///
+    /// Errors when `train_batch_size` pairs do not split over the ranks.
+    pub fn with_group(mut self, group: SharedCollective) -> rl_core::Result<Self> {
+        let world = dist::lock(&group)?.world_size();
+        if !self.cfg.train_batch_size.is_multiple_of(world) {
+            return Err(role_err("reward_model")(Error::invalid(
+                "train_batch_size",
+                format!(
+                    "{} pairs per step do not split over {world} data-parallel ranks (it is the \
+                     global batch; make it a multiple of the world size)",
+                    self.cfg.train_batch_size
+                ),
+            )));
+        }
+        broadcast_from_rank0(
+            &group,
+            &sorted_vars(lock(&self.model, "reward_model")?.var_store()),
+        )?;
+        self.group = Some(group);
+        Ok(self)
+    }
+
+    /// The model, shared with the worker: its weights move as the worker trains (the harness
+    /// exports a finished run's reward model through this handle).
+    pub fn model(&self) -> Arc<Mutex<RewardModel>> {
+        self.model.clone()
     }
 
     /// The optimiser (for its counters).
     pub fn optimizer(&self) -> &AdamW {
         &self.optim
     }
-
-    /// The model, for a [`RewardModelWorker`].
-    pub fn into_model(self) -> RewardModel {
-        self.model
-    }
 }
 
 impl Critic for RmWorker {
     fn compute_values(&mut self, batch: &Batch) -> rl_core::Result<Batch> {
         let rows = self.cfg.micro_train_batch_size.map(|p| 2 * p);
-        let (tokens, _) = scores_no_grad(&self.model, batch, rows, None, "reward_model")?;
+        let model = lock(&self.model, "reward_model")?;
+        let (tokens, _) = scores_no_grad(&model, batch, rows, None, "reward_model")?;
         let mut out = Batch::new();
         out.insert(keys::VALUES, tokens)?;
         Ok(out)
@@ -365,15 +410,19 @@ impl Critic for RmWorker {
         objective: &dyn ValueObjective,
     ) -> rl_core::Result<Metrics> {
         let cfg = self.cfg.as_actor();
-        let model = &self.model;
-        update_loop(&cfg, 2, batch, &mut self.optim, "rm", |m, info| {
-            let (tokens, _) = scores(model, m, "reward_model")?;
+        let model = lock(&self.model, "reward_model")?;
+        let loss = |m: &Batch, info| {
+            let (tokens, _) = scores(&model, m, "reward_model")?;
             objective.loss(m, &tokens, info)
-        })
+        };
+        match &self.group {
+            Some(g) => update_loop_dp(&cfg, 2, batch, &mut self.optim, "rm", Some(g), loss),
+            None => update_loop(&cfg, 2, batch, &mut self.optim, "rm", loss),
+        }
     }
 
     fn save_state(&self, dir: &Path) -> rl_core::Result<()> {
-        self.model
+        lock(&self.model, "reward_model")?
             .save_pretrained(dir)
             .map_err(role_err("reward_model"))?;
         self.optim.save(dir).map_err(role_err("reward_model"))
@@ -381,9 +430,25 @@ impl Critic for RmWorker {
 
     fn load_state(&mut self, dir: &Path) -> rl_core::Result<()> {
         let ckpt = Checkpoint::open(dir).map_err(role_err("reward_model"))?;
-        hf::load_into(self.model.var_store(), &ckpt, &|_| false)
-            .map_err(role_err("reward_model"))?;
+        hf::load_into(
+            lock(&self.model, "reward_model")?.var_store(),
+            &ckpt,
+            &|_| false,
+        )
+        .map_err(role_err("reward_model"))?;
         self.optim.load(dir).map_err(role_err("reward_model"))
+    }
+
+    fn weights_digest(&self) -> rl_core::Result<Option<u64>> {
+        let model = lock(&self.model, "reward_model")?;
+        Ok(Some(dist::digest(&sorted_vars(model.var_store()))?))
+    }
+
+    fn data_parallel_ranks(&self) -> usize {
+        self.group
+            .as_ref()
+            .and_then(|g| g.lock().ok().map(|g| g.world_size()))
+            .unwrap_or(1)
     }
 }
 
@@ -533,6 +598,8 @@ mod tests {
         assert_eq!(loaded.model().config().num_labels(), 1);
         let lm = reward_model_from_lm(dir.path(), Device::Cpu, Kind::Float).unwrap();
         let a = lm.var_store().variables()["score.weight"].shallow_clone();
-        assert!(a.equal(&w.model().var_store().variables()["score.weight"]));
+        let trained = w.model();
+        let trained = trained.lock().unwrap();
+        assert!(a.equal(&trained.var_store().variables()["score.weight"]));
     }
 }
