@@ -4,8 +4,8 @@
 //! exports its reward model (`<run>/model`, `trainer.export_dir`) with the last checkpoint's
 //! weights, and that folder is the reward role of a GRPO run (`reward_model.model.path`); two
 //! ranks through `--nproc-per-node 2` follow the 1-rank run step for step; bad
-//! `reward_model.train` / `preference_data` keys are refused before any model loads, naming the
-//! key.
+//! `reward_model.train` / `preference_data` keys (and a batch of pairs that does not split over
+//! the ranks) are refused before any model loads, naming the key.
 
 mod common;
 
@@ -334,4 +334,20 @@ fn bad_reward_model_keys_are_refused_naming_the_key() {
         assert!(err.contains(key), "{bad}: {err}");
         assert!(!err.contains("panicked"), "{bad}: {err}");
     }
+    // on several ranks, the global batch of pairs must split over them
+    let err = env.fails(&[
+        "train",
+        file.as_str(),
+        "trainer.total_training_steps=2",
+        "preference_data.train_batch_size=3",
+        "--nproc-per-node",
+        "2",
+    ]);
+    assert!(
+        err.contains("preference_data.train_batch_size") && err.contains("data-parallel"),
+        "{err}"
+    );
+    // nothing was recorded
+    let (rt, store) = env.store();
+    assert!(rt.block_on(store.runs(None)).unwrap().is_empty());
 }
