@@ -306,6 +306,37 @@ fn two_ranks_train_the_reward_model_of_one_rank_step_for_step() {
     // rank 0 exported the trained reward model
     let run = rt.block_on(store.run(pair)).unwrap().unwrap();
     assert_exported(&Path::new(&run.run_dir).join("model"), &two[2].1);
+    // the checkpoints resume at the other world size: the 2-rank run on one process and the
+    // 1-rank run on 2 ranks, both to step 4, end with the same weights
+    let (pair_id, solo_id) = (pair.to_string(), solo.to_string());
+    let resume = |id: &str, nproc: &[&str]| {
+        let mut args = vec!["resume", id, "trainer.total_training_steps=4"];
+        args.extend_from_slice(nproc);
+        let out = env
+            .cmd()
+            .env("OMP_NUM_THREADS", "1")
+            .args(&args)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "harness {args:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    resume(&pair_id, &[]);
+    resume(
+        &solo_id,
+        &["--nproc-per-node", "2", "--dist-timeout-s", "60"],
+    );
+    let last = |run: i64| ckpts(run).pop().unwrap();
+    let ((s1, a), (s2, b)) = (last(pair), last(solo));
+    assert_eq!((s1, s2), (4, 4));
+    let d = max_abs_diff(&weights(&a), &weights(&b));
+    assert!(
+        d < 1e-5,
+        "resumed across world sizes, step 4 differs by {d}"
+    );
 }
 
 #[test]
