@@ -134,7 +134,7 @@ fn search_r1(sft_target_pct: u64, max_sft: u64, rl_steps: u64) -> Outcome {
     let arr = &mut cfg.actor_rollout_ref;
     arr.model.path = model_dir.clone();
     arr.rollout = RolloutConfig {
-        n: 8,
+        n: env_or("RL_N", 8) as usize,
         response_length,
         temperature: 1.0,
         seed: SEED,
