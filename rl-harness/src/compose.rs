@@ -757,6 +757,11 @@ pub fn build_on_policy_in(
     })
 }
 
+/// verl's `data_source` table of rule rewards with the experiment's `reward` group on top.
+pub fn rule_rewards(cfg: &ExperimentConfig) -> Result<RewardRegistry> {
+    RewardRegistry::with_config(&cfg.reward).context("config group `reward`")
+}
+
 /// The reward role of `reward_model`: the rule reward of each row's `data_source`, or, when
 /// `reward_model.enable`, `rm_coef * rm_score + rule_coef * rule_score` from a reward model
 /// (`reward_model.model.path`) and the rule for training, and the rule alone for validation
@@ -766,10 +771,7 @@ pub fn reward_role(
     device: &Device,
     tokenizer: &Arc<Tokenizer>,
 ) -> Result<Box<dyn rl_core::roles::Reward>> {
-    let rule = Box::new(RuleReward::new(
-        tokenizer.clone(),
-        RewardRegistry::verl_default(),
-    ));
+    let rule = Box::new(RuleReward::new(tokenizer.clone(), rule_rewards(cfg)?));
     let rm = &cfg.reward_model;
     if !rm.own.enable {
         return Ok(rule);
@@ -1213,7 +1215,7 @@ pub fn build_online_dpo_in(
     if let Some(g) = group {
         actor = actor.with_group(g.clone())?;
     }
-    let reward = RuleReward::new(tokenizer.clone(), RewardRegistry::verl_default());
+    let reward = RuleReward::new(tokenizer.clone(), rule_rewards(cfg)?);
     let trainer = OnlineDpoTrainer::new(
         dcfg,
         Box::new(actor),
@@ -1286,7 +1288,7 @@ pub fn build_spin_in(
             RefInit::Policy => ReferenceWorker::from_policy(&policy, micro)?,
         }) as Box<dyn Reference>)
     });
-    let reward = RuleReward::new(tokenizer.clone(), RewardRegistry::verl_default());
+    let reward = RuleReward::new(tokenizer.clone(), rule_rewards(cfg)?);
     let trainer = SpinTrainer::new(
         dcfg,
         Box::new(actor),

@@ -119,8 +119,9 @@ pub struct HarnessConfig {
     pub log_val_generations: usize,
     /// Steps during which only the critic is updated (PPO with a critic). Default 0.
     pub critic_warmup: u64,
-    /// Where the trained policy is written at the end as a Hugging Face folder (weights,
-    /// `config.json`, tokenizer files); absent = `<run dir>/model` only.
+    /// Where the trained policy (a `reward_model` run: the reward model) is written at the end
+    /// as a Hugging Face folder (weights, `config.json`, tokenizer files); absent =
+    /// `<run dir>/model` only.
     pub export_dir: Option<PathBuf>,
     /// Keep at most this many checkpoints (oldest deleted first); absent = keep all.
     pub max_ckpt_to_keep: Option<u64>,
@@ -197,6 +198,9 @@ pub struct ExperimentConfig {
     pub preference_data: rl_data::PreferenceDataConfig,
     /// The bandit trainer's group.
     pub bandit: BanditConfig,
+    /// Rule rewards beyond verl's `data_source` table: `[reward.sources."my/qa"] name = "qa_em"`,
+    /// `[reward.prefixes.searchR1_] name = "qa_em", format_score = 0.1`.
+    pub reward: rl_data::reward::RewardConfig,
 }
 
 /// Keys that may change when a run is resumed (their change is recorded as an event);
@@ -348,6 +352,8 @@ pub fn from_stored(json: &str, overrides: &[Override]) -> Result<ExperimentConfi
 
 /// Cross-field and range checks of every group.
 pub fn validate(cfg: &ExperimentConfig) -> Result<()> {
+    rl_data::reward::RewardRegistry::with_config(&cfg.reward)
+        .map_err(|e| anyhow!("config group `reward`: {e}"))?;
     let t = &cfg.trainer;
     if t.total_training_steps == Some(0) {
         bail!("config key `trainer.total_training_steps`: must be at least 1 (or absent)");
