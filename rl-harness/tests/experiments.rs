@@ -68,7 +68,7 @@ fn exercised() -> Vec<(&'static str, Vec<&'static str>)> {
 /// live retriever (tests/tests/search.rs trains it against one).
 const RESOLVED_ONLY: &[&str] = &["smollm2_arith_grpo", "gsm8k_qwen_ppo", "search_r1"];
 /// The bandit experiments are exercised by tests/cli.rs and tests/sweep.rs, the reward model
-/// (which exports no policy) by tests/reward_model.rs.
+/// (trained, resumed, exported and used as a reward) by tests/reward_model.rs.
 const ELSEWHERE: &[&str] = &["bandit", "bandit_sweep", "reward_model"];
 const SWEEPS: &[&str] = &["kl_coef"];
 
