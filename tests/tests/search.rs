@@ -136,7 +136,7 @@ fn search_r1(sft_target_pct: u64, max_sft: u64, rl_steps: u64) -> Outcome {
     arr.rollout = RolloutConfig {
         n: env_or("RL_N", 8) as usize,
         response_length,
-        temperature: 1.0,
+        temperature: env_or("RL_TEMP_PCT", 100) as f64 / 100.0,
         seed: SEED,
         ..RolloutConfig::default()
     };
