@@ -46,10 +46,10 @@ fn multi_turn_grpo_trains_against_the_live_retriever() {
 
 /// The acceptance run: SFT to 20% held-out exact match, then 30 GRPO steps must add
 /// 10 points. Measured on the shared 2-core machine (deterministic for a given build):
-/// 24% -> 33% after 30 steps, 24% -> 30% after 50, 24% -> 22% with 32 prompts per step, and
-/// a learning rate of 1e-3 or more collapses the search format; the tiny model does not gain
-/// 10 points reliably yet, so this runs on request (`cargo test -p rl-e2e --test search --
-/// --ignored`).
+/// 24% -> 33% after 30 steps, 24% -> 30% after 50, 20-22% with more prompts, more samples or
+/// a lower temperature, and a learning rate of 1e-3 or more collapses the search format (the
+/// table in docs/search_r1.md); the tiny model does not gain 10 points reliably yet, so this
+/// runs on request (`cargo test -p rl-e2e --test search -- --ignored`).
 #[test]
 #[ignore = "the tiny model gains about 9 points, not 10 (24% -> 33% in 30 GRPO steps); see docs/search_r1.md"]
 fn grpo_with_a_live_retriever_raises_held_out_exact_match() {
