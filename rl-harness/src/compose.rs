@@ -954,16 +954,14 @@ pub fn build_reward_model(
     Ok(build_reward_model_in(cfg, device, tokenizer, None)?.0)
 }
 
-/// [`build_reward_model`] as one rank of `group` (`preference_data.train_batch_size` pairs is
-/// the global batch, each rank trains on its contiguous share of the pairs), with the trained
-/// model's handle, which a finished run exports.
-pub fn build_reward_model_in(
+/// `preference_data`'s pairs: the training source (this rank's contiguous share of every
+/// global batch of `preference_data.train_batch_size` pairs when `group` is set) and the
+/// validation pairs in batches of the same size.
+fn preference_sources(
     cfg: &ExperimentConfig,
-    device: Device,
     tokenizer: &Arc<Tokenizer>,
     group: Option<&SharedCollective>,
-) -> Result<(RmTrainer, Arc<Mutex<RewardModel>>)> {
-    check_groups(cfg, TrainerKind::RewardModel)?;
+) -> Result<(PreferenceSource, Vec<Batch>)> {
     let p = &cfg.preference_data;
     let open = |files: &[PathBuf], what: &str| {
         PreferenceDataset::open(files, p)
@@ -987,6 +985,20 @@ pub fn build_reward_model_in(
         .chunks(p.train_batch_size)
         .map(|idx| val_source.batch(idx))
         .collect::<Result<Vec<_>>>()?;
+    Ok((source, val_batches))
+}
+
+/// [`build_reward_model`] as one rank of `group` (`preference_data.train_batch_size` pairs is
+/// the global batch, each rank trains on its contiguous share of the pairs), with the trained
+/// model's handle, which a finished run exports.
+pub fn build_reward_model_in(
+    cfg: &ExperimentConfig,
+    device: Device,
+    tokenizer: &Arc<Tokenizer>,
+    group: Option<&SharedCollective>,
+) -> Result<(RmTrainer, Arc<Mutex<RewardModel>>)> {
+    check_groups(cfg, TrainerKind::RewardModel)?;
+    let (source, val_batches) = preference_sources(cfg, tokenizer, group)?;
     let steps = cfg
         .trainer
         .total_training_steps
@@ -995,7 +1007,7 @@ pub fn build_reward_model_in(
     let model = reward_model_from_lm(dir, device, cfg.actor_rollout_ref.model.dtype.kind())
         .with_context(|| format!("loading actor_rollout_ref.model.path {}", dir.display()))?;
     let rm = &cfg.reward_model.own.train;
-    let mut worker = RmWorker::new(model, rm.worker(p.train_batch_size))?;
+    let mut worker = RmWorker::new(model, rm.worker(cfg.preference_data.train_batch_size))?;
     if let Some(g) = group {
         worker = worker.with_group(g.clone())?;
     }
@@ -1007,7 +1019,7 @@ pub fn build_reward_model_in(
         val_batches,
     )?;
     let trainer = match group {
-        Some(g) => trainer.with_group(g.clone(), p.train_batch_size)?,
+        Some(g) => trainer.with_group(g.clone(), cfg.preference_data.train_batch_size)?,
         None => trainer,
     };
     Ok((trainer, model))
@@ -1107,29 +1119,7 @@ pub fn build_dpo_in(
     group: Option<&SharedCollective>,
 ) -> Result<DpoTrainer> {
     check_groups(cfg, TrainerKind::Dpo)?;
-    let p = &cfg.preference_data;
-    let open = |files: &[PathBuf], what: &str| {
-        PreferenceDataset::open(files, p)
-            .map(Arc::new)
-            .with_context(|| format!("reading preference_data.{what}"))
-    };
-    let train = open(&p.train_files, "train_files")?;
-    let val = open(&p.val_files, "val_files")?;
-    let seed = cfg.data.seed.unwrap_or(cfg.trainer.seed);
-    let mut source = PreferenceSource::new(train, tokenizer.clone(), p.train_batch_size, seed)?;
-    let (rank, world) = rank_world(group)?;
-    if group.is_some() {
-        source
-            .sampler
-            .set_shard(rank, world)
-            .map_err(|e| anyhow!("preference_data.train_batch_size: {e}"))?;
-    }
-    let val_source = PreferenceSource::new(val.clone(), tokenizer.clone(), 1, seed)?;
-    let all: Vec<usize> = (0..val.len()).collect();
-    let val_batches = all
-        .chunks(p.train_batch_size)
-        .map(|idx| val_source.batch(idx))
-        .collect::<Result<Vec<_>>>()?;
+    let (source, val_batches) = preference_sources(cfg, tokenizer, group)?;
     let dcfg = dpo_config(cfg, source.sampler.batches_per_epoch())?;
     let reference = frozen_reference(cfg, &policy)?;
     let mut actor = pair_actor(cfg, policy)?;
@@ -1144,7 +1134,7 @@ pub fn build_dpo_in(
         val_batches,
     )?;
     Ok(match group {
-        Some(g) => trainer.with_group(g.clone(), p.train_batch_size)?,
+        Some(g) => trainer.with_group(g.clone(), cfg.preference_data.train_batch_size)?,
         None => trainer,
     })
 }
