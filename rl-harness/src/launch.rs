@@ -434,24 +434,7 @@ fn supervise(
         (cores / nproc).max(1).to_string()
     });
     let stop = Arc::new(AtomicBool::new(false));
-    let signals = {
-        let stop = stop.clone();
-        let _guard = rt.enter();
-        rt.spawn(async move {
-            use tokio::signal::unix::{SignalKind, signal};
-            let (Ok(mut int), Ok(mut term)) = (
-                signal(SignalKind::interrupt()),
-                signal(SignalKind::terminate()),
-            ) else {
-                return;
-            };
-            tokio::select! {
-                _ = int.recv() => {},
-                _ = term.recv() => {},
-            }
-            stop.store(true, Ordering::SeqCst);
-        })
-    };
+    let signals = crate::train::stop_on_signal(rt, stop.clone());
     let spawn = |rank: usize, port: u16| {
         Command::new(&exe)
             .args(child_args)

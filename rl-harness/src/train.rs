@@ -323,19 +323,7 @@ fn train_created(
         cfg.trainer.experiment_name,
         run_dir.display()
     );
-    let bars = Bars::new();
-    let result =
-        build_trainer_in(cfg, Some(bars.generation_hook()), group).and_then(|mut built| {
-            let place = Place {
-                store: Some(store),
-                group,
-            };
-            let outcome = drive(rt, place, run_id, run_dir, cfg, (&mut built, &bars), true)?;
-            if matches!(outcome, Outcome::Finished) {
-                export(&built, run_dir, cfg)?;
-            }
-            Ok(outcome)
-        });
+    let result = build_drive_export(rt, store, group, run_id, run_dir, cfg, None);
     finish(rt, store, run_id, cfg, result)
 }
 
@@ -657,21 +645,36 @@ fn resume_prepared(
     logging::to_file(&run_dir.join("harness.log"));
     tracing::info!(run = id, step, "resuming from {}", ckpt_dir.display());
     eprintln!("harness: resuming run {id} from {}", ckpt_dir.display());
-    let bars = Bars::new();
-    let result =
-        build_trainer_in(cfg, Some(bars.generation_hook()), group).and_then(|mut built| {
-            load_resumed(&mut built, r)?;
-            let place = Place {
-                store: Some(store),
-                group,
-            };
-            let outcome = drive(rt, place, id, run_dir, cfg, (&mut built, &bars), false)?;
-            if matches!(outcome, Outcome::Finished) {
-                export(&built, run_dir, cfg)?;
-            }
-            Ok(outcome)
-        });
+    let result = build_drive_export(rt, store, group, id, run_dir, cfg, Some(r));
     finish(rt, store, id, cfg, result)
+}
+
+/// Builds the trainer (loading the checkpoint of `resumed`, if any), drives it to the end and
+/// exports what a finished run trained.
+fn build_drive_export(
+    rt: &Runtime,
+    store: &Store,
+    group: Option<&SharedCollective>,
+    run_id: i64,
+    run_dir: &Path,
+    cfg: &ExperimentConfig,
+    resumed: Option<&Resumed>,
+) -> Result<Outcome> {
+    let bars = Bars::new();
+    let mut built = build_trainer_in(cfg, Some(bars.generation_hook()), group)?;
+    if let Some(r) = resumed {
+        load_resumed(&mut built, r)?;
+    }
+    let place = Place {
+        store: Some(store),
+        group,
+    };
+    let fresh = resumed.is_none();
+    let outcome = drive(rt, place, run_id, run_dir, cfg, (&mut built, &bars), fresh)?;
+    if matches!(outcome, Outcome::Finished) {
+        export(&built, run_dir, cfg)?;
+    }
+    Ok(outcome)
 }
 
 /// Loads the checkpoint of `r` into a freshly built trainer and checks its step.
@@ -894,6 +897,25 @@ fn agreed_stop(group: Option<&SharedCollective>, stop: bool) -> Result<bool> {
     Ok(v[0] > 0.0)
 }
 
+/// Sets `stop` on the first SIGINT or SIGTERM (abort the handle when done).
+pub(crate) fn stop_on_signal(rt: &Runtime, stop: Arc<AtomicBool>) -> tokio::task::JoinHandle<()> {
+    let _guard = rt.enter();
+    rt.spawn(async move {
+        use tokio::signal::unix::{SignalKind, signal};
+        let (Ok(mut int), Ok(mut term)) = (
+            signal(SignalKind::interrupt()),
+            signal(SignalKind::terminate()),
+        ) else {
+            return;
+        };
+        tokio::select! {
+            _ = int.recv() => {},
+            _ = term.recv() => {},
+        }
+        stop.store(true, Ordering::SeqCst);
+    })
+}
+
 /// The loop: validation, steps, metrics, checkpoints, heartbeat, signals.
 fn drive(
     rt: &Runtime,
@@ -923,23 +945,7 @@ fn drive(
             }
         })
     });
-    let signals = {
-        let stop = stop.clone();
-        rt.spawn(async move {
-            use tokio::signal::unix::{SignalKind, signal};
-            let (Ok(mut int), Ok(mut term)) = (
-                signal(SignalKind::interrupt()),
-                signal(SignalKind::terminate()),
-            ) else {
-                return;
-            };
-            tokio::select! {
-                _ = int.recv() => {},
-                _ = term.recv() => {},
-            }
-            stop.store(true, Ordering::SeqCst);
-        })
-    };
+    let signals = stop_on_signal(rt, stop.clone());
     let pump = store
         .filter(|_| t.tracker.kind != config::TrackerKind::None)
         .map(|store| rt.spawn(tracker::pump(store.clone(), run_id, t.tracker.clone())));
