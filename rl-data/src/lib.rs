@@ -37,7 +37,8 @@ pub use parquet_io::{
 };
 pub use sft::{
     PreferenceBatch, PreferenceDataset, PreferenceExample, SftBatch, SftDataset, SftExample,
-    collate_right_padded, tokenize_conversation, tokenize_prompt_response,
+    collate_right_padded, observation_segments, tokenize_conversation, tokenize_prompt_response,
+    tokenize_prompt_trace,
 };
 pub use tokenizer::{ChatTemplate, Message, SpecialTokens, TemplateValue, Tokenizer};
 

@@ -164,6 +164,70 @@ pub fn tokenize_prompt_response(
     })
 }
 
+/// Splits a multi-turn trace into `(text, generated)` segments: each `<tag>…</tag>` span of
+/// `tags` (an observation a tool appended), together with the whitespace around it, as tools
+/// emit it (`\n\n<information>…</information>\n\n`), is a segment with `generated = false`;
+/// the text between them is generated. An opening tag without its closing tag runs to the end.
+pub fn observation_segments<'a>(text: &'a str, tags: &[String]) -> Vec<(&'a str, bool)> {
+    let mut out = Vec::new();
+    let mut rest = text;
+    loop {
+        let next = tags
+            .iter()
+            .filter_map(|t| rest.find(&format!("<{t}>")).map(|i| (i, t)))
+            .min_by_key(|(i, _)| *i);
+        let Some((open, tag)) = next else { break };
+        let close = format!("</{tag}>");
+        let end = rest[open..]
+            .find(&close)
+            .map_or(rest.len(), |j| open + j + close.len());
+        let start = rest[..open].trim_end().len();
+        let end = end + (rest[end..].len() - rest[end..].trim_start().len());
+        if start > 0 {
+            out.push((&rest[..start], true));
+        }
+        out.push((&rest[start..end], false));
+        rest = &rest[end..];
+    }
+    if !rest.is_empty() {
+        out.push((rest, true));
+    }
+    out
+}
+
+/// [`tokenize_prompt_response`] for a multi-turn trace: the response's segments (see
+/// [`observation_segments`]) are tokenised one by one, as the multi-turn rollout appends
+/// observations, and `loss_mask` is 0 on the observation segments, so SFT trains only what the
+/// model itself writes. With no `tags` it is [`tokenize_prompt_response`].
+pub fn tokenize_prompt_trace(
+    tok: &Tokenizer,
+    prompt: &[Message],
+    response: &str,
+    tags: &[String],
+) -> Result<SftExample> {
+    if tags.is_empty() {
+        return tokenize_prompt_response(tok, prompt, response);
+    }
+    let p = tok.apply_chat_template(prompt, true)?;
+    let eos = tok.special_tokens().eos.clone().unwrap_or_default();
+    let mut input_ids = tok.encode(&p, false)?;
+    let mut loss_mask = vec![0u8; input_ids.len()];
+    let mut segments = observation_segments(response, tags);
+    segments.push((eos.as_str(), true));
+    for (text, generated) in segments {
+        if text.is_empty() {
+            continue;
+        }
+        let ids = tok.encode(text, false)?;
+        loss_mask.extend(std::iter::repeat_n(u8::from(generated), ids.len()));
+        input_ids.extend(ids);
+    }
+    Ok(SftExample {
+        input_ids,
+        loss_mask,
+    })
+}
+
 /// Applies SFT truncation to `max_length` (`middle` counts as `right`).
 fn truncate(
     ex: SftExample,

@@ -218,3 +218,68 @@ fn preference_pairs_share_the_prompt() {
         assert!(batch.contains(k), "{k}");
     }
 }
+
+#[test]
+fn observation_segments_cut_tool_spans_with_their_whitespace() {
+    let tags = vec!["information".to_string(), "result".to_string()];
+    let trace = "<search>Toga color</search>\n\n<information>Toga color is green.</information>\n\n\
+                 think <calculator>1+1</calculator>\n<result>2</result>\n<answer>green</answer>";
+    assert_eq!(
+        observation_segments(trace, &tags),
+        vec![
+            ("<search>Toga color</search>", true),
+            (
+                "\n\n<information>Toga color is green.</information>\n\n",
+                false
+            ),
+            ("think <calculator>1+1</calculator>", true),
+            ("\n<result>2</result>\n", false),
+            ("<answer>green</answer>", true),
+        ]
+    );
+    // an unclosed observation runs to the end; no tags, one generated segment
+    assert_eq!(
+        observation_segments("a <information>b", &tags),
+        vec![("a", true), (" <information>b", false)]
+    );
+    assert_eq!(observation_segments("plain", &[]), vec![("plain", true)]);
+}
+
+#[test]
+fn a_trace_is_tokenised_by_segment_and_its_observations_are_masked() {
+    let tok = tokenizer("smollm2");
+    let prompt = [Message::user("What is the color of Toga?")];
+    let trace = "<search>Toga</search>\n\n<information>Toga is green.</information>\n\n<answer>green</answer>";
+    let tags = vec!["information".to_string()];
+    let ex = tokenize_prompt_trace(&tok, &prompt, trace, &tags).unwrap();
+    let plain = tokenize_prompt_response(&tok, &prompt, trace).unwrap();
+    let masked: String = ex
+        .input_ids
+        .iter()
+        .zip(&ex.loss_mask)
+        .filter(|(_, m)| **m == 0)
+        .map(|(&id, _)| tok.decode(&[id], false).unwrap())
+        .collect();
+    let prompt_text = tok.apply_chat_template(&prompt, true).unwrap();
+    assert_eq!(
+        masked,
+        format!("{prompt_text}\n\n<information>Toga is green.</information>\n\n")
+    );
+    let eos = tok.special_tokens().eos.clone().unwrap();
+    let trained: String = ex
+        .input_ids
+        .iter()
+        .zip(&ex.loss_mask)
+        .filter(|(_, m)| **m == 1)
+        .map(|(&id, _)| tok.decode(&[id], false).unwrap())
+        .collect();
+    assert_eq!(
+        trained,
+        format!("<search>Toga</search><answer>green</answer>{eos}")
+    );
+    // without tags it is the plain single-turn example
+    assert_eq!(
+        tokenize_prompt_trace(&tok, &prompt, trace, &[]).unwrap(),
+        plain
+    );
+}

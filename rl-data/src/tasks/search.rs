@@ -12,8 +12,8 @@
 //!   is one user message, `What is the color of Bako?\nUse <search>, then <answer>.`;
 //! - `sft.parquet`: the train rows plus a `response` column holding the search-then-answer
 //!   trace `<search>Bako color</search>` + the search tool's observation for that query +
-//!   `<answer>red</answer>` (read it with `sft.prompt_key = "prompt"`,
-//!   `sft.response_key = "response"`).
+//!   `<answer>red</answer>`, also in `extra_info.response` (the harness's SFT reads it with
+//!   `sft.response_key = "extra_info.response"` and `sft.mask_tags = ["information"]`).
 //!
 //! Train and test questions are about disjoint entities and every value is drawn uniformly
 //! from 8, so a model that does not search is right about 1 time in 8.
@@ -371,6 +371,10 @@ fn write_questions(
             extra.insert("entity".into(), q.entity.clone().into());
             extra.insert("attribute".into(), q.attribute.into());
             extra.insert("query".into(), q.query().into());
+            if let Some(r) = responses.and_then(|r| r.get(index)) {
+                // where the harness's SFT reads a target (`sft.response_key`)
+                extra.insert("response".into(), r.clone().into());
+            }
             RlRecord {
                 data_source: SEARCH_TASK_DATA_SOURCE.into(),
                 prompt: vec![Message::user(q.prompt())],
