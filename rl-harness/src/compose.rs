@@ -147,6 +147,14 @@ pub fn check_groups(cfg: &ExperimentConfig, kind: TrainerKind) -> Result<()> {
     if matches!(kind, TrainerKind::Sft | TrainerKind::Spin) {
         divides("sft.train_batch_size", cfg.sft.train_batch_size)?;
         ResponseKey::parse(&cfg.sft.response_key)?;
+        if let Some(bad) = cfg.sft.mask_tags.iter().find(|t| {
+            t.is_empty()
+                || t.contains(|c: char| c == '<' || c == '>' || c == '/' || c.is_whitespace())
+        }) {
+            bail!(
+                "config key `sft.mask_tags`: {bad:?} is not a tag name (write `information` for `<information>…</information>`)"
+            );
+        }
     }
     if kind == TrainerKind::Dpo {
         divides(
@@ -534,6 +542,8 @@ pub struct SftSource {
     tokenizer: Arc<Tokenizer>,
     response: ResponseKey,
     sampler: Sampler,
+    /// `sft.mask_tags`: tool observations in the responses, masked out of the loss.
+    mask_tags: Vec<String>,
 }
 
 impl SftSource {
@@ -551,7 +561,16 @@ impl SftSource {
             tokenizer,
             response,
             sampler,
+            mask_tags: Vec::new(),
         })
+    }
+
+    /// Masks the `<tag>…</tag>` spans of `tags` in every response out of the loss (a
+    /// `loss_mask` key), tokenising the responses segment by segment as the multi-turn rollout
+    /// does; see [`rl_data::observation_segments`].
+    pub fn with_mask_tags(mut self, tags: Vec<String>) -> Self {
+        self.mask_tags = tags;
+        self
     }
 
     /// Batches per epoch.
@@ -563,15 +582,35 @@ impl SftSource {
     pub fn batch(&self, idx: &[usize]) -> Result<Batch> {
         let mut prompts = Vec::with_capacity(idx.len());
         let mut responses = Vec::with_capacity(idx.len());
+        let mut trained = Vec::with_capacity(idx.len());
         for &i in idx {
             let row = self.dataset.row(i)?;
             let answer = self.response.text(&row)?;
-            let ex = rl_data::tokenize_prompt_response(&self.tokenizer, &row.prompt, &answer)?;
+            let ex = rl_data::tokenize_prompt_trace(
+                &self.tokenizer,
+                &row.prompt,
+                &answer,
+                &self.mask_tags,
+            )?;
             let (p, r) = split_example(&ex);
+            trained.push(ex.loss_mask[p.len()..].to_vec());
             prompts.push(p);
             responses.push(r);
         }
-        rollout_layout(&prompts, &responses, self.tokenizer.pad_id_or_eos()?)
+        let mut batch = rollout_layout(&prompts, &responses, self.tokenizer.pad_id_or_eos()?)?;
+        if !self.mask_tags.is_empty() {
+            let seq_len = batch.get(keys::INPUT_IDS)?.size()[1];
+            let prompt_len = (seq_len - batch.get(keys::RESPONSES)?.size()[1]) as usize;
+            let mut loss = vec![0i64; idx.len() * seq_len as usize];
+            for (r, flags) in trained.iter().enumerate() {
+                for (t, &m) in flags.iter().enumerate() {
+                    loss[r * seq_len as usize + prompt_len + t] = i64::from(m);
+                }
+            }
+            let loss = Tensor::from_slice(&loss).view([idx.len() as i64, seq_len]);
+            batch.insert(keys::LOSS_MASK, loss)?;
+        }
+        Ok(batch)
     }
 }
 
@@ -830,7 +869,9 @@ pub fn build_sft_in(
     let bs = cfg.sft.train_batch_size;
     let train = Arc::new(RlDataset::train(&cfg.data)?);
     let val = Arc::new(RlDataset::val(&cfg.data)?);
-    let mut source = SftSource::new(train, tokenizer.clone(), response.clone(), bs, seed)?;
+    let tags = cfg.sft.mask_tags.clone();
+    let mut source = SftSource::new(train, tokenizer.clone(), response.clone(), bs, seed)?
+        .with_mask_tags(tags.clone());
     let (rank, world) = rank_world(group)?;
     if group.is_some() {
         source
@@ -842,7 +883,8 @@ pub fn build_sft_in(
         .trainer
         .total_training_steps
         .unwrap_or(cfg.trainer.total_epochs * source.batches_per_epoch() as u64);
-    let val_source = SftSource::new(val.clone(), tokenizer.clone(), response, bs, seed)?;
+    let val_source =
+        SftSource::new(val.clone(), tokenizer.clone(), response, bs, seed)?.with_mask_tags(tags);
     let val_bs = cfg.data.val_batch_size.unwrap_or(bs).max(1);
     let all: Vec<usize> = (0..val.len()).collect();
     let val_batches = all

@@ -471,6 +471,10 @@ pub struct SftGroup {
     pub response_key: String,
     /// Rows per optimiser step. Default 32.
     pub train_batch_size: usize,
+    /// Tags whose `<tag>…</tag>` spans in the responses (with the whitespace around them, as a
+    /// tool emits them) are tool observations, masked out of the SFT loss: `["information"]`
+    /// for Search-R1 traces. Default none.
+    pub mask_tags: Vec<String>,
 }
 
 impl Default for SftGroup {
@@ -478,6 +482,7 @@ impl Default for SftGroup {
         SftGroup {
             response_key: "extra_info.answer".into(),
             train_batch_size: 32,
+            mask_tags: Vec::new(),
         }
     }
 }

@@ -68,8 +68,9 @@ fn exercised() -> Vec<(&'static str, Vec<&'static str>)> {
 /// live retriever (tests/tests/search.rs trains it against one).
 const RESOLVED_ONLY: &[&str] = &["smollm2_arith_grpo", "gsm8k_qwen_ppo", "search_r1"];
 /// The bandit experiments are exercised by tests/cli.rs and tests/sweep.rs, the reward model
-/// (trained, resumed, exported and used as a reward) by tests/reward_model.rs.
-const ELSEWHERE: &[&str] = &["bandit", "bandit_sweep", "reward_model"];
+/// (trained, resumed, exported and used as a reward) by tests/reward_model.rs, the Search-R1
+/// warm-up (on the search task's traces) by tests/search_sft.rs.
+const ELSEWHERE: &[&str] = &["bandit", "bandit_sweep", "reward_model", "search_r1_sft"];
 const SWEEPS: &[&str] = &["kl_coef"];
 
 #[test]
