@@ -62,7 +62,7 @@ keys! {
     /// tool observations), 0.0 on padding: lengths, the reward's last token and decoding read
     /// it. Losses and advantages read it restricted by [`LOSS_MASK`] (see [`policy_mask`]).
     RESPONSE_MASK = "response_mask", tensor, "[batch, response_len]", "f32",
-        writer: "rollout", reader: "advantage estimators, losses, metrics";
+        writer: "rollout", reader: "reward placement, decoding, length metrics; losses and advantages through `policy_mask`";
     /// Log-probs of the response tokens under the policy that will be updated, before the update.
     OLD_LOG_PROBS = "old_log_probs", tensor, "[batch, response_len]", "f32",
         writer: "actor.compute_log_prob", reader: "policy loss (importance ratio)";

@@ -438,7 +438,9 @@ pub(crate) fn run(cli: Cli) -> Result<()> {
                 &store,
                 uri.as_deref(),
                 Duration::from_secs(10),
-                Duration::from_secs_f64(timeout_s.max(0.0)),
+                Duration::try_from_secs_f64(timeout_s.max(0.0)).map_err(|_| {
+                    anyhow::anyhow!("--timeout-s must be a number of seconds, got {timeout_s}")
+                })?,
             ))?;
             if done.is_empty() {
                 println!("nothing pending");

@@ -34,8 +34,9 @@ pub const RESUME_CHECKPOINT_ENV: &str = "HARNESS_RESUME_CHECKPOINT";
 
 /// The collective timeout of `--dist-timeout-s`, checked.
 pub fn timeout(seconds: f64) -> Result<Duration> {
-    if !(seconds.is_finite() && seconds > 0.0) {
-        bail!("--dist-timeout-s must be a positive number of seconds, got {seconds}");
+    // a week at most: larger values overflow deadlines (`Instant + Duration`)
+    if !(seconds.is_finite() && seconds > 0.0 && seconds <= 604_800.0) {
+        bail!("--dist-timeout-s must be a number of seconds in (0, 604800], got {seconds}");
     }
     Ok(Duration::from_secs_f64(seconds))
 }
@@ -416,9 +417,38 @@ fn wait_ranks(
 }
 
 /// Starts the ranks of run `id`, forwards their output, waits; when one fails, gives the others
-/// `timeout`, kills the rest and marks the run failed naming the lost rank.
+/// `timeout`, kills the rest and marks the run failed naming the lost rank. Any other error
+/// (no executable, a bad `MASTER_PORT`, no free port) marks the run failed too, so a run the
+/// launcher recorded never stays `running`.
 #[allow(clippy::too_many_arguments)]
 fn supervise(
+    rt: &Runtime,
+    store: &Store,
+    id: i64,
+    run_dir: &Path,
+    nproc: usize,
+    timeout: Duration,
+    child_args: &[OsString],
+    extra_env: &[(&str, OsString)],
+) -> Result<()> {
+    let result = supervise_ranks(
+        rt, store, id, run_dir, nproc, timeout, child_args, extra_env,
+    );
+    if let Err(e) = &result {
+        let running = rt
+            .block_on(store.run(id))
+            .ok()
+            .flatten()
+            .is_some_and(|r| r.status == "running");
+        if running {
+            train::mark_failed(rt, store, id, crate::one_line(e))?;
+        }
+    }
+    result
+}
+
+#[allow(clippy::too_many_arguments)]
+fn supervise_ranks(
     rt: &Runtime,
     store: &Store,
     id: i64,

@@ -788,3 +788,26 @@ fn configs_that_cannot_run_data_parallel_are_refused_before_any_rank_starts() {
     let (rt, store) = env.store();
     assert!(rt.block_on(store.runs(None)).unwrap().is_empty());
 }
+
+#[test]
+fn a_launcher_that_cannot_start_its_ranks_marks_the_run_failed() {
+    let env = setup();
+    let file = experiment("quickstart");
+    let mut args = vec!["train", file.as_str()];
+    args.extend_from_slice(GRPO);
+    args.extend(["--nproc-per-node", "2"]);
+    let out = cmd(&env)
+        .env("MASTER_PORT", "abc")
+        .args(&args)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("MASTER_PORT"), "{err}");
+    let (rt, store) = env.store();
+    let run = rt.block_on(store.run(1)).unwrap().unwrap();
+    assert_eq!(
+        run.status, "failed",
+        "the recorded run must not stay running"
+    );
+}

@@ -58,13 +58,14 @@ struct Ratio {
 
 const OVERFLOW: &str = "number too large";
 
-fn gcd(mut a: i128, mut b: i128) -> i128 {
-    a = a.abs();
-    b = b.abs();
+/// The greatest common divisor, on magnitudes (so `i128::MIN` cannot overflow); 1 (no
+/// reduction, the value stays exact) when it does not fit an `i128`.
+fn gcd(a: i128, b: i128) -> i128 {
+    let (mut a, mut b) = (a.unsigned_abs(), b.unsigned_abs());
     while b != 0 {
         (a, b) = (b, a % b);
     }
-    a
+    i128::try_from(a).unwrap_or(1)
 }
 
 impl Ratio {
@@ -129,8 +130,8 @@ impl Ratio {
             fives += 1;
         }
         let exact = d == 1;
-        let places = if exact { twos.max(fives) } else { 6 };
-        let scale = 10i128.pow(places.min(30));
+        let places = if exact { twos.max(fives).min(30) } else { 6 };
+        let scale = 10i128.pow(places);
         let sign = if self.num < 0 { "-" } else { "" };
         let abs = self.num.unsigned_abs();
         let den = self.den.unsigned_abs();
@@ -288,10 +289,18 @@ mod tests {
             ("16/4/2", "2"),
             ("3×4÷8", "1.5"),
             ("99999999999*99999999999", "9999999999800000000001"),
+            // an exact binary fraction longer than 30 places is rounded to 30, not shifted
+            ("1/1099511627776", "0.000000000000909494701772928238"),
         ];
         for (expr, want) in cases {
             assert_eq!(evaluate(expr).as_deref(), Ok(want), "{expr}");
         }
+        // i128::MIN reached by the model's own arithmetic is a result or an error, not a panic
+        let min = "-85070591730234615865843651857942052864-85070591730234615865843651857942052864";
+        assert_eq!(
+            evaluate(min).as_deref(),
+            Ok("-170141183460469231731687303715884105728")
+        );
     }
 
     #[test]

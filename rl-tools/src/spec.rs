@@ -85,10 +85,10 @@ pub fn build_tool(spec: &ToolSpec) -> Result<Box<dyn Tool>> {
             timeout_s,
             retries,
         } => {
-            if !(timeout_s.is_finite() && *timeout_s > 0.0) {
+            if !(timeout_s.is_finite() && *timeout_s > 0.0 && *timeout_s <= 86_400.0) {
                 return Err(Error::Config {
                     key: "search.timeout_s".into(),
-                    message: format!("must be a positive number of seconds, got {timeout_s}"),
+                    message: format!("must be a number of seconds in (0, 86400], got {timeout_s}"),
                 });
             }
             if *retries > 10 {

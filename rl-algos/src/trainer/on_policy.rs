@@ -625,8 +625,8 @@ fn reduce_step_metrics(
     batch: &Batch,
 ) -> rl_core::Result<StepMetrics> {
     let rows = batch.len() as f64;
-    let tokens = batch
-        .get(keys::RESPONSE_MASK)?
+    // the token-weighted metrics are means over the loss tokens (observations excluded)
+    let tokens = keys::policy_mask(batch)?
         .sum(Kind::Double)
         .double_value(&[]);
     let local = m

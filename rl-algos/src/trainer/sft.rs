@@ -154,7 +154,8 @@ impl Trainer for SftTrainer {
             }
             let b = &b.slice(shard)?;
             let lp = self.actor.compute_log_prob(b, false)?;
-            let mask = b.get(keys::RESPONSE_MASK)?;
+            // the tokens the loss trains (tool observations of `sft.mask_tags` traces excluded)
+            let mask = &keys::policy_mask(b)?;
             nll -= (lp.get(keys::OLD_LOG_PROBS)? * mask)
                 .sum(Kind::Double)
                 .double_value(&[]);
