@@ -256,7 +256,8 @@ pub fn launch(
     check_data_parallel(&cfg, nproc)?;
     let store = rt.block_on(Store::open(&cfg.trainer.db_path()))?;
     let (id, run_dir) = train::create_run(rt, &store, &cfg, member)?;
-    supervise(rt, &store, id, &run_dir, nproc, timeout, child_args, &[])?;
+    supervise(rt, &store, id, &run_dir, nproc, timeout, child_args, &[])
+        .inspect_err(|e| fail_if_running(rt, &store, id, e))?;
     Ok(id)
 }
 
@@ -286,8 +287,22 @@ pub fn launch_resume(
     let env = [(RESUME_CHECKPOINT_ENV, r.ckpt_dir.as_os_str().to_owned())];
     supervise(
         rt, &store, r.id, &r.run_dir, nproc, timeout, child_args, &env,
-    )?;
+    )
+    .inspect_err(|e| fail_if_running(rt, &store, r.id, e))?;
     Ok(r.id)
+}
+
+/// Marks run `id` failed with `e` unless something already ended it, so a run the launcher
+/// recorded never stays `running` (a lost rank's diagnosis, written by [`supervise`], stays).
+fn fail_if_running(rt: &Runtime, store: &Store, id: i64, e: &anyhow::Error) {
+    let running = rt
+        .block_on(store.run(id))
+        .ok()
+        .flatten()
+        .is_some_and(|r| r.status == "running");
+    if running && let Err(mark) = train::mark_failed(rt, store, id, crate::one_line(e)) {
+        eprintln!("harness: run {id}: could not mark it failed: {mark:#}");
+    }
 }
 
 /// `--nproc-per-node` is at least 1, and this process is not already a rank.
@@ -418,37 +433,9 @@ fn wait_ranks(
 
 /// Starts the ranks of run `id`, forwards their output, waits; when one fails, gives the others
 /// `timeout`, kills the rest and marks the run failed naming the lost rank. Any other error
-/// (no executable, a bad `MASTER_PORT`, no free port) marks the run failed too, so a run the
-/// launcher recorded never stays `running`.
+/// (no executable, a bad `MASTER_PORT`, no free port) is left to [`fail_if_running`].
 #[allow(clippy::too_many_arguments)]
 fn supervise(
-    rt: &Runtime,
-    store: &Store,
-    id: i64,
-    run_dir: &Path,
-    nproc: usize,
-    timeout: Duration,
-    child_args: &[OsString],
-    extra_env: &[(&str, OsString)],
-) -> Result<()> {
-    let result = supervise_ranks(
-        rt, store, id, run_dir, nproc, timeout, child_args, extra_env,
-    );
-    if let Err(e) = &result {
-        let running = rt
-            .block_on(store.run(id))
-            .ok()
-            .flatten()
-            .is_some_and(|r| r.status == "running");
-        if running {
-            train::mark_failed(rt, store, id, crate::one_line(e))?;
-        }
-    }
-    result
-}
-
-#[allow(clippy::too_many_arguments)]
-fn supervise_ranks(
     rt: &Runtime,
     store: &Store,
     id: i64,

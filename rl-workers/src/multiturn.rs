@@ -374,39 +374,23 @@ impl<'a, 'o> Rollout<'a, 'o> {
         env: &'a ToolEnv,
         opts: &'a mut GenerateOptions<'o>,
     ) -> Result<Self> {
-        let device = lm.device();
         let (prompts, prompt_len) = (input_ids.size()[0], input_ids.size()[1]);
         let n = cfg.n as i64;
         let rows = (prompts * n) as usize;
         let budget = cfg.response_length;
-        let (input_ids, attention_mask, position_ids) = (
-            input_ids.to_device(device),
-            attention_mask.to_device(device),
-            position_ids.to_device(device),
-        );
         // prefill once per prompt, then repeat the cache rows for the n samples; the first turn
         // holds at most the budget's decode steps and one observation block
         let capacity = prompt_len + budget + env.cfg.max_obs_length + 1;
-        let mut cache = KvCache::new(lm.config(), prompts, capacity, lm.kind(), device);
-        let hidden =
-            lm.model()
-                .forward(&input_ids, &attention_mask, &position_ids, Some(&mut cache))?;
-        let mut logits = lm
-            .logits(&hidden.narrow(1, prompt_len - 1, 1).squeeze_dim(1))
-            .to_kind(Kind::Float);
-        let repeat =
-            Tensor::arange(prompts, (Kind::Int64, device)).repeat_interleave_self_int(n, 0, None);
-        let prompt = if n > 1 {
-            cache.select_rows(&repeat)?;
-            logits = logits.index_select(0, &repeat);
-            (
-                input_ids.index_select(0, &repeat),
-                attention_mask.index_select(0, &repeat),
-                position_ids.index_select(0, &repeat),
-            )
-        } else {
-            (input_ids, attention_mask, position_ids)
-        };
+        let crate::rollout::Prefilled {
+            cache,
+            logits,
+            prompt,
+        } = crate::rollout::prefill_repeated(
+            lm,
+            (input_ids, attention_mask, position_ids),
+            n,
+            capacity,
+        )?;
         let last_pos = Vec::<i64>::try_from(
             prompt
                 .2

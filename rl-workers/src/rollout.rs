@@ -265,6 +265,57 @@ pub(crate) fn pick(
     (tokens.squeeze_dim(1), picked.squeeze_dim(1))
 }
 
+/// The prompts prefilled into a fresh cache of `capacity` tokens per row, repeated for `n`
+/// samples each (interleaved): the cache, the next-token logits and the prompt tensors
+/// (`input_ids`, `attention_mask`, `position_ids`) of every output row.
+pub(crate) struct Prefilled {
+    pub cache: KvCache,
+    pub logits: Tensor,
+    pub prompt: (Tensor, Tensor, Tensor),
+}
+
+/// Prefills once per prompt (on the model's device), then repeats the cache rows for the `n`
+/// samples; shared by [`generate`] and the multi-turn rollout.
+pub(crate) fn prefill_repeated(
+    lm: &CausalLm,
+    (input_ids, attention_mask, position_ids): (&Tensor, &Tensor, &Tensor),
+    n: i64,
+    capacity: i64,
+) -> Result<Prefilled> {
+    let device = lm.device();
+    let (prompts, prompt_len) = (input_ids.size()[0], input_ids.size()[1]);
+    let (input_ids, attention_mask, position_ids) = (
+        input_ids.to_device(device),
+        attention_mask.to_device(device),
+        position_ids.to_device(device),
+    );
+    let mut cache = KvCache::new(lm.config(), prompts, capacity, lm.kind(), device);
+    let hidden =
+        lm.model()
+            .forward(&input_ids, &attention_mask, &position_ids, Some(&mut cache))?;
+    let mut logits = lm
+        .logits(&hidden.narrow(1, prompt_len - 1, 1).squeeze_dim(1))
+        .to_kind(Kind::Float);
+    let repeat =
+        Tensor::arange(prompts, (Kind::Int64, device)).repeat_interleave_self_int(n, 0, None);
+    let prompt = if n > 1 {
+        cache.select_rows(&repeat)?;
+        logits = logits.index_select(0, &repeat);
+        (
+            input_ids.index_select(0, &repeat),
+            attention_mask.index_select(0, &repeat),
+            position_ids.index_select(0, &repeat),
+        )
+    } else {
+        (input_ids, attention_mask, position_ids)
+    };
+    Ok(Prefilled {
+        cache,
+        logits,
+        prompt,
+    })
+}
+
 /// Generates up to `cfg.response_length` tokens for each of `cfg.n` copies of every prompt.
 ///
 /// The prompts are prefilled once (copies share it), then decoded step by step against a
@@ -353,39 +404,16 @@ fn generate_inner(
     let n = cfg.n as i64;
     let rows = prompts * n;
     let max_new = cfg.response_length;
-    let (input_ids, attention_mask, position_ids) = (
-        input_ids.to_device(device),
-        attention_mask.to_device(device),
-        position_ids.to_device(device),
-    );
-
-    // prefill once per prompt, then repeat the cache rows for the n samples
-    let mut cache = KvCache::new(
-        lm.config(),
-        prompts,
+    let Prefilled {
+        mut cache,
+        mut logits,
+        prompt: (prompt_ids, prompt_mask, prompt_pos),
+    } = prefill_repeated(
+        lm,
+        (input_ids, attention_mask, position_ids),
+        n,
         prompt_len + max_new,
-        lm.kind(),
-        device,
-    );
-    let hidden =
-        lm.model()
-            .forward(&input_ids, &attention_mask, &position_ids, Some(&mut cache))?;
-    let mut logits = lm
-        .logits(&hidden.narrow(1, prompt_len - 1, 1).squeeze_dim(1))
-        .to_kind(Kind::Float);
-    let repeat =
-        Tensor::arange(prompts, (Kind::Int64, device)).repeat_interleave_self_int(n, 0, None);
-    let (prompt_ids, prompt_mask, prompt_pos) = if n > 1 {
-        cache.select_rows(&repeat)?;
-        logits = logits.index_select(0, &repeat);
-        (
-            input_ids.index_select(0, &repeat),
-            attention_mask.index_select(0, &repeat),
-            position_ids.index_select(0, &repeat),
-        )
-    } else {
-        (input_ids, attention_mask, position_ids)
-    };
+    )?;
     let last_pos = prompt_pos.narrow(1, prompt_len - 1, 1);
 
     let mut rngs = row_rngs(opts, rows as usize);
