@@ -394,6 +394,10 @@ fn ascii_shortcut_only_for_the_pre_tokenizers_it_reproduces() {
     for (what, edit) in unsupported {
         let tok = with(edit);
         assert!(tok.fast.is_none(), "{what}: no shortcut");
+        if what == "bpe dropout" {
+            // dropout samples merges at random, so two encodings of one text may differ
+            continue;
+        }
         let text = "Hello  world 123's\n\n <|im_start|>x";
         assert_eq!(
             tok.encode(text, false).unwrap(),
