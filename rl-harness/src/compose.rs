@@ -340,22 +340,8 @@ pub fn build_with_group(
         Some(g) => rl_core::dist::lock(g)?.world_size(),
         None => 1,
     };
-    if world > 1
-        && !matches!(
-            cfg.trainer.algorithm,
-            TrainerKind::OnPolicy
-                | TrainerKind::Sft
-                | TrainerKind::Dpo
-                | TrainerKind::OnlineDpo
-                | TrainerKind::Spin
-                | TrainerKind::RewardModel
-        )
-    {
-        bail!(
-            "config key `trainer.algorithm`: {:?} is not data-parallel; run it with one rank \
-             (on_policy, sft, dpo, online_dpo, spin and reward_model are)",
-            cfg.trainer.algorithm
-        );
+    if world > 1 && !cfg.trainer.algorithm.is_data_parallel() {
+        bail!("{}", cfg.trainer.algorithm.not_data_parallel());
     }
     tch::manual_seed(cfg.trainer.seed as i64);
     let dir = cfg.actor_rollout_ref.model.path.clone();

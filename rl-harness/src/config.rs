@@ -50,6 +50,22 @@ impl TrainerKind {
     pub fn trains_policy(self) -> bool {
         !matches!(self, TrainerKind::Bandit)
     }
+
+    /// Whether this kind runs on several data-parallel ranks: every trainer of a Hugging Face
+    /// model does; the harness's bandit runs on one.
+    pub fn is_data_parallel(self) -> bool {
+        self.trains_policy()
+    }
+
+    /// The error for running a kind that [`is_data_parallel`](Self::is_data_parallel) refuses on
+    /// several ranks, naming the key and the kinds that are.
+    pub fn not_data_parallel(self) -> String {
+        format!(
+            "config key `trainer.algorithm`: {self:?} is not data-parallel; run it with one rank \
+             (without --nproc-per-node or WORLD_SIZE). on_policy, sft, dpo, online_dpo, spin and \
+             reward_model are"
+        )
+    }
 }
 
 /// Remote tracker kinds (`trainer.tracker.kind`).

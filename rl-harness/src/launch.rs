@@ -103,11 +103,7 @@ pub fn check_data_parallel(cfg: &ExperimentConfig, world: usize) -> Result<()> {
                 "pairs",
             )?;
         }
-        other => bail!(
-            "config key `trainer.algorithm`: {other:?} is not data-parallel; run it with one \
-             rank (without --nproc-per-node or WORLD_SIZE). on_policy, sft, dpo, online_dpo, spin \
-             and reward_model are"
-        ),
+        TrainerKind::Bandit => bail!("{}", TrainerKind::Bandit.not_data_parallel()),
     }
     Ok(())
 }

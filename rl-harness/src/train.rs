@@ -146,10 +146,9 @@ pub fn build_trainer_in(
         _ => crate::device::open(&cfg.trainer.device)?,
     };
     match cfg.trainer.algorithm {
-        TrainerKind::Bandit if group.is_some() => bail!(
-            "config key `trainer.algorithm`: the bandit trainer is not data-parallel; run it \
-             with one rank"
-        ),
+        TrainerKind::Bandit if group.is_some() => {
+            bail!("{}", TrainerKind::Bandit.not_data_parallel())
+        }
         TrainerKind::Bandit => {
             let total = cfg
                 .trainer
