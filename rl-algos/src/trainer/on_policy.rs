@@ -580,30 +580,68 @@ impl OnPolicyTrainer {
 /// ended in a valid call or an answer, over all turns), `env/<tool>_calls` (mean calls per
 /// response, every tool of the rollout) and `env/tool_errors` (mean failed calls per response).
 fn env_metrics(batch: &Batch, m: &mut StepMetrics) {
-    let Ok(turns) = batch.column(keys::NUM_TURNS) else {
-        return;
-    };
-    let rows = turns.len().max(1) as f64;
-    let turns: f64 = turns.iter().filter_map(Value::as_f64).sum();
-    m.insert("env/number_of_turns".into(), turns / rows);
-    if let Ok(valid) = batch.column(keys::VALID_ACTIONS) {
-        let valid: f64 = valid.iter().filter_map(Value::as_f64).sum();
-        m.insert("env/valid_action_ratio".into(), valid / turns.max(1.0));
-    }
-    if let Ok(calls) = batch.column(keys::TOOL_CALLS) {
-        let mut per_tool: BTreeMap<String, f64> = BTreeMap::new();
-        let mut failed = 0.0;
-        for row in calls {
-            for (tool, c) in row.as_object().into_iter().flatten() {
-                *per_tool.entry(tool.clone()).or_default() +=
-                    c.get("calls").and_then(Value::as_f64).unwrap_or(0.0);
-                failed += c.get("failed").and_then(Value::as_f64).unwrap_or(0.0);
+    let mut totals = EnvTotals::default();
+    totals.add(batch);
+    m.extend(totals.metrics("env").into_iter().map(|(k, (v, _))| (k, v)));
+}
+
+/// Sums of the multi-turn columns over one or more batches (validation adds each of its
+/// batches), from which the `env/*` means are taken.
+#[derive(Debug, Default)]
+struct EnvTotals {
+    rows: f64,
+    turns: f64,
+    valid: Option<f64>,
+    calls: Option<BTreeMap<String, f64>>,
+    failed: f64,
+}
+
+impl EnvTotals {
+    /// Adds a batch's rows; a batch without the multi-turn columns adds nothing.
+    fn add(&mut self, batch: &Batch) {
+        let Ok(turns) = batch.column(keys::NUM_TURNS) else {
+            return;
+        };
+        self.rows += turns.len() as f64;
+        self.turns += turns.iter().filter_map(Value::as_f64).sum::<f64>();
+        if let Ok(valid) = batch.column(keys::VALID_ACTIONS) {
+            *self.valid.get_or_insert(0.0) += valid.iter().filter_map(Value::as_f64).sum::<f64>();
+        }
+        if let Ok(calls) = batch.column(keys::TOOL_CALLS) {
+            let per_tool = self.calls.get_or_insert_with(BTreeMap::new);
+            for row in calls {
+                for (tool, c) in row.as_object().into_iter().flatten() {
+                    *per_tool.entry(tool.clone()).or_default() +=
+                        c.get("calls").and_then(Value::as_f64).unwrap_or(0.0);
+                    self.failed += c.get("failed").and_then(Value::as_f64).unwrap_or(0.0);
+                }
             }
         }
-        for (tool, n) in per_tool {
-            m.insert(format!("env/{tool}_calls"), n / rows);
+    }
+
+    /// `<prefix>/number_of_turns`, ... as `(mean, weight)`: per-response means weigh by rows,
+    /// the valid action ratio by turns, so ranks combine into the global figure; empty when no
+    /// multi-turn rows were added.
+    fn metrics(&self, prefix: &str) -> BTreeMap<String, (f64, f64)> {
+        let mut m = BTreeMap::new();
+        if self.rows == 0.0 {
+            return m;
         }
-        m.insert("env/tool_errors".into(), failed / rows);
+        let per_row = |x: f64| (x / self.rows, self.rows);
+        m.insert(format!("{prefix}/number_of_turns"), per_row(self.turns));
+        if let Some(valid) = self.valid {
+            m.insert(
+                format!("{prefix}/valid_action_ratio"),
+                (valid / self.turns.max(1.0), self.turns),
+            );
+        }
+        if let Some(calls) = &self.calls {
+            for (tool, n) in calls {
+                m.insert(format!("{prefix}/{tool}_calls"), per_row(*n));
+            }
+            m.insert(format!("{prefix}/tool_errors"), per_row(self.failed));
+        }
+        m
     }
 }
 
@@ -629,10 +667,20 @@ fn reduce_step_metrics(
     let tokens = keys::policy_mask(batch)?
         .sum(Kind::Double)
         .double_value(&[]);
+    // the valid action ratio is a mean over turns
+    let turns = batch
+        .column(keys::NUM_TURNS)
+        .map_or(rows, |t| t.iter().filter_map(Value::as_f64).sum::<f64>());
     let local = m
         .into_iter()
         .map(|(k, v)| {
-            let w = if token_weighted(&k) { tokens } else { rows };
+            let w = if token_weighted(&k) {
+                tokens
+            } else if k == "env/valid_action_ratio" {
+                turns
+            } else {
+                rows
+            };
             (k, (v, w))
         })
         .collect();
@@ -766,6 +814,7 @@ impl Trainer for OnPolicyTrainer {
     fn validate(&mut self) -> rl_core::Result<(StepMetrics, Vec<Sample>)> {
         let mut per_source: BTreeMap<String, Vec<f64>> = BTreeMap::new();
         let mut samples = Vec::new();
+        let mut env = EnvTotals::default();
         let (rank, world) = self.rank_and_world()?;
         for i in 0..self.val.len() {
             let shard = dist::shard_range(self.val[i].len(), rank, world);
@@ -785,6 +834,7 @@ impl Trainer for OnPolicyTrainer {
             meta.insert("global_step".into(), (self.global_step * 1000 + 999).into());
             let mut out = self.roles.rollout.generate(&prompts)?;
             out.union(self.roles.reward.score(&out)?)?;
+            env.add(&out);
             let scores = match f64_column(&out, SCORE_COLUMN) {
                 Some(s) => s,
                 None => Vec::<f64>::try_from(out.get(keys::TOKEN_LEVEL_SCORES)?.sum_dim_intlist(
@@ -818,6 +868,8 @@ impl Trainer for OnPolicyTrainer {
                 )
             })
             .collect();
+        // multi-turn validation: `val/env/number_of_turns`, `val/env/search_calls`, ...
+        local.extend(env.metrics("val/env"));
         if let Some(g) = self.dp_group()? {
             self.check_replicas(&g)?;
             let global =
@@ -908,5 +960,40 @@ mod tests {
         let mut none = StepMetrics::new();
         env_metrics(&Batch::new(), &mut none);
         assert!(none.is_empty());
+    }
+
+    #[test]
+    fn env_totals_over_several_batches_weigh_rows_and_turns() {
+        let batch = |turns: Vec<i64>, valid: Vec<i64>, calls: Vec<i64>| {
+            let mut b = Batch::new();
+            b.insert_column(
+                keys::NUM_TURNS,
+                turns.into_iter().map(|t| json!(t)).collect(),
+            )
+            .unwrap();
+            b.insert_column(
+                keys::VALID_ACTIONS,
+                valid.into_iter().map(|t| json!(t)).collect(),
+            )
+            .unwrap();
+            b.insert_column(
+                keys::TOOL_CALLS,
+                calls
+                    .into_iter()
+                    .map(|c| json!({"search": {"calls": c, "failed": 0}}))
+                    .collect(),
+            )
+            .unwrap();
+            b
+        };
+        let mut t = EnvTotals::default();
+        t.add(&batch(vec![1], vec![0], vec![0]));
+        t.add(&batch(vec![3, 2, 2], vec![3, 2, 2], vec![2, 1, 1]));
+        let m = t.metrics("val/env");
+        // 8 turns over 4 rows; 7 of the 8 turns valid (not the mean of 0 and 1); 4 calls
+        assert_eq!(m["val/env/number_of_turns"], (2.0, 4.0));
+        assert_eq!(m["val/env/valid_action_ratio"], (7.0 / 8.0, 8.0));
+        assert_eq!(m["val/env/search_calls"], (1.0, 4.0));
+        assert_eq!(m["val/env/tool_errors"], (0.0, 4.0));
     }
 }
