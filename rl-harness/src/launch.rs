@@ -8,10 +8,15 @@
 //! [`RUN_ID_ENV`] set, prefixes their output with `[rank r]`, and waits. When a rank dies, the
 //! others get the collective timeout to fail on their own, then are killed; the run is marked
 //! failed naming the lost rank and how it ended, and the launcher exits non-zero.
+//!
+//! Each rank runs in a process group of its own, so signals and the final kill reach whatever
+//! a rank started too. A rank 0 that cannot bind the rendezvous port exits with
+//! [`PORT_TAKEN_EXIT`], and the launcher starts over on another port.
 
 use std::ffi::OsString;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
+use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::Arc;
@@ -31,6 +36,23 @@ pub const RUN_ID_ENV: &str = "HARNESS_RUN_ID";
 /// The environment variable through which the launcher of `harness resume` tells its ranks the
 /// checkpoint folder it rewound the run to.
 pub const RESUME_CHECKPOINT_ENV: &str = "HARNESS_RESUME_CHECKPOINT";
+
+/// The exit status of a rank 0 whose rendezvous port was taken (EADDRINUSE's number on
+/// Linux): the launcher that chose the port tries another.
+pub const PORT_TAKEN_EXIT: i32 = 98;
+
+/// Rank 0 could not bind the rendezvous port (`MASTER_PORT`): someone else holds it. The
+/// `harness` binary exits with [`PORT_TAKEN_EXIT`] on this error.
+#[derive(Debug)]
+pub struct PortTaken(pub String);
+
+impl std::fmt::Display for PortTaken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "the rendezvous port is taken: {}", self.0)
+    }
+}
+
+impl std::error::Error for PortTaken {}
 
 /// The collective timeout of `--dist-timeout-s`, checked.
 pub fn timeout(seconds: f64) -> Result<Duration> {
@@ -133,7 +155,16 @@ pub fn rank_from_env(timeout: Duration) -> Result<Option<Rank>> {
         ),
         Err(_) => None,
     };
-    let group = rl_dist::shared_from_env(timeout)
+    let joined = rl_dist::shared_from_env(timeout);
+    if let Err(e) = &joined {
+        let text = e.to_string();
+        let lower = text.to_lowercase();
+        let rank0 = std::env::var("RANK").is_ok_and(|r| r.trim() == "0");
+        if rank0 && (lower.contains("eaddrinuse") || lower.contains("address already in use")) {
+            return Err(PortTaken(text).into());
+        }
+    }
+    let group = joined
         .context("joining the data-parallel group (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)")?
         .context("WORLD_SIZE vanished from the environment")?;
     let (rank, world) = {
@@ -148,17 +179,41 @@ pub fn rank_from_env(timeout: Duration) -> Result<Option<Rank>> {
     }))
 }
 
-/// Kills (SIGKILL) and reaps every child still running when dropped, so no rank outlives a
-/// launcher that returns early.
+/// Kills (SIGKILL) the process group of every child still running when dropped and reaps it,
+/// so no rank, nor anything a rank started, outlives a launcher that returns early.
 struct Children(Vec<Child>);
 
 impl Drop for Children {
     fn drop(&mut self) {
         for c in &mut self.0 {
             if matches!(c.try_wait(), Ok(None)) {
+                signal_group(c, "KILL");
                 let _ = c.kill();
             }
             let _ = c.wait();
+        }
+    }
+}
+
+/// Sends `SIG<sig>` to the process group of `child` (each rank leads its own group) with
+/// kill(1): std only sends SIGKILL to one process, and this crate has no unsafe code.
+fn signal_group(child: &Child, sig: &str) {
+    let _ = Command::new("kill")
+        .args([format!("-{sig}"), "--".into(), format!("-{}", child.id())])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status();
+}
+
+/// Waits for the output forwarders until `deadline`: a process a rank started may still hold
+/// the pipe open, and the launcher must not hang on it (the ones left are detached).
+fn join_forwarders(forwarders: Vec<std::thread::JoinHandle<()>>, deadline: Instant) {
+    for f in forwarders {
+        while !f.is_finished() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        if f.is_finished() {
+            let _ = f.join();
         }
     }
 }
@@ -197,7 +252,6 @@ fn forward(
     rank: usize,
     from: impl Read + Send + 'static,
     to_stderr: bool,
-    port_taken: Arc<AtomicBool>,
 ) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
         let mut lines = BufReader::new(from);
@@ -209,10 +263,6 @@ fn forward(
                 Ok(_) => {
                     let text = String::from_utf8_lossy(&line);
                     let text = text.trim_end_matches(['\n', '\r']);
-                    let lower = text.to_lowercase();
-                    if lower.contains("eaddrinuse") || lower.contains("address already in use") {
-                        port_taken.store(true, Ordering::SeqCst);
-                    }
                     let _ = if to_stderr {
                         writeln!(std::io::stderr().lock(), "[rank {rank}] {text}")
                     } else {
@@ -323,7 +373,7 @@ struct Ended {
     lost: Option<(usize, ExitStatus)>,
     /// The ranks the launcher killed after the timeout.
     killed: Vec<usize>,
-    /// Whether a rank reported the rendezvous port taken.
+    /// Whether rank 0 exited with [`PORT_TAKEN_EXIT`].
     port_taken: bool,
 }
 
@@ -337,17 +387,16 @@ fn wait_ranks(
     stop: &AtomicBool,
     mut spawn: impl FnMut(usize) -> Result<Child>,
 ) -> Result<Ended> {
-    let port_taken = Arc::new(AtomicBool::new(false));
     let mut children = Children(Vec::with_capacity(nproc));
     let mut forwarders = Vec::new();
     for rank in 0..nproc {
         let mut child = spawn(rank)?;
         eprintln!("harness: run {id}: rank {rank} is pid {}", child.id());
         if let Some(out) = child.stdout.take() {
-            forwarders.push(forward(rank, out, false, port_taken.clone()));
+            forwarders.push(forward(rank, out, false));
         }
         if let Some(err) = child.stderr.take() {
-            forwarders.push(forward(rank, err, true, port_taken.clone()));
+            forwarders.push(forward(rank, err, true));
         }
         children.0.push(child);
     }
@@ -384,7 +433,8 @@ fn wait_ranks(
         if exits.iter().all(Option::is_some) {
             break;
         }
-        if lost.is_some() && port_taken.load(Ordering::SeqCst) {
+        let port_taken = exits[0].is_some_and(|s| s.code() == Some(PORT_TAKEN_EXIT));
+        if lost.is_some() && port_taken {
             // the others wait for a rendezvous that will not happen
             deadline = Some(Instant::now());
         }
@@ -393,12 +443,7 @@ fn wait_ranks(
             // checkpoints and records the run as killed
             for (rank, child) in children.0.iter().enumerate() {
                 if exits[rank].is_none() {
-                    // kill(1): std only sends SIGKILL, and this crate has no unsafe code
-                    let _ = Command::new("kill")
-                        .args(["-TERM", &child.id().to_string()])
-                        .stdout(Stdio::null())
-                        .stderr(Stdio::null())
-                        .status();
+                    signal_group(child, "TERM");
                 }
             }
             forwarded = true;
@@ -407,6 +452,7 @@ fn wait_ranks(
         if deadline.is_some_and(|d| Instant::now() >= d) {
             for (rank, child) in children.0.iter_mut().enumerate() {
                 if exits[rank].is_none() {
+                    signal_group(child, "KILL");
                     let _ = child.kill();
                     exits[rank] = child.wait().ok();
                     killed.push(rank);
@@ -416,14 +462,13 @@ fn wait_ranks(
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-    for f in forwarders {
-        let _ = f.join();
-    }
+    join_forwarders(forwarders, Instant::now() + Duration::from_secs(5));
+    let port_taken = exits[0].is_some_and(|s| s.code() == Some(PORT_TAKEN_EXIT));
     Ok(Ended {
         exits,
         lost,
         killed,
-        port_taken: port_taken.load(Ordering::SeqCst),
+        port_taken,
     })
 }
 
@@ -463,6 +508,7 @@ fn supervise(
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
+            .process_group(0)
             .spawn()
             .with_context(|| format!("starting rank {rank} ({})", exe.display()))
     };

@@ -721,8 +721,7 @@ pub fn resume_rank(
             };
             Ok((store, r))
         })();
-        let path = prepared_path(&r);
-        share_path(&me.group, &path)?;
+        share_path(&me.group, &prepared_id_and_path(&r))?;
         Some(r?)
     } else {
         None
@@ -733,11 +732,15 @@ pub fn resume_rank(
             resume_prepared(rt, &store, &r, Some(&me.group)).map(Some)
         }
         None => {
-            let dir = share_path(&me.group, "")?;
-            if dir.is_empty() {
+            let shared = share_path(&me.group, "")?;
+            // rank 0's run id comes with its folder: under an outside launcher (no
+            // HARNESS_RUN_ID) the other ranks learn it only from rank 0
+            let Some((id, dir)) = shared
+                .split_once('\n')
+                .and_then(|(id, dir)| Some((id.parse::<i64>().ok()?, dir.to_string())))
+            else {
                 bail!("rank 0 could not prepare the resume (see rank 0's error)");
-            }
-            let id = me.run_id.unwrap_or(-1);
+            };
             let r = resumed_from_dir_readonly(id, Path::new(&dir), overrides)?;
             crate::launch::check_data_parallel(&r.cfg, me.world)?;
             let bars = Bars::hidden();
@@ -767,9 +770,10 @@ pub fn resume_rank(
     }
 }
 
-fn prepared_path(p: &Result<(Store, Resumed)>) -> String {
+/// `<run id>\n<checkpoint folder>` of a prepared resume, empty when rank 0 could not prepare it.
+fn prepared_id_and_path(p: &Result<(Store, Resumed)>) -> String {
     p.as_ref()
-        .map(|(_, r)| r.ckpt_dir.display().to_string())
+        .map(|(_, r)| format!("{}\n{}", r.id, r.ckpt_dir.display()))
         .unwrap_or_default()
 }
 

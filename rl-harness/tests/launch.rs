@@ -685,6 +685,21 @@ fn a_taken_rendezvous_port_makes_the_launcher_start_over_on_another() {
     let (rt, store) = env.store();
     let run = rt.block_on(store.run(1)).unwrap().unwrap();
     assert_eq!(run.status, "finished");
+    // what the launcher keys on: a rank 0 that cannot bind the port exits with status 98
+    let rank0 = cmd(&env)
+        .args(["train", file.as_str()])
+        .args(GRPO)
+        .args(["--dist-timeout-s", "20"])
+        .env("WORLD_SIZE", "2")
+        .env("RANK", "0")
+        .env("LOCAL_RANK", "0")
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", &port)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&rank0.stderr);
+    assert_eq!(rank0.status.code(), Some(98), "{stderr}");
+    assert!(stderr.contains("the rendezvous port is taken"), "{stderr}");
     drop(held);
 }
 
