@@ -269,7 +269,8 @@ fn check_multi_turn(cfg: &ExperimentConfig, kind: TrainerKind) -> Result<()> {
 }
 
 /// The run's tokenizer as the multi-turn rollout's codec (no special tokens added, none
-/// skipped).
+/// skipped). It wraps rl-data's `Tokenizer`, not the `tokenizers` one rl-workers implements the
+/// codec for, so that observations are encoded exactly as training encodes text.
 #[derive(Debug)]
 struct TokenizerCodec(Arc<Tokenizer>);
 
@@ -280,10 +281,7 @@ impl TextCodec for TokenizerCodec {
     }
 
     fn decode(&self, ids: &[i64]) -> std::result::Result<String, String> {
-        let ids = ids
-            .iter()
-            .map(|&i| u32::try_from(i).map_err(|_| format!("token id {i} is not a u32")))
-            .collect::<std::result::Result<Vec<u32>, String>>()?;
+        let ids = rl_workers::token_ids_u32(ids)?;
         self.0.decode(&ids, false).map_err(|e| e.to_string())
     }
 }

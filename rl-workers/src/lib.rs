@@ -24,6 +24,6 @@ pub use heads::{CONFIG_JSON, CausalLm, RewardModel, ValueModel};
 pub use model::{Config, Family, KvCache, Model, TokenIds};
 pub use multiturn::{
     ANSWER_TAG, MultiTurnConfig, MultiTurnOutput, StopReason, TextCodec, ToolEnv, TurnStats,
-    generate_multi_turn,
+    generate_multi_turn, token_ids_u32,
 };
 pub use rollout::{GenerateOptions, Progress, RolloutConfig, RolloutOutput, generate};

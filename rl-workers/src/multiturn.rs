@@ -65,12 +65,18 @@ impl TextCodec for tokenizers::Tokenizer {
     }
 
     fn decode(&self, ids: &[i64]) -> std::result::Result<String, String> {
-        let ids = ids
-            .iter()
-            .map(|&i| u32::try_from(i).map_err(|_| format!("token id {i} is not a u32")))
-            .collect::<std::result::Result<Vec<u32>, String>>()?;
-        (**self).decode(&ids, false).map_err(|e| e.to_string())
+        (**self)
+            .decode(&token_ids_u32(ids)?, false)
+            .map_err(|e| e.to_string())
     }
+}
+
+/// Tensor token ids as a tokenizer's `u32` ids, naming the first that is not one (for
+/// [`TextCodec::decode`] implementations).
+pub fn token_ids_u32(ids: &[i64]) -> std::result::Result<Vec<u32>, String> {
+    ids.iter()
+        .map(|&i| u32::try_from(i).map_err(|_| format!("token id {i} is not a u32")))
+        .collect()
 }
 
 /// The multi-turn keys of `actor_rollout_ref.rollout.multi_turn` that the rollout reads
