@@ -17,7 +17,7 @@ use rl_tools::ToolSpec;
 use rl_workers::RolloutConfig;
 use rl_workers::roles::{ActorConfig, ActorWorker, OptimConfig};
 
-const SEED: u64 = 5;
+const SEED_DEFAULT: u64 = 5;
 
 fn env_or(key: &str, default: u64) -> u64 {
     std::env::var(key)
@@ -35,49 +35,53 @@ struct Outcome {
     requests: u64,
 }
 
-/// Multi-turn GRPO runs against the live retriever (a short SFT, three GRPO steps): every step
-/// searches, reports the `env/*` and split length metrics, and the server answers the calls.
+/// The acceptance run, on the synthetic task (1,000 training questions, one per
+/// entity, so a question is seldom seen twice and memorising cannot pay; 200 held-out
+/// questions about other entities): SFT on 256 traces until held-out exact match reaches 45%
+/// (the copying of a new name into the query has just appeared), then 40 GRPO steps (64
+/// prompts x 8 samples at temperature 0.7, two mini-batches a step, lr 5e-4) against the live
+/// retriever must add 10 points, and every step and the validation must search.
+///
+/// Measured on the 2-core machine (a run is deterministic for a given build and thread
+/// count): 50.5% -> 72.0% with this seed; seeds 6, 7, 8 and 9 give 54.5% -> 74.5%,
+/// 48.5% -> 73.5%, ... (docs/search_r1.md, where the variants that failed are too).
 #[test]
-fn multi_turn_grpo_trains_against_the_live_retriever() {
-    let out = search_r1(0, 100, 3);
-    assert!(out.requests >= 4, "{} retriever requests", out.requests);
-    assert!((0.0..=1.0).contains(&out.before) && (0.0..=1.0).contains(&out.after));
-}
-
-/// The acceptance run: SFT to 20% held-out exact match, then 30 GRPO steps must add
-/// 10 points. Measured on the shared 2-core machine (deterministic for a given build):
-/// 24% -> 33% after 30 steps, 24% -> 30% after 50, 20-22% with more prompts, more samples or
-/// a lower temperature, and a learning rate of 1e-3 or more collapses the search format (the
-/// table in docs/search_r1.md); the tiny model does not gain 10 points reliably yet, so this
-/// runs on request (`cargo test -p rl-e2e --test search -- --ignored`).
-#[test]
-#[ignore = "the tiny model gains about 9 points, not 10 (24% -> 33% in 30 GRPO steps); see docs/search_r1.md"]
 fn grpo_with_a_live_retriever_raises_held_out_exact_match() {
-    let out = search_r1(20, 400, 30);
+    let out = search_r1(45, 600, 40);
     let (b, a) = (out.before, out.after);
+    assert!(out.requests > 0, "the retriever answered no request");
     assert!(a - b >= 0.10 - 1e-9, "held-out exact match {b} -> {a}");
 }
 
-/// Generates the task, serves its index on 127.0.0.1, SFT-warms a tiny Llama on 64 traces
+/// Generates the task, serves its index on 127.0.0.1, SFT-warms a tiny Llama on 256 traces
 /// until held-out exact match reaches `sft_target_pct` (checked every 20 steps from step 100,
 /// at most `max_sft` steps), then runs `rl_steps` GRPO steps with multi-turn rollouts against
-/// the server; asserts every step searched and logged the multi-turn metrics.
+/// the server, validating every 10; asserts every step searched and logged the multi-turn
+/// metrics. Environment variables override the settings, for tuning (`SEARCH_SEED`,
+/// `SEARCH_TRAIN`, `SEARCH_TEST`, `SEARCH_QPE`, `SFT_TRACES`, `SFT_TARGET_PCT`, `SFT_STEPS`,
+/// `SFT_LR_E4`, `RL_STEPS`, `RL_PROMPTS`, `RL_MINI`, `RL_N`, `RL_TEMP_PCT`, `RL_LR_E4`,
+/// `VAL_EVERY`; `SEARCH_SFT_CACHE=<dir>` reuses the SFT weights of an earlier run).
 fn search_r1(sft_target_pct: u64, max_sft: u64, rl_steps: u64) -> Outcome {
     let t0 = std::time::Instant::now();
+    let seed = env_or("SEARCH_SEED", SEED_DEFAULT);
     let root = tempfile::tempdir().unwrap();
     let model_dir = root.path().join("model");
     rl_data::tasks::tiny_vocab::write_tiny_tokenizer(&model_dir).unwrap();
     let tokenizer = Arc::new(Tokenizer::from_dir(&model_dir).unwrap());
 
     // the task, its corpus indexed and served on 127.0.0.1
-    let n_train = env_or("SEARCH_TRAIN", 240) as usize;
+    let n_train = env_or("SEARCH_TRAIN", 1000) as usize;
+    let task_cfg = SearchTaskConfig {
+        questions_per_entity: env_or("SEARCH_QPE", 1) as usize,
+        ..SearchTaskConfig::default()
+    };
     let task = SearchTask::generate(
-        &SearchTaskConfig::default(),
+        &task_cfg,
         SplitSizes {
             train: n_train,
-            test: env_or("SEARCH_TEST", 100) as usize,
+            test: env_or("SEARCH_TEST", 200) as usize,
         },
-        SEED,
+        seed,
     )
     .unwrap();
     let corpus = root.path().join("corpus.jsonl");
@@ -97,7 +101,7 @@ fn search_r1(sft_target_pct: u64, max_sft: u64, rl_steps: u64) -> Outcome {
     let files = task.write(&data, search.as_ref()).unwrap();
 
     // SFT on a few traces: the search call and the answer are trained, the observation is not
-    let few = env_or("SFT_TRACES", 64) as usize;
+    let few = env_or("SFT_TRACES", 256) as usize;
     let questions = &task.train[..few];
     let queries: Vec<String> = questions.iter().map(|q| q.query()).collect();
     let observations = search.call(&queries);
@@ -115,7 +119,7 @@ fn search_r1(sft_target_pct: u64, max_sft: u64, rl_steps: u64) -> Outcome {
         .collect();
     // GRPO with multi-turn rollouts against the live retriever, built first: its validation
     // watches the SFT below, which trains the same weights
-    let policy = fresh_tiny_policy(tokenizer.vocab_size() as i64, SEED as i64).unwrap();
+    let policy = fresh_tiny_policy(tokenizer.vocab_size() as i64, seed as i64).unwrap();
     let response_length = 160;
     let mut cfg = ExperimentConfig {
         data: DataConfig {
@@ -123,8 +127,8 @@ fn search_r1(sft_target_pct: u64, max_sft: u64, rl_steps: u64) -> Outcome {
             val_files: vec![files.test.clone()],
             max_prompt_length: 128,
             max_response_length: response_length as usize,
-            train_batch_size: env_or("RL_PROMPTS", 16) as usize,
-            seed: Some(SEED),
+            train_batch_size: env_or("RL_PROMPTS", 64) as usize,
+            seed: Some(seed),
             pad_to_max_prompt_length: false,
             return_raw_chat: false,
             ..DataConfig::default()
@@ -136,8 +140,8 @@ fn search_r1(sft_target_pct: u64, max_sft: u64, rl_steps: u64) -> Outcome {
     arr.rollout = RolloutConfig {
         n: env_or("RL_N", 8) as usize,
         response_length,
-        temperature: env_or("RL_TEMP_PCT", 100) as f64 / 100.0,
-        seed: SEED,
+        temperature: env_or("RL_TEMP_PCT", 70) as f64 / 100.0,
+        seed,
         ..RolloutConfig::default()
     };
     arr.multi_turn.enable = true;
@@ -145,7 +149,7 @@ fn search_r1(sft_target_pct: u64, max_sft: u64, rl_steps: u64) -> Outcome {
     arr.multi_turn.max_obs_length = 100;
     arr.multi_turn.tools = vec![spec.clone()];
     arr.actor = ActorConfig {
-        ppo_mini_batch_size: env_or("RL_PROMPTS", 16) as usize,
+        ppo_mini_batch_size: env_or("RL_MINI", 32) as usize,
         ppo_micro_batch_size_per_gpu: Some(64),
         optim: OptimConfig {
             lr: env_or("RL_LR_E4", 5) as f64 * 1e-4,
@@ -244,9 +248,26 @@ fn search_r1(sft_target_pct: u64, max_sft: u64, rl_steps: u64) -> Outcome {
             m["timing_s/update_actor"],
         );
         steps.push(m);
+        let every = env_or("VAL_EVERY", 10);
+        if every > 0 && trainer.global_step().is_multiple_of(every) {
+            println!(
+                "val at step {}: {:.3}",
+                trainer.global_step(),
+                trainer.validate().unwrap().0[key]
+            );
+        }
     }
     let (after, samples) = trainer.validate().unwrap();
     let (b, a) = (before, after[key]);
+    // validation logs the multi-turn metrics of its own rollouts
+    for k in [
+        "val/env/number_of_turns",
+        "val/env/valid_action_ratio",
+        "val/env/tool_errors",
+    ] {
+        assert!(after.contains_key(k), "validation lacks {k}: {after:?}");
+    }
+    assert!(after["val/env/search_calls"] > 0.0, "{after:?}");
     println!(
         "search-r1 synthetic: held-out exact match {:.1}% -> {:.1}% over {} GRPO steps, {} retriever requests, {:.0}s in all; sample {:?}",
         b * 100.0,
