@@ -13,11 +13,16 @@ use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
+use std::cmp::Reverse;
 use tantivy::collector::TopDocs;
 use tantivy::query::BooleanQuery;
-use tantivy::schema::{Field, STORED, STRING, Schema, TEXT, Value as _};
+
+use tantivy::schema::{FAST, Field, STORED, STRING, Schema, TEXT, Value as _};
 use tantivy::tokenizer::TextAnalyzer;
-use tantivy::{Index, IndexReader, IndexWriter, ReloadPolicy, TantivyDocument, Term};
+use tantivy::{
+    DocId, Index, IndexReader, IndexWriter, ReloadPolicy, Score, SegmentReader, TantivyDocument,
+    Term,
+};
 
 pub use server::{ServeOptions, ServerHandle, serve, serve_in_background, start_server};
 
@@ -61,11 +66,15 @@ struct CorpusLine {
     contents: String,
 }
 
-fn schema() -> (Schema, Field, Field) {
+/// The fast field holding each passage's position in the corpus, which breaks score ties.
+const ORD_FIELD: &str = "ord";
+
+fn schema() -> (Schema, Field, Field, Field) {
     let mut b = Schema::builder();
     let id = b.add_text_field("id", STRING | STORED);
     let contents = b.add_text_field("contents", TEXT | STORED);
-    (b.build(), id, contents)
+    let ord = b.add_u64_field(ORD_FIELD, FAST);
+    (b.build(), id, contents, ord)
 }
 
 fn index_err(path: &Path) -> impl Fn(tantivy::TantivyError) -> Error + '_ {
@@ -79,9 +88,19 @@ fn index_err(path: &Path) -> impl Fn(tantivy::TantivyError) -> Error + '_ {
 ///
 /// Each non-blank line must be `{"id": string | number, "contents": string}`; a bad line is an
 /// error naming the file and its line number, and the folder is left as it was found (removed
-/// when this call created it, emptied otherwise). Documents keep corpus order, so equal scores
-/// rank in corpus order.
+/// when this call created it, emptied otherwise). Each passage keeps its corpus position, so
+/// equal scores rank in corpus order however the index is split into segments.
 pub fn build_index(corpus_jsonl: &Path, index_dir: &Path) -> Result<IndexStats> {
+    build_index_committing(corpus_jsonl, index_dir, None)
+}
+
+/// [`build_index`], committing every `commit_every` passages when given (each commit starts a
+/// segment: the tests' way to a many-segment index without a corpus of hundreds of MB).
+fn build_index_committing(
+    corpus_jsonl: &Path,
+    index_dir: &Path,
+    commit_every: Option<u64>,
+) -> Result<IndexStats> {
     let file = File::open(corpus_jsonl).map_err(|source| Error::Io {
         path: corpus_jsonl.to_path_buf(),
         source,
@@ -98,7 +117,7 @@ pub fn build_index(corpus_jsonl: &Path, index_dir: &Path) -> Result<IndexStats> 
         });
     }
     std::fs::create_dir_all(index_dir).map_err(io)?;
-    let built = write_index(file, corpus_jsonl, index_dir);
+    let built = write_index(file, corpus_jsonl, index_dir, commit_every);
     if built.is_err() {
         // leave the folder as it was found
         if existed {
@@ -119,10 +138,15 @@ pub fn build_index(corpus_jsonl: &Path, index_dir: &Path) -> Result<IndexStats> 
     built
 }
 
-fn write_index(file: File, corpus_jsonl: &Path, index_dir: &Path) -> Result<IndexStats> {
-    let (schema, id_f, contents_f) = schema();
+fn write_index(
+    file: File,
+    corpus_jsonl: &Path,
+    index_dir: &Path,
+    commit_every: Option<u64>,
+) -> Result<IndexStats> {
+    let (schema, id_f, contents_f, ord_f) = schema();
     let index = Index::create_in_dir(index_dir, schema).map_err(index_err(index_dir))?;
-    // One indexing thread keeps documents in corpus order (deterministic tie-breaking).
+    // one indexing thread; ties are broken by `ord`, not by how the segments fall
     let mut writer: IndexWriter = index
         .writer_with_num_threads(1, 100_000_000)
         .map_err(index_err(index_dir))?;
@@ -154,8 +178,12 @@ fn write_index(file: File, corpus_jsonl: &Path, index_dir: &Path) -> Result<Inde
         let mut doc = TantivyDocument::default();
         doc.add_text(id_f, &id);
         doc.add_text(contents_f, &row.contents);
+        doc.add_u64(ord_f, docs);
         writer.add_document(doc).map_err(index_err(index_dir))?;
         docs += 1;
+        if commit_every.is_some_and(|n| docs.is_multiple_of(n)) {
+            writer.commit().map_err(index_err(index_dir))?;
+        }
     }
     if docs == 0 {
         return Err(Error::CorpusLine {
@@ -213,6 +241,15 @@ impl Retriever {
             })
         };
         let (id, contents) = (field("id")?, field("contents")?);
+        if schema.get_field(ORD_FIELD).is_err() {
+            return Err(Error::Index {
+                path: dir.to_path_buf(),
+                message: format!(
+                    "the index has no `{ORD_FIELD}` field (built by an older harness); rebuild \
+                     it with `harness retriever index`"
+                ),
+            });
+        }
         let analyzer = index
             .tokenizer_for_field(contents)
             .map_err(index_err(dir))?;
@@ -267,11 +304,23 @@ impl Retriever {
                 continue;
             }
             let query = BooleanQuery::new_multiterms_query(terms);
-            let hits = searcher
-                .search(&query, &TopDocs::with_limit(topk).order_by_score())
-                .map_err(&err)?;
+            // best score first, then the earlier passage of the corpus
+            let by_score_then_ord = TopDocs::with_limit(topk).tweak_score(|seg: &SegmentReader| {
+                let ord = seg
+                    .fast_fields()
+                    .u64(ORD_FIELD)
+                    .ok()
+                    .map(|c| c.first_or_default_col(u64::MAX));
+                move |doc: DocId, score: Score| {
+                    (
+                        score,
+                        Reverse(ord.as_ref().map_or(u64::MAX, |c| c.get_val(doc))),
+                    )
+                }
+            });
+            let hits = searcher.search(&query, &by_score_then_ord).map_err(&err)?;
             let mut docs = Vec::with_capacity(hits.len());
-            for (score, addr) in hits {
+            for ((score, _), addr) in hits {
                 let d: TantivyDocument = searcher.doc(addr).map_err(&err)?;
                 let text = |f: Field| {
                     d.get_first(f)

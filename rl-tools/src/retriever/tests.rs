@@ -46,6 +46,30 @@ fn the_index_finds_the_matching_passage_first_in_query_order() {
     assert!(e.starts_with("topk"), "{e}");
 }
 
+/// Equal scores rank in corpus order even when the passages lie in many segments (whose order
+/// in tantivy's searcher is that of a hash map, not of the corpus).
+#[test]
+fn equal_scores_rank_in_corpus_order_across_segments() {
+    let tmp = tempfile::tempdir().unwrap();
+    // twelve passages that score the same for `alpha` (same length, one unique word each)
+    let lines: Vec<String> = (0..12)
+        .map(|i| format!(r#"{{"id": "{i}", "contents": "\"P{i:02}\"\nalpha"}}"#))
+        .collect();
+    let lines: Vec<&str> = lines.iter().map(String::as_str).collect();
+    let c = corpus(tmp.path(), &lines);
+    let idx = tmp.path().join("idx");
+    build_index_committing(&c, &idx, Some(2)).unwrap();
+    let r = Retriever::open(&idx).unwrap();
+    assert_eq!(r.reader.searcher().segment_readers().len(), 6);
+    for topk in [12, 3] {
+        let out = r.search(&["alpha".into()], topk).unwrap();
+        let ids: Vec<&str> = out[0].iter().map(|(d, _)| d.id.as_str()).collect();
+        let want: Vec<String> = (0..topk).map(|i| i.to_string()).collect();
+        assert_eq!(ids, want, "topk {topk}");
+        assert!(out[0].iter().all(|(_, s)| *s == out[0][0].1), "{out:?}");
+    }
+}
+
 #[test]
 fn a_bad_corpus_line_names_the_file_and_line() {
     let tmp = tempfile::tempdir().unwrap();
