@@ -13,15 +13,13 @@ use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
-use std::cmp::Reverse;
 use tantivy::collector::TopDocs;
 use tantivy::query::BooleanQuery;
-
 use tantivy::schema::{FAST, Field, STORED, STRING, Schema, TEXT, Value as _};
 use tantivy::tokenizer::TextAnalyzer;
 use tantivy::{
-    DocId, Index, IndexReader, IndexWriter, ReloadPolicy, Score, SegmentReader, TantivyDocument,
-    Term,
+    Index, IndexReader, IndexSettings, IndexSortByField, IndexWriter, Order, ReloadPolicy,
+    TantivyDocument, Term,
 };
 
 pub use server::{ServeOptions, ServerHandle, serve, serve_in_background, start_server};
@@ -66,7 +64,8 @@ struct CorpusLine {
     contents: String,
 }
 
-/// The fast field holding each passage's position in the corpus, which breaks score ties.
+/// The fast field holding each passage's position in the corpus: the index is sorted by it and
+/// merged into one segment, so tantivy's tie-break (the lower document id) is corpus order.
 const ORD_FIELD: &str = "ord";
 
 fn schema() -> (Schema, Field, Field, Field) {
@@ -88,8 +87,8 @@ fn index_err(path: &Path) -> impl Fn(tantivy::TantivyError) -> Error + '_ {
 ///
 /// Each non-blank line must be `{"id": string | number, "contents": string}`; a bad line is an
 /// error naming the file and its line number, and the folder is left as it was found (removed
-/// when this call created it, emptied otherwise). Each passage keeps its corpus position, so
-/// equal scores rank in corpus order however the index is split into segments.
+/// when this call created it, emptied otherwise). The index is sorted by corpus position and
+/// merged into one segment, so equal scores rank in corpus order.
 pub fn build_index(corpus_jsonl: &Path, index_dir: &Path) -> Result<IndexStats> {
     build_index_committing(corpus_jsonl, index_dir, None)
 }
@@ -145,8 +144,18 @@ fn write_index(
     commit_every: Option<u64>,
 ) -> Result<IndexStats> {
     let (schema, id_f, contents_f, ord_f) = schema();
-    let index = Index::create_in_dir(index_dir, schema).map_err(index_err(index_dir))?;
-    // one indexing thread; ties are broken by `ord`, not by how the segments fall
+    let settings = IndexSettings {
+        sort_by_field: Some(IndexSortByField {
+            field: ORD_FIELD.into(),
+            order: Order::Asc,
+        }),
+        ..IndexSettings::default()
+    };
+    let index = Index::builder()
+        .schema(schema)
+        .settings(settings)
+        .create_in_dir(index_dir)
+        .map_err(index_err(index_dir))?;
     let mut writer: IndexWriter = index
         .writer_with_num_threads(1, 100_000_000)
         .map_err(index_err(index_dir))?;
@@ -193,6 +202,17 @@ fn write_index(
         });
     }
     writer.commit().map_err(index_err(index_dir))?;
+    // one segment: the searcher orders segments by hash, so ties across segments would not
+    // follow the corpus; the sorted merge lays the documents out in `ord` order
+    let segments = index
+        .searchable_segment_ids()
+        .map_err(index_err(index_dir))?;
+    if segments.len() > 1 {
+        writer
+            .merge(&segments)
+            .wait()
+            .map_err(index_err(index_dir))?;
+    }
     writer
         .wait_merging_threads()
         .map_err(index_err(index_dir))?;
@@ -304,23 +324,12 @@ impl Retriever {
                 continue;
             }
             let query = BooleanQuery::new_multiterms_query(terms);
-            // best score first, then the earlier passage of the corpus
-            let by_score_then_ord = TopDocs::with_limit(topk).tweak_score(|seg: &SegmentReader| {
-                let ord = seg
-                    .fast_fields()
-                    .u64(ORD_FIELD)
-                    .ok()
-                    .map(|c| c.first_or_default_col(u64::MAX));
-                move |doc: DocId, score: Score| {
-                    (
-                        score,
-                        Reverse(ord.as_ref().map_or(u64::MAX, |c| c.get_val(doc))),
-                    )
-                }
-            });
-            let hits = searcher.search(&query, &by_score_then_ord).map_err(&err)?;
+            // best score first; equal scores by document id, which is corpus order
+            let hits = searcher
+                .search(&query, &TopDocs::with_limit(topk).order_by_score())
+                .map_err(&err)?;
             let mut docs = Vec::with_capacity(hits.len());
-            for ((score, _), addr) in hits {
+            for (score, addr) in hits {
                 let d: TantivyDocument = searcher.doc(addr).map_err(&err)?;
                 let text = |f: Field| {
                     d.get_first(f)
