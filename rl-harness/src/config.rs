@@ -60,8 +60,13 @@ impl TrainerKind {
     /// The error for running a kind that [`is_data_parallel`](Self::is_data_parallel) refuses on
     /// several ranks, naming the key and the kinds that are.
     pub fn not_data_parallel(self) -> String {
+        // the name as a config file spells it (`bandit`)
+        let name = serde_json::to_value(self)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_string))
+            .unwrap_or_else(|| format!("{self:?}"));
         format!(
-            "config key `trainer.algorithm`: {self:?} is not data-parallel; run it with one rank \
+            "config key `trainer.algorithm`: `{name}` is not data-parallel; run it with one rank \
              (without --nproc-per-node or WORLD_SIZE). on_policy, sft, dpo, online_dpo, spin and \
              reward_model are"
         )

@@ -161,7 +161,13 @@ pub fn rank_from_env(timeout: Duration) -> Result<Option<Rank>> {
         let lower = text.to_lowercase();
         let rank0 = std::env::var("RANK").is_ok_and(|r| r.trim() == "0");
         if rank0 && (lower.contains("eaddrinuse") || lower.contains("address already in use")) {
-            return Err(PortTaken(text).into());
+            let var = |k: &str| std::env::var(k).unwrap_or_default();
+            return Err(PortTaken(format!(
+                "MASTER_ADDR={} MASTER_PORT={}: {text}",
+                var("MASTER_ADDR"),
+                var("MASTER_PORT")
+            ))
+            .into());
         }
     }
     let group = joined
@@ -198,11 +204,17 @@ impl Drop for Children {
 /// Sends `SIG<sig>` to the process group of `child` (each rank leads its own group) with
 /// kill(1): std only sends SIGKILL to one process, and this crate has no unsafe code.
 fn signal_group(child: &Child, sig: &str) {
-    let _ = Command::new("kill")
+    let sent = Command::new("kill")
         .args([format!("-{sig}"), "--".into(), format!("-{}", child.id())])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .status();
+    if let Err(e) = sent {
+        eprintln!(
+            "harness: could not run kill(1) to send SIG{sig} to the process group of pid {}: {e}",
+            child.id()
+        );
+    }
 }
 
 /// Waits for the output forwarders until `deadline`: a process a rank started may still hold

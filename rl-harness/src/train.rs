@@ -905,15 +905,19 @@ pub(crate) fn stop_on_signal(rt: &Runtime, stop: Arc<AtomicBool>) -> tokio::task
     let _guard = rt.enter();
     rt.spawn(async move {
         use tokio::signal::unix::{SignalKind, signal};
-        let (Ok(mut int), Ok(mut term)) = (
+        let (Ok(mut int), Ok(mut term), Ok(mut hup)) = (
             signal(SignalKind::interrupt()),
             signal(SignalKind::terminate()),
+            signal(SignalKind::hangup()),
         ) else {
             return;
         };
         tokio::select! {
             _ = int.recv() => {},
             _ = term.recv() => {},
+            // a closed terminal: the launcher's ranks are in their own process groups and do
+            // not get the terminal's SIGHUP, so the launcher stops them
+            _ = hup.recv() => {},
         }
         stop.store(true, Ordering::SeqCst);
     })

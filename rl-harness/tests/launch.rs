@@ -699,7 +699,12 @@ fn a_taken_rendezvous_port_makes_the_launcher_start_over_on_another() {
         .unwrap();
     let stderr = String::from_utf8_lossy(&rank0.stderr);
     assert_eq!(rank0.status.code(), Some(98), "{stderr}");
-    assert!(stderr.contains("the rendezvous port is taken"), "{stderr}");
+    assert!(
+        stderr.contains(&format!(
+            "the rendezvous port is taken: MASTER_ADDR=127.0.0.1 MASTER_PORT={port}"
+        )),
+        "{stderr}"
+    );
     drop(held);
 }
 
@@ -766,7 +771,7 @@ fn configs_that_cannot_run_data_parallel_are_refused_before_any_rank_starts() {
     };
     let e = refused("bandit", &[], "2");
     assert!(
-        e.contains("trainer.algorithm") && e.contains("Bandit"),
+        e.contains("trainer.algorithm") && e.contains("`bandit` is not data-parallel"),
         "{e}"
     );
     let e = refused("reward_model", &["preference_data.train_batch_size=3"], "2");
