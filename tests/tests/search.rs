@@ -19,11 +19,16 @@ use rl_workers::roles::{ActorConfig, ActorWorker, OptimConfig};
 
 const SEED_DEFAULT: u64 = 5;
 
+/// The tuning knob `key` (a whole number), or `default` when unset; a value that does not
+/// parse fails the test naming it.
 fn env_or(key: &str, default: u64) -> u64 {
-    std::env::var(key)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
+    match std::env::var(key) {
+        Ok(v) => v
+            .trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("{key}={v:?} is not a whole number")),
+        Err(_) => default,
+    }
 }
 
 /// What one run of [`search_r1`] measured.
@@ -60,10 +65,13 @@ fn grpo_with_a_live_retriever_raises_held_out_exact_match() {
 /// the server, validating every 10; asserts every step searched and logged the multi-turn
 /// metrics. Environment variables override the settings, for tuning (`SEARCH_SEED`,
 /// `SEARCH_TRAIN`, `SEARCH_TEST`, `SEARCH_QPE`, `SFT_TRACES`, `SFT_TARGET_PCT`, `SFT_STEPS`,
-/// `SFT_LR_E4`, `RL_STEPS`, `RL_PROMPTS`, `RL_MINI`, `RL_N`, `RL_TEMP_PCT`, `RL_LR_E4`,
+/// `SFT_LR_E4`, `SEARCH_RL_STEPS`, `SEARCH_RL_PROMPTS`, `SEARCH_RL_MINI`, `SEARCH_RL_N`, `SEARCH_RL_TEMP_PCT`, `SEARCH_RL_LR_E4`,
 /// `VAL_EVERY`; `SEARCH_SFT_CACHE=<dir>` reuses the SFT weights of an earlier run).
 fn search_r1(sft_target_pct: u64, max_sft: u64, rl_steps: u64) -> Outcome {
     let t0 = std::time::Instant::now();
+    // the figures were measured with 2 intra-op threads: the same count on any machine keeps
+    // the float sums, and so the run, the same
+    tch::set_num_threads(2);
     let seed = env_or("SEARCH_SEED", SEED_DEFAULT);
     let root = tempfile::tempdir().unwrap();
     let model_dir = root.path().join("model");
@@ -103,6 +111,11 @@ fn search_r1(sft_target_pct: u64, max_sft: u64, rl_steps: u64) -> Outcome {
 
     // SFT on a few traces: the search call and the answer are trained, the observation is not
     let few = env_or("SFT_TRACES", 256) as usize;
+    assert!(
+        (1..=task.train.len()).contains(&few),
+        "SFT_TRACES={few} must be in 1..={} (SEARCH_TRAIN)",
+        task.train.len()
+    );
     let questions = &task.train[..few];
     let queries: Vec<String> = questions.iter().map(|q| q.query()).collect();
     let observations = search.call(&queries);
@@ -128,7 +141,7 @@ fn search_r1(sft_target_pct: u64, max_sft: u64, rl_steps: u64) -> Outcome {
             val_files: vec![files.test.clone()],
             max_prompt_length: 128,
             max_response_length: response_length as usize,
-            train_batch_size: env_or("RL_PROMPTS", 64) as usize,
+            train_batch_size: env_or("SEARCH_RL_PROMPTS", 64) as usize,
             seed: Some(seed),
             pad_to_max_prompt_length: false,
             return_raw_chat: false,
@@ -139,9 +152,9 @@ fn search_r1(sft_target_pct: u64, max_sft: u64, rl_steps: u64) -> Outcome {
     let arr = &mut cfg.actor_rollout_ref;
     arr.model.path = model_dir.clone();
     arr.rollout = RolloutConfig {
-        n: env_or("RL_N", 8) as usize,
+        n: env_or("SEARCH_RL_N", 8) as usize,
         response_length,
-        temperature: env_or("RL_TEMP_PCT", 70) as f64 / 100.0,
+        temperature: env_or("SEARCH_RL_TEMP_PCT", 70) as f64 / 100.0,
         seed,
         ..RolloutConfig::default()
     };
@@ -150,17 +163,17 @@ fn search_r1(sft_target_pct: u64, max_sft: u64, rl_steps: u64) -> Outcome {
     arr.multi_turn.max_obs_length = 100;
     arr.multi_turn.tools = vec![spec.clone()];
     arr.actor = ActorConfig {
-        ppo_mini_batch_size: env_or("RL_MINI", 32) as usize,
+        ppo_mini_batch_size: env_or("SEARCH_RL_MINI", 32) as usize,
         ppo_micro_batch_size_per_gpu: Some(64),
         optim: OptimConfig {
-            lr: env_or("RL_LR_E4", 5) as f64 * 1e-4,
+            lr: env_or("SEARCH_RL_LR_E4", 5) as f64 * 1e-4,
             weight_decay: 0.0,
             ..OptimConfig::default()
         },
         ..ActorConfig::default()
     };
     cfg.algorithm.adv_estimator = AdvEstimator::Grpo;
-    cfg.trainer.total_training_steps = Some(env_or("RL_STEPS", rl_steps));
+    cfg.trainer.total_training_steps = Some(env_or("SEARCH_RL_STEPS", rl_steps));
     cfg.trainer.log_val_generations = 2;
     check_on_policy(&cfg).unwrap();
     let mut trainer = build_on_policy(&cfg, policy.clone(), None, &tokenizer).unwrap();
