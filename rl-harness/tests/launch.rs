@@ -15,7 +15,10 @@ use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{Env, repo_root, tiny_llm, wait_for};
+use common::{
+    Env, max_abs_diff, one_thread_cmd as cmd, one_thread_ok as ok, repo_root, safetensors,
+    tiny_llm, train_ranks as train, wait_for,
+};
 use tch::Tensor;
 
 /// The quickstart's GRPO shrunk to 3 steps of 4 prompts x 2 samples, a checkpoint every step.
@@ -28,27 +31,6 @@ const GRPO: &[&str] = &[
     "actor_rollout_ref.actor.ppo_mini_batch_size=4",
     "actor_rollout_ref.rollout.n=2",
 ];
-
-/// `harness ARGS` with one intra-op thread (the launcher gives each of 2 ranks cores / 2 = 1 on
-/// this machine; libtorch's OpenMP threads spin, so on a shared machine more threads than free
-/// cores make the 1-rank runs many times slower), asserted to succeed; stdout.
-fn ok(env: &Env, args: &[&str]) -> String {
-    let out = cmd(env).args(args).output().unwrap();
-    assert!(
-        out.status.success(),
-        "harness {args:?} failed:\nstdout: {}\nstderr: {}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-/// The harness command of `env` with one intra-op thread.
-fn cmd(env: &Env) -> std::process::Command {
-    let mut c = env.cmd();
-    c.env("OMP_NUM_THREADS", "1");
-    c
-}
 
 fn experiment(name: &str) -> String {
     repo_root()
@@ -103,42 +85,9 @@ fn setup_warm() -> Env {
     env
 }
 
-/// `harness train FILE overrides.. [--nproc-per-node N]`, asserted to succeed; the run id.
-fn train(env: &Env, file: &str, overrides: &[&str], nproc: usize) -> i64 {
-    let n = nproc.to_string();
-    let mut args = vec!["train", file];
-    args.extend_from_slice(overrides);
-    if nproc > 1 {
-        args.extend(["--nproc-per-node", &n, "--dist-timeout-s", "60"]);
-    }
-    let out = ok(env, &args);
-    out.lines()
-        .find_map(|l| {
-            l.strip_prefix("run ")?
-                .strip_suffix(" finished")?
-                .parse()
-                .ok()
-        })
-        .unwrap_or_else(|| panic!("no `run N finished` in {out}"))
-}
-
+/// The policy weights of checkpoint folder `dir`.
 fn weights(dir: &Path) -> BTreeMap<String, Tensor> {
-    let file = dir.join("trainer/actor/model.safetensors");
-    Tensor::read_safetensors(&file)
-        .unwrap_or_else(|e| panic!("{}: {e}", file.display()))
-        .into_iter()
-        .collect()
-}
-
-fn max_abs_diff(a: &BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>) -> f64 {
-    assert_eq!(
-        a.keys().collect::<Vec<_>>(),
-        b.keys().collect::<Vec<_>>(),
-        "different tensors"
-    );
-    a.iter()
-        .map(|(k, t)| (t - &b[k]).abs().max().double_value(&[]))
-        .fold(0.0, f64::max)
+    safetensors(&dir.join("trainer/actor/model.safetensors"))
 }
 
 /// Run `run`'s checkpoints by step.

@@ -12,7 +12,7 @@ mod common;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use common::{Env, repo_root};
+use common::{Env, max_abs_diff, one_thread_ok, repo_root, safetensors, train_ranks};
 use tch::Tensor;
 
 fn experiment() -> String {
@@ -48,23 +48,7 @@ fn rm_dir(run_dir: &str, step: u64) -> PathBuf {
 
 /// The tensors of `dir/model.safetensors` by name.
 fn weights(dir: &Path) -> BTreeMap<String, Tensor> {
-    let file = dir.join("model.safetensors");
-    Tensor::read_safetensors(&file)
-        .unwrap_or_else(|e| panic!("{}: {e}", file.display()))
-        .into_iter()
-        .collect()
-}
-
-/// The largest `|a - b|` over every tensor; the two must hold the same names.
-fn max_abs_diff(a: &BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>) -> f64 {
-    assert_eq!(
-        a.keys().collect::<Vec<_>>(),
-        b.keys().collect::<Vec<_>>(),
-        "different tensors"
-    );
-    a.iter()
-        .map(|(k, t)| (t - &b[k]).abs().max().double_value(&[]))
-        .fold(0.0, f64::max)
+    safetensors(&dir.join("model.safetensors"))
 }
 
 /// Asserts that `dir` is an exported reward model: a one-label `*ForSequenceClassification`
@@ -196,39 +180,6 @@ fn reward_model_trains_resumes_exactly_exports_and_scores_a_grpo_run() {
     );
 }
 
-/// `harness train FILE overrides.. [--nproc-per-node N]` with one intra-op thread per process
-/// (libtorch's OpenMP threads spin: more threads than free cores slow the 1-rank run badly),
-/// asserted to succeed; the run id.
-fn train_ranks(env: &Env, file: &str, overrides: &[&str], nproc: usize) -> i64 {
-    let n = nproc.to_string();
-    let mut args = vec!["train", file];
-    args.extend_from_slice(overrides);
-    if nproc > 1 {
-        args.extend(["--nproc-per-node", &n, "--dist-timeout-s", "60"]);
-    }
-    let out = env
-        .cmd()
-        .env("OMP_NUM_THREADS", "1")
-        .args(&args)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "harness {args:?} failed:\nstdout: {stdout}\nstderr: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    stdout
-        .lines()
-        .find_map(|l| {
-            l.strip_prefix("run ")?
-                .strip_suffix(" finished")?
-                .parse()
-                .ok()
-        })
-        .unwrap_or_else(|| panic!("no `run N finished` in {stdout}"))
-}
-
 #[test]
 fn two_ranks_train_the_reward_model_of_one_rank_step_for_step() {
     let env = setup();
@@ -312,17 +263,7 @@ fn two_ranks_train_the_reward_model_of_one_rank_step_for_step() {
     let resume = |id: &str, nproc: &[&str]| {
         let mut args = vec!["resume", id, "trainer.total_training_steps=4"];
         args.extend_from_slice(nproc);
-        let out = env
-            .cmd()
-            .env("OMP_NUM_THREADS", "1")
-            .args(&args)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "harness {args:?} failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        one_thread_ok(&env, &args);
     };
     resume(&pair_id, &[]);
     resume(

@@ -2,9 +2,12 @@
 //! folder, read its run store, wait for conditions with bounded time.
 #![allow(dead_code, unreachable_pub, missing_docs)]
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
+
+use tch::Tensor;
 
 pub struct Env {
     pub dir: tempfile::TempDir,
@@ -149,4 +152,65 @@ pub fn tiny_llm(env: &Env, train: usize, test: usize) {
         "7",
     ]);
     env.ok(&["model", "init-tiny", "models/tiny-llama", "--seed", "7"]);
+}
+
+/// The harness command of `env` with one intra-op thread: data-parallel tests start several
+/// processes on few cores, and libtorch's OpenMP threads spin, so more threads than free cores
+/// slow every run badly.
+pub fn one_thread_cmd(env: &Env) -> Command {
+    let mut c = env.cmd();
+    c.env("OMP_NUM_THREADS", "1");
+    c
+}
+
+/// [`Env::ok`] with [`one_thread_cmd`]: asserts success, returns stdout.
+pub fn one_thread_ok(env: &Env, args: &[&str]) -> String {
+    let out = one_thread_cmd(env).args(args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "harness {args:?} failed:\nstdout: {}\nstderr: {}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// `harness train FILE OVERRIDES` on `nproc` ranks (`--nproc-per-node`, a 60 s collective
+/// timeout) with one thread each, asserted to succeed; the run id it printed.
+pub fn train_ranks(env: &Env, file: &str, overrides: &[&str], nproc: usize) -> i64 {
+    let n = nproc.to_string();
+    let mut args = vec!["train", file];
+    args.extend_from_slice(overrides);
+    if nproc > 1 {
+        args.extend(["--nproc-per-node", &n, "--dist-timeout-s", "60"]);
+    }
+    let out = one_thread_ok(env, &args);
+    out.lines()
+        .find_map(|l| {
+            l.strip_prefix("run ")?
+                .strip_suffix(" finished")?
+                .parse()
+                .ok()
+        })
+        .unwrap_or_else(|| panic!("no `run N finished` in {out}"))
+}
+
+/// The tensors of a safetensors `file` by name.
+pub fn safetensors(file: &Path) -> BTreeMap<String, Tensor> {
+    Tensor::read_safetensors(file)
+        .unwrap_or_else(|e| panic!("{}: {e}", file.display()))
+        .into_iter()
+        .collect()
+}
+
+/// The largest `|a - b|` over every tensor; the two must hold the same names.
+pub fn max_abs_diff(a: &BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>) -> f64 {
+    assert_eq!(
+        a.keys().collect::<Vec<_>>(),
+        b.keys().collect::<Vec<_>>(),
+        "different tensors"
+    );
+    a.iter()
+        .map(|(k, t)| (t - &b[k]).abs().max().double_value(&[]))
+        .fold(0.0, f64::max)
 }
