@@ -667,19 +667,17 @@ fn reduce_step_metrics(
     let tokens = keys::policy_mask(batch)?
         .sum(Kind::Double)
         .double_value(&[]);
-    // the valid action ratio is a mean over turns
-    let turns = batch
-        .column(keys::NUM_TURNS)
-        .map_or(rows, |t| t.iter().filter_map(Value::as_f64).sum::<f64>());
+    // the `env/*` metrics carry their own weights (the valid action ratio is over turns)
+    let mut env = EnvTotals::default();
+    env.add(batch);
+    let env = env.metrics("env");
     let local = m
         .into_iter()
         .map(|(k, v)| {
-            let w = if token_weighted(&k) {
-                tokens
-            } else if k == "env/valid_action_ratio" {
-                turns
-            } else {
-                rows
+            let w = match env.get(&k) {
+                Some(&(_, w)) => w,
+                None if token_weighted(&k) => tokens,
+                None => rows,
             };
             (k, (v, w))
         })
