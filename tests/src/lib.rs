@@ -39,6 +39,19 @@ pub struct TinyTask {
     pub tokenizer: Arc<Tokenizer>,
 }
 
+/// The tuning knob `key` (a whole number, read from the environment), or `default` when unset; a
+/// value that does not parse fails the test naming it. The end-to-end tests' knobs are never
+/// `RL_`-prefixed: those variables are the harness's config.
+pub fn env_or(key: &str, default: u64) -> u64 {
+    match std::env::var(key) {
+        Ok(v) => v
+            .trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("{key}={v:?} is not a whole number")),
+        Err(_) => default,
+    }
+}
+
 /// Writes the tiny tokenizer and an addition task with operands up to `max_operand`.
 pub fn tiny_task(max_operand: i64, train: usize, test: usize, seed: u64) -> AnyResult<TinyTask> {
     let task = rl_data::tasks::tiny_vocab::TinyAddition {

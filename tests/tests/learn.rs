@@ -15,12 +15,6 @@ use tch::{Device, Kind};
 
 const MAX_OPERAND: i64 = 99;
 const SEED: u64 = 7;
-fn env_or(key: &str, default: u64) -> u64 {
-    std::env::var(key)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
 
 const SFT_STEPS: u64 = 400;
 const SFT_TARGET_LOSS_E3: u64 = 800;
@@ -101,14 +95,14 @@ fn base_config(w: &Warm, adv: AdvEstimator) -> ExperimentConfig {
         ppo_mini_batch_size: 16,
         ppo_micro_batch_size_per_gpu: Some(64),
         optim: OptimConfig {
-            lr: env_or("RL_LR_E4", 5) as f64 * 1e-4,
+            lr: env_or("LEARN_RL_LR_E4", 5) as f64 * 1e-4,
             weight_decay: 0.0,
             ..OptimConfig::default()
         },
         ..ActorConfig::default()
     };
     cfg.algorithm.adv_estimator = adv;
-    cfg.trainer.total_training_steps = Some(env_or("RL_STEPS", RL_STEPS as u64));
+    cfg.trainer.total_training_steps = Some(env_or("LEARN_RL_STEPS", RL_STEPS as u64));
     cfg.trainer.log_val_generations = 3;
     cfg.critic.worker = CriticConfig {
         ppo_mini_batch_size: 16,

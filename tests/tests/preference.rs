@@ -28,13 +28,6 @@ const MAX_OPERAND: i64 = 19;
 const SEED: u64 = 11;
 const SFT_STEPS: u64 = 200;
 
-fn env_or(key: &str, default: u64) -> u64 {
-    std::env::var(key)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
 /// The initial (random) weights of every tiny policy of this file, written once, before any
 /// test builds another model. `fresh_tiny_policy` seeds torch's global generator and draws the
 /// init from it, and every other model construction draws from it too (`from_pretrained` and

@@ -32,13 +32,6 @@ use tch::{Device, Kind, Tensor};
 const MAX_OPERAND: i64 = 99;
 const SEED: u64 = 7;
 
-fn env_or(key: &str, default: u64) -> u64 {
-    std::env::var(key)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
 /// Seeds torch's global generator with `seed` and runs `init` (a model with fresh weights)
 /// while no other test thread can reseed or draw from it: the tests of this binary run on
 /// parallel threads and share that generator.

@@ -19,18 +19,6 @@ use rl_workers::roles::{ActorConfig, ActorWorker, OptimConfig};
 
 const SEED_DEFAULT: u64 = 5;
 
-/// The tuning knob `key` (a whole number), or `default` when unset; a value that does not
-/// parse fails the test naming it.
-fn env_or(key: &str, default: u64) -> u64 {
-    match std::env::var(key) {
-        Ok(v) => v
-            .trim()
-            .parse()
-            .unwrap_or_else(|_| panic!("{key}={v:?} is not a whole number")),
-        Err(_) => default,
-    }
-}
-
 /// What one run of [`search_r1`] measured.
 struct Outcome {
     /// Held-out exact match after SFT and after GRPO.
@@ -199,7 +187,8 @@ fn search_r1(sft_target_pct: u64, max_sft: u64, rl_steps: u64) -> Outcome {
     let max_sft = env_or("SFT_STEPS", max_sft) as usize;
     let target = env_or("SFT_TARGET_PCT", sft_target_pct) as f64 / 100.0;
     let mut history = Vec::new();
-    let mut before = 0.0;
+    // the last validation of the SFT weights: held-out EM and the sample printed
+    let mut before = None;
     // SEARCH_SFT_CACHE=<dir> (tuning only) reuses a previous run's SFT weights
     let cache = std::env::var_os("SEARCH_SFT_CACHE").map(std::path::PathBuf::from);
     let cached = cache
@@ -222,9 +211,10 @@ fn search_r1(sft_target_pct: u64, max_sft: u64, rl_steps: u64) -> Outcome {
         let m = actor.update(&batch, &SftLoss).unwrap();
         let done = step + 1;
         if done >= 100 && done % 20 == 0 {
-            before = trainer.validate().unwrap().0[key];
-            history.push((done, m.values("train/loss")[0], before));
-            if before >= target {
+            let (v, samples) = trainer.validate().unwrap();
+            history.push((done, m.values("train/loss")[0], v[key]));
+            before = Some((v[key], samples));
+            if v[key] >= target {
                 break;
             }
         }
@@ -235,17 +225,20 @@ fn search_r1(sft_target_pct: u64, max_sft: u64, rl_steps: u64) -> Outcome {
     );
     drop(actor);
     if cached {
-        before = trainer.validate().unwrap().0[key];
+        let (v, samples) = trainer.validate().unwrap();
+        before = Some((v[key], samples));
     } else if let Some(dir) = &cache {
         policy.lock().unwrap().save_pretrained(dir).unwrap();
     }
+    let (before, samples) = before.unwrap_or_default();
     assert!(
         before >= target,
         "SFT did not reach {target} held-out EM: {history:?}"
     );
-    let (_, samples) = trainer.validate().unwrap();
     println!("before: {key} = {before:.3}; sample {:?}", samples.first());
     let mut steps = Vec::new();
+    // the validation after the last step, when the curve below already made it
+    let mut last = None;
     while trainer.global_step() < trainer.total_steps() {
         let m = trainer.step().unwrap();
         println!(
@@ -264,14 +257,15 @@ fn search_r1(sft_target_pct: u64, max_sft: u64, rl_steps: u64) -> Outcome {
         steps.push(m);
         let every = env_or("VAL_EVERY", 10);
         if every > 0 && trainer.global_step().is_multiple_of(every) {
-            println!(
-                "val at step {}: {:.3}",
-                trainer.global_step(),
-                trainer.validate().unwrap().0[key]
-            );
+            let val = trainer.validate().unwrap();
+            println!("val at step {}: {:.3}", trainer.global_step(), val.0[key]);
+            last = Some((trainer.global_step(), val));
         }
     }
-    let (after, samples) = trainer.validate().unwrap();
+    let (after, samples) = match last {
+        Some((step, val)) if step == trainer.global_step() => val,
+        _ => trainer.validate().unwrap(),
+    };
     let (b, a) = (before, after[key]);
     // validation logs the multi-turn metrics of its own rollouts
     for k in [
