@@ -308,6 +308,11 @@ pub enum ModelCommand {
         /// Seed of the initial weights.
         #[arg(long, default_value_t = 0)]
         seed: i64,
+        /// Multiply every initial weight by `1 + NOISE * N(0, 1)`: the same model up to a
+        /// relative perturbation (e.g. 1e-6), to check that a recipe does not ride one exact
+        /// float trajectory.
+        #[arg(long, default_value_t = 0.0)]
+        noise: f64,
     },
 }
 
@@ -466,8 +471,12 @@ pub(crate) fn run(cli: Cli) -> Result<()> {
         Command::Config(ConfigCommand::Reference) => print!("{}", config::reference_markdown()),
         Command::Data(d) => data(d)?,
         Command::Retriever(c) => crate::retriever::run(c)?,
-        Command::Model(ModelCommand::InitTiny { out_dir, seed }) => {
-            let n = crate::compose::init_tiny(&out_dir, seed)?;
+        Command::Model(ModelCommand::InitTiny {
+            out_dir,
+            seed,
+            noise,
+        }) => {
+            let n = crate::compose::init_tiny(&out_dir, seed, noise)?;
             println!(
                 "{}: tiny Llama, {n} parameters, character-level tokenizer",
                 out_dir.display()

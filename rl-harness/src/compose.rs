@@ -938,12 +938,27 @@ pub fn tiny_llama_config(vocab: i64) -> rl_workers::Config {
 }
 
 /// Writes the character-level tokenizer and a tiny Llama initialised with `seed` into `dir`
-/// as a Hugging Face folder; returns the parameter count.
-pub fn init_tiny(dir: &Path, seed: i64) -> Result<i64> {
+/// as a Hugging Face folder; returns the parameter count. A `noise` > 0 then multiplies every
+/// weight by `1 + noise * N(0, 1)` (drawn after the initialisation, from the same seeded
+/// stream): the same model up to a relative perturbation, to check that a training recipe does
+/// not ride one exact float trajectory (`scripts/learning-report`).
+pub fn init_tiny(dir: &Path, seed: i64, noise: f64) -> Result<i64> {
+    if !(noise >= 0.0 && noise.is_finite()) {
+        bail!("--noise: must be a finite number >= 0, got {noise}");
+    }
     let vocab = rl_data::tasks::tiny_vocab::write_tiny_tokenizer(dir)
         .with_context(|| format!("writing the tiny tokenizer to {}", dir.display()))?;
     tch::manual_seed(seed);
     let lm = CausalLm::new(&tiny_llama_config(vocab as i64), Device::Cpu, Kind::Float)?;
+    if noise > 0.0 {
+        tch::no_grad(|| {
+            for mut v in lm.var_store().trainable_variables() {
+                let factor = v.randn_like() * noise + 1.0;
+                let _ = v.f_mul_(&factor)?;
+            }
+            Ok::<_, tch::TchError>(())
+        })?;
+    }
     lm.save_pretrained(dir)
         .with_context(|| format!("writing the tiny model to {}", dir.display()))?;
     let params = lm

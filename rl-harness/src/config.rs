@@ -136,6 +136,12 @@ pub struct HarnessConfig {
     pub test_freq: i64,
     /// Validate before the first step. Default true.
     pub val_before_train: bool,
+    /// Stop training early at the first validation after a step whose metrics satisfy this
+    /// condition, in the `harness runs --filter` language over validation metrics
+    /// (`"val/loss < 0.8"`, `"val/test_score/arithmetic >= 0.3 or val/loss < 0.5"`). The run
+    /// then checkpoints, exports and ends as finished, with a `stop_when` event naming the step
+    /// and the values. Needs `trainer.test_freq` > 0; absent = train every step.
+    pub stop_when: Option<String>,
     /// Validation generations printed to the log per validation. Default 0.
     pub log_val_generations: usize,
     /// Steps during which only the critic is updated (PPO with a critic). Default 0.
@@ -172,6 +178,7 @@ impl Default for HarnessConfig {
             save_freq: -1,
             test_freq: -1,
             val_before_train: true,
+            stop_when: None,
             log_val_generations: 0,
             critic_warmup: 0,
             export_dir: None,
@@ -412,6 +419,16 @@ pub fn validate(cfg: &ExperimentConfig) -> Result<()> {
             "config key `trainer.tracker.uri`: must start with http:// or https://, got {:?}",
             t.tracker.uri
         );
+    }
+    if let Some(src) = &t.stop_when {
+        crate::filter::StopWhen::parse(src).context("config key `trainer.stop_when`")?;
+        if t.test_freq <= 0 {
+            bail!(
+                "config key `trainer.stop_when`: is checked at validations, but \
+                 `trainer.test_freq` is {} (set it > 0)",
+                t.test_freq
+            );
+        }
     }
     crate::device::parse(&t.device).context("config key `trainer.device`")?;
     cfg.data.validate().context("config group `data`")?;

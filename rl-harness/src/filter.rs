@@ -231,6 +231,73 @@ impl Expr {
     }
 }
 
+impl Expr {
+    /// Every `(key, literal)` compared, left to right.
+    pub fn comparisons(&self) -> Vec<(&str, &Value)> {
+        match self {
+            Expr::And(a, b) | Expr::Or(a, b) => {
+                let mut v = a.comparisons();
+                v.extend(b.comparisons());
+                v
+            }
+            Expr::Not(a) => a.comparisons(),
+            Expr::Cmp(key, _, lit) => vec![(key.as_str(), lit)],
+        }
+    }
+}
+
+/// `trainer.stop_when`: a filter over one validation's metrics (`val/loss < 0.8`). Every key
+/// is a validation metric (`val/...`) compared with a number.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StopWhen {
+    src: String,
+    expr: Expr,
+}
+
+impl StopWhen {
+    /// Parses and checks the condition.
+    pub fn parse(src: &str) -> Result<StopWhen> {
+        let expr = parse(src)?;
+        for (key, lit) in expr.comparisons() {
+            if !key.starts_with("val/") {
+                bail!(
+                    "`{key}` is not a validation metric: the condition is checked on the \
+                     metrics of a validation, whose keys start with `val/`"
+                );
+            }
+            if lit.as_f64().is_none() {
+                bail!("`{key}` is compared with {lit}, which is not a number");
+            }
+        }
+        Ok(StopWhen {
+            src: src.to_string(),
+            expr,
+        })
+    }
+
+    /// Whether the validation metrics `m` satisfy the condition: `Some` with the compared
+    /// values spelled out (`val/loss = 0.7731`) when they do. A key the validation did not log
+    /// is an error naming it and the keys it did log, never a silent "not yet".
+    pub fn met(&self, m: &std::collections::BTreeMap<String, f64>) -> Result<Option<String>> {
+        let mut values = Vec::new();
+        for (key, _) in self.expr.comparisons() {
+            let Some(v) = m.get(key) else {
+                bail!(
+                    "config key `trainer.stop_when` ({}): the validation logged no `{key}`; it \
+                     logged {}",
+                    self.src,
+                    m.keys().map(|k| format!("`{k}`")).collect::<Vec<_>>().join(", ")
+                );
+            };
+            values.push(format!("{key} = {v:.4}"));
+        }
+        let met = self
+            .expr
+            .eval(&|k| m.get(k).and_then(|v| serde_json::Number::from_f64(*v)).map(Value::Number));
+        Ok(met.then(|| format!("`{}` met: {}", self.src, values.join(", "))))
+    }
+}
+
 fn as_text(v: &Value) -> String {
     match v {
         Value::String(s) => s.clone(),
@@ -296,6 +363,31 @@ mod tests {
         // Missing keys make a comparison false.
         assert!(!parse("missing = 1").unwrap().eval(&look));
         assert!(parse("not missing = 1").unwrap().eval(&look));
+    }
+
+    #[test]
+    fn stop_when_is_checked_on_validation_metrics() {
+        let stop = StopWhen::parse("val/loss < 0.8 or val/acc >= 0.5").unwrap();
+        let m = |loss: f64, acc: f64| {
+            std::collections::BTreeMap::from([
+                ("val/loss".to_string(), loss),
+                ("val/acc".to_string(), acc),
+            ])
+        };
+        assert_eq!(stop.met(&m(0.9, 0.2)).unwrap(), None);
+        let said = stop.met(&m(0.79, 0.2)).unwrap().unwrap();
+        assert!(said.contains("val/loss = 0.7900"), "{said}");
+        assert!(stop.met(&m(0.9, 0.5)).unwrap().is_some());
+        // a metric the validation does not log is an error naming it and what was logged
+        let only_loss = std::collections::BTreeMap::from([("val/loss".to_string(), 0.1)]);
+        let err = stop.met(&only_loss).unwrap_err().to_string();
+        assert!(err.contains("`val/acc`") && err.contains("`val/loss`"), "{err}");
+        // keys must be validation metrics, compared with numbers
+        let err = StopWhen::parse("actor/loss < 1").unwrap_err().to_string();
+        assert!(err.contains("`actor/loss`"), "{err}");
+        let err = StopWhen::parse("val/loss < 'x'").unwrap_err().to_string();
+        assert!(err.contains("not a number"), "{err}");
+        assert!(StopWhen::parse("val/loss <").is_err());
     }
 
     #[test]

@@ -956,6 +956,12 @@ fn drive(
     let pump = store
         .filter(|_| t.tracker.kind != config::TrackerKind::None)
         .map(|store| rt.spawn(tracker::pump(store.clone(), run_id, t.tracker.clone())));
+    let stop_when = t
+        .stop_when
+        .as_deref()
+        .map(crate::filter::StopWhen::parse)
+        .transpose()
+        .context("config key `trainer.stop_when`")?;
     let bar = &bars.step;
     bar.set_length(total);
     bar.set_position(trainer.global_step());
@@ -990,19 +996,38 @@ fn drive(
                 .with_context(|| format!("training step {}", before + 1))?;
             let step = trainer.global_step();
             m.insert("timing_s/step".into(), started.elapsed().as_secs_f64());
+            let mut stopped_early = None;
             if is_due(t.test_freq, step, total) {
                 let (v, _) = trainer
                     .validate()
                     .with_context(|| format!("validation at step {step}"))?;
                 tracing::info!(step, ?v, "validation");
+                // every rank validates to the same (reduced) metrics, so all ranks agree
+                if let Some(cond) = &stop_when {
+                    stopped_early = cond.met(&v)?;
+                }
                 m.extend(v);
             }
             if let Some(store) = store {
                 store.log_metrics(run_id, step, &m)?;
-                if is_due(t.save_freq, step, total) {
+                if is_due(t.save_freq, step, total) || (stopped_early.is_some() && step > last_ckpt)
+                {
                     save_checkpoint(rt, store, run_id, run_dir, cfg, trainer.as_ref())?;
                     last_ckpt = step;
                 }
+            }
+            if let Some(why) = stopped_early {
+                tracing::info!(step, "trainer.stop_when: {why}; training ends here");
+                if let Some(store) = store {
+                    store.event(
+                        Some(run_id),
+                        "stop_when",
+                        format!("stopped after step {step} of {total}: {why}"),
+                    )?;
+                    rt.block_on(store.flush())?;
+                }
+                bar.set_position(step);
+                return Ok(Outcome::Finished);
             }
             bar.set_position(step);
             if let Some(score) = m.get("critic/score/mean") {
