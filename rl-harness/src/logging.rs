@@ -1,8 +1,8 @@
 //! Logs via `tracing`: to stderr (filtered by `RUST_LOG`, default `info`) and, once a run has a
-//! directory, to its `harness.log`.
+//! directory, to its `harness.log`. Colours only on a terminal, and never under `NO_COLOR`.
 
 use std::fs::File;
-use std::io::Write;
+use std::io::{IsTerminal, Write};
 use std::path::Path;
 use std::sync::{Mutex, OnceLock};
 
@@ -47,11 +47,26 @@ impl<'a> MakeWriter<'a> for RunLogWriter {
     }
 }
 
+/// Whether stderr may carry ANSI escape codes: it is a terminal and `NO_COLOR` is unset or
+/// empty (<https://no-color.org>). Redirected output (a file, a pipe, a test capturing it) gets
+/// plain text.
+pub(crate) fn stderr_ansi() -> bool {
+    ansi_allowed(
+        std::io::stderr().is_terminal(),
+        std::env::var_os("NO_COLOR").as_deref(),
+    )
+}
+
+fn ansi_allowed(is_terminal: bool, no_color: Option<&std::ffi::OsStr>) -> bool {
+    is_terminal && no_color.is_none_or(|v| v.is_empty())
+}
+
 /// Installs the subscriber (once per process).
 pub(crate) fn init() {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let console = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
+        .with_ansi(stderr_ansi())
         .with_target(false)
         .with_filter(filter);
     let file = tracing_subscriber::fmt::layer()
@@ -77,5 +92,23 @@ pub(crate) fn to_file(path: &Path) {
             }
         }
         Err(e) => tracing::warn!("cannot open the run log {}: {e}", path.display()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ansi_allowed;
+    use std::ffi::OsStr;
+
+    #[test]
+    fn ansi_only_on_a_terminal_without_no_color() {
+        assert!(ansi_allowed(true, None));
+        assert!(
+            ansi_allowed(true, Some(OsStr::new(""))),
+            "an empty NO_COLOR is unset"
+        );
+        assert!(!ansi_allowed(true, Some(OsStr::new("1"))));
+        assert!(!ansi_allowed(false, None));
+        assert!(!ansi_allowed(false, Some(OsStr::new("1"))));
     }
 }

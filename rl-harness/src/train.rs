@@ -48,7 +48,8 @@ enum Outcome {
 }
 
 /// The console's progress bars: training steps, and the decode steps of the generation under
-/// way (hidden when stderr is not a terminal).
+/// way. They redraw in place with ANSI cursor codes, so they are hidden wherever the logs are
+/// plain (`logging::stderr_ansi`: stderr is not a terminal, or `NO_COLOR` is set).
 pub struct Bars {
     _multi: MultiProgress,
     step: ProgressBar,
@@ -56,9 +57,13 @@ pub struct Bars {
 }
 
 impl Bars {
-    /// Both bars, empty.
+    /// Both bars, empty; hidden unless `logging::stderr_ansi`.
     pub fn new() -> Self {
-        let multi = MultiProgress::new();
+        let multi = if logging::stderr_ansi() {
+            MultiProgress::new()
+        } else {
+            MultiProgress::with_draw_target(ProgressDrawTarget::hidden())
+        };
         let step = multi.add(ProgressBar::new(0));
         step.set_style(
             ProgressStyle::with_template(

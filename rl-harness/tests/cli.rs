@@ -354,3 +354,34 @@ fn sql_summaries_equal_the_series_summaries() {
         }
     }
 }
+
+/// Redirected output is plain text: with stderr a pipe (not a terminal) the logs carry no ANSI
+/// colour codes and the progress bars draw nothing; `NO_COLOR` alone turns them off too (the
+/// logging unit test covers it on a terminal).
+#[test]
+fn redirected_logs_and_progress_bars_carry_no_ansi_codes() {
+    let env = Env::new();
+    let cfg = env.file("exp.toml", BANDIT);
+    for no_color in [None, Some("1")] {
+        let mut cmd = env.cmd();
+        cmd.args(["train", cfg.to_str().unwrap()])
+            .env("RUST_LOG", "info")
+            .env_remove("NO_COLOR")
+            .env_remove("CLICOLOR_FORCE");
+        if let Some(v) = no_color {
+            cmd.env("NO_COLOR", v);
+        }
+        let out = cmd.output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{err}");
+        assert!(
+            err.contains("INFO") && err.contains("run started"),
+            "the info logs reach stderr: {err}"
+        );
+        assert!(
+            !err.contains('\x1b'),
+            "NO_COLOR={no_color:?}: escape codes in redirected stderr: {err:?}"
+        );
+        assert!(!err.contains("step 20/20"), "a progress bar drew: {err:?}");
+    }
+}
