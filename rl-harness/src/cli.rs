@@ -573,13 +573,24 @@ fn data(d: DataCommand) -> Result<()> {
                 train: g.train,
                 test: g.test,
             };
-            let generate = if pairs {
-                tasks::tiny_vocab::generate_tiny_preferences
-            } else {
-                tasks::tiny_vocab::generate_tiny_addition
-            };
-            generate(&g.out_dir, task, sizes, g.seed)
-                .with_context(|| format!("writing tiny addition data to {}", g.out_dir.display()))?
+            let context = || format!("writing tiny addition data to {}", g.out_dir.display());
+            if pairs {
+                // generate_tiny_preferences writes generate_tiny_addition's train.parquet and
+                // test.parquet first, then the pair files, and returns only the pair files
+                let pair_files =
+                    tasks::tiny_vocab::generate_tiny_preferences(&g.out_dir, task, sizes, g.seed)
+                        .with_context(context)?;
+                println!(
+                    "wrote {}, {}, {} and {}",
+                    g.out_dir.join("train.parquet").display(),
+                    g.out_dir.join("test.parquet").display(),
+                    pair_files.train.display(),
+                    pair_files.test.display()
+                );
+                return Ok(());
+            }
+            tasks::tiny_vocab::generate_tiny_addition(&g.out_dir, task, sizes, g.seed)
+                .with_context(context)?
         }
     };
     println!(

@@ -385,3 +385,40 @@ fn redirected_logs_and_progress_bars_carry_no_ansi_codes() {
         assert!(!err.contains("step 20/20"), "a progress bar drew: {err:?}");
     }
 }
+
+/// `data tiny-addition --pairs` names every file it writes: the RL splits and the pair files.
+#[test]
+fn tiny_addition_with_pairs_lists_every_file_it_writes() {
+    let env = Env::new();
+    let out = env.ok(&[
+        "data",
+        "tiny-addition",
+        "d",
+        "--train",
+        "20",
+        "--test",
+        "8",
+        "--pairs",
+    ]);
+    let mut written: Vec<String> = std::fs::read_dir(env.path().join("d"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    written.sort();
+    assert_eq!(
+        written,
+        [
+            "test.parquet",
+            "test_pairs.parquet",
+            "train.parquet",
+            "train_pairs.parquet"
+        ]
+    );
+    for name in &written {
+        let path = std::path::Path::new("d").join(name);
+        assert!(
+            out.contains(&path.display().to_string()),
+            "{name} is not in {out:?}"
+        );
+    }
+}
