@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::{
-    Env, max_abs_diff, one_thread_cmd as cmd, one_thread_ok as ok, repo_root, safetensors,
+    Env, Tied, max_abs_diff, one_thread_cmd as cmd, one_thread_ok as ok, repo_root, safetensors,
     tiny_llm, train_ranks as train, wait_for,
 };
 use tch::Tensor;
@@ -406,6 +406,19 @@ fn collect(from: impl std::io::Read + Send + 'static) -> Arc<Mutex<String>> {
     text
 }
 
+/// `harness ARGS` (a 10000-step run on 2 ranks, stopped by the test) with one thread, its
+/// stderr piped: tied to the test, so that a test that fails before it stops the run, or a
+/// test binary killed, leaves neither the launcher nor its ranks running.
+fn long_launcher(env: &Env, args: &[&str]) -> Tied {
+    Tied::spawn(
+        env.tied_cmd()
+            .env("OMP_NUM_THREADS", "1")
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped()),
+    )
+}
+
 #[test]
 fn a_rank_killed_mid_run_fails_the_run_naming_it_and_leaves_no_partial_checkpoint() {
     let env = setup();
@@ -419,13 +432,8 @@ fn a_rank_killed_mid_run_fails_the_run_naming_it_and_leaves_no_partial_checkpoin
         "--dist-timeout-s",
         "30",
     ]);
-    let mut launcher = cmd(&env)
-        .args(&args)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stderr = collect(launcher.stderr.take().unwrap());
+    let mut launcher = long_launcher(&env, &args);
+    let stderr = collect(launcher.child.stderr.take().unwrap());
     let pid_of = |rank: usize| {
         let text = stderr.lock().unwrap();
         let tag = format!("rank {rank} is pid ");
@@ -452,11 +460,10 @@ fn a_rank_killed_mid_run_fails_the_run_naming_it_and_leaves_no_partial_checkpoin
     assert!(killed.success());
     let start = Instant::now();
     let status = loop {
-        if let Some(s) = launcher.try_wait().unwrap() {
+        if let Some(s) = launcher.child.try_wait().unwrap() {
             break s;
         }
         if start.elapsed() > Duration::from_secs(60) {
-            let _ = launcher.kill();
             panic!(
                 "the launcher did not exit within 60 s of rank 1's death:\n{}",
                 stderr.lock().unwrap()
@@ -514,13 +521,8 @@ fn sigterm_to_the_launcher_stops_every_rank_after_the_same_step_with_a_checkpoin
         "--dist-timeout-s",
         "30",
     ]);
-    let mut launcher = cmd(&env)
-        .args(&args)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stderr = collect(launcher.stderr.take().unwrap());
+    let mut launcher = long_launcher(&env, &args);
+    let stderr = collect(launcher.child.stderr.take().unwrap());
     let (rt, store) = env.store();
     wait_for("step 2's metrics", Duration::from_secs(120), || {
         rt.block_on(store.all_metrics(1))
@@ -528,13 +530,13 @@ fn sigterm_to_the_launcher_stops_every_rank_after_the_same_step_with_a_checkpoin
             .unwrap_or(false)
     });
     let sent = std::process::Command::new("kill")
-        .args(["-TERM", &launcher.id().to_string()])
+        .args(["-TERM", &launcher.child.id().to_string()])
         .status()
         .unwrap();
     assert!(sent.success());
     let start = Instant::now();
     let status = loop {
-        if let Some(s) = launcher.try_wait().unwrap() {
+        if let Some(s) = launcher.child.try_wait().unwrap() {
             break s;
         }
         assert!(

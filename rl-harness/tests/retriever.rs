@@ -5,39 +5,32 @@
 mod common;
 
 use std::io::{BufRead, BufReader};
-use std::process::{Child, Stdio};
+use std::process::Stdio;
 
-use common::Env;
+use common::{Env, Tied};
 
 const CORPUS: &str = r#"{"id": "a", "contents": "\"Paris\"\nParis is the capital of France."}
 {"id": "b", "contents": "\"Berlin\"\nBerlin is the capital of Germany."}
 {"id": "c", "contents": "\"Zorbu\"\nZorbu color is teal."}
 "#;
 
-/// A running `harness retriever serve`, killed on drop.
+/// A running `harness retriever serve`, killed on drop or when the test binary ends, however
+/// it ends (a SIGKILLed test binary would otherwise leave it serving).
 struct Server {
-    child: Child,
+    _process: Tied,
     url: String,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 /// Starts `harness retriever serve DIR --port 0` and reads the URL it prints.
 fn serve(env: &Env, dir: &str) -> Server {
-    let mut child = env
-        .cmd()
-        .args(["retriever", "serve", dir, "--port", "0"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
+    let mut process = Tied::spawn(
+        env.tied_cmd()
+            .args(["retriever", "serve", dir, "--port", "0"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit()),
+    );
     let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
+    BufReader::new(process.child.stdout.take().unwrap())
         .read_line(&mut line)
         .unwrap();
     let url = line
@@ -46,7 +39,10 @@ fn serve(env: &Env, dir: &str) -> Server {
         .filter(|u| u.starts_with("http://127.0.0.1:") && u.ends_with("/retrieve"))
         .unwrap_or_else(|| panic!("no URL in {line:?}"))
         .to_string();
-    Server { child, url }
+    Server {
+        _process: process,
+        url,
+    }
 }
 
 #[test]

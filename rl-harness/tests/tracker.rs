@@ -3,20 +3,25 @@
 //! with a SQLite backend. Runs are read back through MLflow's REST API. The server is also
 //! stopped in the middle of a run: training must finish regardless, and `harness sync` must
 //! catch up once the server is back.
+//!
+//! The server lives in a `static`, which is never dropped, so it is a [`Tied`]: it and every
+//! process it starts (uvicorn, the job runner, the huey consumers) are SIGKILLed when the test
+//! binary ends, however it ends.
 
 mod common;
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Stdio;
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use common::{BANDIT, Env, wait_for};
+use common::{BANDIT, Env, Tied, wait_for};
 use serde_json::Value;
 
 struct Server {
-    child: Child,
+    /// `None` while a test has it stopped.
+    process: Option<Tied>,
     port: u16,
     dir: PathBuf,
 }
@@ -32,34 +37,32 @@ fn mlflow_bin() -> PathBuf {
     bin
 }
 
-fn start(port: u16, dir: &Path) -> Child {
-    use std::os::unix::process::CommandExt;
+fn start(port: u16, dir: &Path) -> Tied {
     let log = std::fs::File::create(dir.join(format!(
         "server-{}.log",
         Instant::now().elapsed().as_nanos()
     )))
     .unwrap();
-    Command::new(mlflow_bin())
-        .args([
-            "server",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            &port.to_string(),
-            "--workers",
-            "1",
-        ])
-        .arg("--backend-store-uri")
-        .arg(format!("sqlite:///{}", dir.join("mlflow.db").display()))
-        .arg("--default-artifact-root")
-        .arg(dir.join("artifacts"))
-        .current_dir(dir)
-        .process_group(0)
-        .stdin(Stdio::null())
-        .stdout(log.try_clone().unwrap())
-        .stderr(log)
-        .spawn()
-        .unwrap()
+    Tied::spawn(
+        Tied::command(mlflow_bin())
+            .args([
+                "server",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                &port.to_string(),
+                "--workers",
+                "1",
+            ])
+            .arg("--backend-store-uri")
+            .arg(format!("sqlite:///{}", dir.join("mlflow.db").display()))
+            .arg("--default-artifact-root")
+            .arg(dir.join("artifacts"))
+            .current_dir(dir)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log),
+    )
 }
 
 fn get(port: u16, path: &str) -> Option<Value> {
@@ -87,15 +90,6 @@ fn wait_up(port: u16) {
     });
 }
 
-fn stop(child: &mut Child) {
-    let pgid = child.id();
-    Command::new("kill")
-        .args(["-KILL", "--", &format!("-{pgid}")])
-        .status()
-        .ok();
-    child.wait().ok();
-}
-
 /// One server per test binary; tests that use it take the lock.
 fn server() -> &'static Mutex<Server> {
     static S: OnceLock<Mutex<Server>> = OnceLock::new();
@@ -106,9 +100,9 @@ fn server() -> &'static Mutex<Server> {
             .unwrap()
             .port();
         let dir = tempfile::tempdir().unwrap().keep();
-        let child = start(port, &dir);
+        let process = Some(start(port, &dir));
         wait_up(port);
-        Mutex::new(Server { child, port, dir })
+        Mutex::new(Server { process, port, dir })
     })
 }
 
@@ -234,7 +228,8 @@ fn a_server_stopped_mid_run_never_fails_training_and_sync_catches_up() {
                 > 0
         },
     );
-    stop(&mut server.child);
+    // SIGKILLs the server and everything it started
+    server.process = None;
     let started = Instant::now();
     let out = child.wait_with_output().unwrap();
     assert!(
@@ -257,7 +252,7 @@ fn a_server_stopped_mid_run_never_fails_training_and_sync_catches_up() {
     let err = env.fails(&["sync", "--timeout-s", "5"]);
     assert!(err.contains("tracker sync incomplete"), "{err}");
 
-    server.child = start(port, &server.dir.clone());
+    server.process = Some(start(port, &server.dir.clone()));
     wait_up(port);
     let out = env.ok(&["sync"]);
     assert!(out.contains("run 1: pushed"), "{out}");

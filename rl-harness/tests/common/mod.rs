@@ -9,6 +9,9 @@ use std::time::{Duration, Instant};
 
 use tch::Tensor;
 
+mod tied;
+pub use tied::Tied;
+
 pub struct Env {
     pub dir: tempfile::TempDir,
 }
@@ -36,7 +39,16 @@ impl Env {
     }
 
     pub fn cmd(&self) -> Command {
-        let mut c = Command::new(env!("CARGO_BIN_EXE_harness"));
+        self.harness(Command::new(env!("CARGO_BIN_EXE_harness")))
+    }
+
+    /// [`Env::cmd`] in a session of its own, for [`Tied::spawn`]: for a harness that could
+    /// outlive the test (a server, a long run), as it dies with the test process.
+    pub fn tied_cmd(&self) -> Command {
+        self.harness(Tied::command(env!("CARGO_BIN_EXE_harness")))
+    }
+
+    fn harness(&self, mut c: Command) -> Command {
         c.current_dir(self.path())
             .env("RUST_LOG", "warn")
             .env_remove("RL_TRAINER__DB");
