@@ -189,14 +189,114 @@ pub fn build_sft(
     )?)
 }
 
-/// A fresh tiny policy (seeded init).
-pub fn fresh_tiny_policy(vocab: i64, seed: i64) -> AnyResult<SharedPolicy> {
+/// Runs `f` with torch's global generator seeded with `seed`, holding a process-wide lock, so
+/// that a seeded initialisation (a fresh policy, a value head) cannot interleave with another
+/// test thread's: the draws, and so the weights, are then the same however tests are scheduled.
+pub fn seeded<T>(seed: i64, f: impl FnOnce() -> T) -> T {
+    static GLOBAL_GENERATOR: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _held = GLOBAL_GENERATOR
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     tch::manual_seed(seed);
-    Ok(share(CausalLm::new(
-        &tiny_llama_config(vocab),
-        Device::Cpu,
-        Kind::Float,
-    )?))
+    f()
+}
+
+/// A fresh tiny policy (seeded init, see [`seeded`]).
+pub fn fresh_tiny_policy(vocab: i64, seed: i64) -> AnyResult<SharedPolicy> {
+    seeded(seed, || {
+        Ok(share(CausalLm::new(
+            &tiny_llama_config(vocab),
+            Device::Cpu,
+            Kind::Float,
+        )?))
+    })
+}
+
+/// `f(seed)` for every seed, each in its own thread, results in the order of `seeds`. The
+/// learning tests train their seeds side by side: the machine's cores are used without
+/// raising any one run's intra-op thread count, which would change its arithmetic.
+pub fn per_seed<T: Send>(seeds: &[u64], f: impl Fn(u64) -> T + Sync) -> Vec<T> {
+    let f = &f;
+    std::thread::scope(|s| {
+        let handles: Vec<_> = seeds.iter().map(|&seed| s.spawn(move || f(seed))).collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
+            .collect()
+    })
+}
+
+/// A learning result of one seed: the held-out metric before and after training.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SeedResult {
+    /// The seed of the initial weights.
+    pub seed: u64,
+    /// The held-out metric before training.
+    pub before: f64,
+    /// The held-out metric after training.
+    pub after: f64,
+}
+
+impl SeedResult {
+    /// `after - before`.
+    pub fn gain(&self) -> f64 {
+        self.after - self.before
+    }
+}
+
+/// The median of `xs` (the upper middle for an even count); `xs` must not be empty.
+pub fn median(xs: &[f64]) -> f64 {
+    let mut v = xs.to_vec();
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// A learning bar over seeds, which one lucky seed cannot pass and one CPU's rounding cannot
+/// flip: the median gain must reach `median_gain` and the worst seed's `worst_gain`. Prints
+/// the per-seed figures (run with `--nocapture` to see them) and returns the median gain.
+pub fn assert_gain_over_seeds(
+    name: &str,
+    results: &[SeedResult],
+    median_gain: f64,
+    worst_gain: f64,
+) -> f64 {
+    assert!(
+        results.len() >= 3,
+        "{name}: a learning bar needs at least 3 seeds"
+    );
+    let gains: Vec<f64> = results.iter().map(SeedResult::gain).collect();
+    let (med, worst) = (
+        median(&gains),
+        gains.iter().copied().fold(f64::INFINITY, f64::min),
+    );
+    let table = results
+        .iter()
+        .map(|r| {
+            format!(
+                "seed {}: {:.1}% -> {:.1}% ({:+.1})",
+                r.seed,
+                100.0 * r.before,
+                100.0 * r.after,
+                100.0 * r.gain()
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(", ");
+    println!(
+        "{name}: gain median {:+.1}, worst {:+.1} points over {} seeds ({table})",
+        100.0 * med,
+        100.0 * worst,
+        results.len()
+    );
+    assert!(
+        med >= median_gain - 1e-9 && worst >= worst_gain - 1e-9,
+        "{name}: the gain must be >= {:.1} points at the median and >= {:.1} on the worst seed; got median {:+.1}, worst {:+.1} ({table})",
+        100.0 * median_gain,
+        100.0 * worst_gain,
+        100.0 * med,
+        100.0 * worst
+    );
+    med
 }
 
 /// Loads a policy saved with `save_pretrained` into `dir`.
