@@ -609,15 +609,31 @@ fn rm_training_raises_held_out_preference_accuracy() {
     assert!((rm.first["rm/loss"] - std::f64::consts::LN_2).abs() < 0.1);
 }
 
-/// A small trainer on a tiny task for the resume test: a fresh reward model (seed `init`).
-fn small_rm_trainer(task: &TinyTask, init: i64, steps: u64) -> AnyResult<RmTrainer> {
+/// A fresh reward model for [`small_rm_trainer`] (seed `seed`). Two calls with one seed need
+/// not agree: `seeded` keeps other `seeded` calls out, but this binary's other tests draw
+/// from torch's global generator too (every `from_pretrained` and `from_policy` initialises
+/// a model before loading), so build one and hand out copies where starts must be equal.
+fn small_rm(task: &TinyTask, seed: i64) -> AnyResult<RewardModel> {
+    let mut cfg = tiny_llama_config(task.tokenizer.vocab_size() as i64);
+    cfg.set_num_labels(1);
+    Ok(seeded(seed, || {
+        RewardModel::new(&cfg, Device::Cpu, Kind::Float)
+    })?)
+}
+
+/// A small trainer on a tiny task for the resume test, training a copy of `init`.
+fn small_rm_trainer(task: &TinyTask, init: &RewardModel, steps: u64) -> AnyResult<RmTrainer> {
     let data = tiny_data_config(task, 8, SEED);
     let train = RlDataset::train(&data)?;
     let val = RlDataset::val(&data)?;
     let (source, val_batches) = pair_sources(&train, &val, &task.tokenizer, 8, 1)?;
-    let mut cfg = tiny_llama_config(task.tokenizer.vocab_size() as i64);
-    cfg.set_num_labels(1);
-    let model = seeded(init, || RewardModel::new(&cfg, Device::Cpu, Kind::Float))?;
+    let model = RewardModel::new(init.config(), Device::Cpu, Kind::Float)?;
+    let from = init.var_store().variables();
+    tch::no_grad(|| {
+        for (name, mut t) in model.var_store().variables() {
+            t.copy_(&from[&name]);
+        }
+    });
     let worker = RmWorker::new(model, rm_worker_config(8, 1e-3))?;
     let tcfg = RmTrainerConfig {
         total_training_steps: steps,
@@ -653,13 +669,14 @@ fn saved_tensors(dir: &Path) -> BTreeMap<String, Tensor> {
 fn rm_resume_is_exact() {
     let task = tiny_task(19, 64, 16, SEED).unwrap();
     let n = 6u64;
-    let mut straight = small_rm_trainer(&task, 1, n).unwrap();
+    let init = small_rm(&task, 1).unwrap();
+    let mut straight = small_rm_trainer(&task, &init, n).unwrap();
     let mut full = Vec::new();
     while straight.global_step() < n {
         full.push(without_timing(&straight.step().unwrap()));
     }
     let full_val = straight.validate().unwrap().0;
-    let mut first = small_rm_trainer(&task, 1, n).unwrap();
+    let mut first = small_rm_trainer(&task, &init, n).unwrap();
     for _ in 0..n / 2 {
         first.step().unwrap();
     }
@@ -667,13 +684,15 @@ fn rm_resume_is_exact() {
     first.save_checkpoint_to(&ckpt);
     drop(first);
     // fresh objects, a different initialisation: everything must come from the checkpoint
-    let mut resumed = small_rm_trainer(&task, 99, n).unwrap();
+    let mut resumed = small_rm_trainer(&task, &small_rm(&task, 99).unwrap(), n).unwrap();
     resumed.load_checkpoint(&ckpt).unwrap();
     assert_eq!(resumed.global_step(), n / 2);
     let mut tail = Vec::new();
     while resumed.global_step() < n {
         tail.push(without_timing(&resumed.step().unwrap()));
     }
+    // bit-equal: from equal starts, the resumed steps repeat the uninterrupted run's
+    // operations on the same shapes (same process, same batches, the state loaded exactly)
     assert_eq!(
         tail,
         full[(n / 2) as usize..],
@@ -764,6 +783,8 @@ fn rm_plus_rule_is_the_weighted_sum_at_the_last_token() {
     let rm_tls = rm_alone.get(keys::RM_SCORES).unwrap();
     let rule_tls = rule_alone.get(keys::TOKEN_LEVEL_SCORES).unwrap();
     let expect = rm_tls * rm_coef + rule_tls * rule_coef;
+    // bit-equal: the combined reward ran the same worker's forward on the same batch, and
+    // 0 + rm * 0.25 + rule * 2 rounds once, at the same addition, as the expectation does
     assert!(tls.equal(&expect), "{tls} vs {expect}");
     // the only non-zero column of each row is its last response token
     let mask = batch.get(keys::RESPONSE_MASK).unwrap();
