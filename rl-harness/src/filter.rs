@@ -286,14 +286,19 @@ impl StopWhen {
                     "config key `trainer.stop_when` ({}): the validation logged no `{key}`; it \
                      logged {}",
                     self.src,
-                    m.keys().map(|k| format!("`{k}`")).collect::<Vec<_>>().join(", ")
+                    m.keys()
+                        .map(|k| format!("`{k}`"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
                 );
             };
             values.push(format!("{key} = {v:.4}"));
         }
-        let met = self
-            .expr
-            .eval(&|k| m.get(k).and_then(|v| serde_json::Number::from_f64(*v)).map(Value::Number));
+        let met = self.expr.eval(&|k| {
+            m.get(k)
+                .and_then(|v| serde_json::Number::from_f64(*v))
+                .map(Value::Number)
+        });
         Ok(met.then(|| format!("`{}` met: {}", self.src, values.join(", "))))
     }
 }
@@ -381,7 +386,10 @@ mod tests {
         // a metric the validation does not log is an error naming it and what was logged
         let only_loss = std::collections::BTreeMap::from([("val/loss".to_string(), 0.1)]);
         let err = stop.met(&only_loss).unwrap_err().to_string();
-        assert!(err.contains("`val/acc`") && err.contains("`val/loss`"), "{err}");
+        assert!(
+            err.contains("`val/acc`") && err.contains("`val/loss`"),
+            "{err}"
+        );
         // keys must be validation metrics, compared with numbers
         let err = StopWhen::parse("actor/loss < 1").unwrap_err().to_string();
         assert!(err.contains("`actor/loss`"), "{err}");
