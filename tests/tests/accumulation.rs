@@ -1,5 +1,5 @@
 //! Gradient accumulation is exact: one actor update with 4 micro-batches leaves the same
-//! parameters (within 1e-5) as with 1, for every loss aggregation mode, with the KL loss and
+//! parameters (up to rounding) as with 1, for every loss aggregation mode, with the KL loss and
 //! the entropy bonus on; and dynamic (token-budget) micro-batches agree too.
 
 use rl_algos::LossAggMode;
@@ -77,7 +77,7 @@ fn update(
     mode: LossAggMode,
     micro: Option<usize>,
     dynamic: bool,
-) -> Vec<(String, Tensor)> {
+) -> (Vec<(String, Tensor)>, Vec<f64>) {
     let p = policy();
     let cfg = ActorConfig {
         ppo_mini_batch_size: 4,
@@ -102,27 +102,60 @@ fn update(
             ..ActorLossConfig::default()
         },
     };
-    actor.update(b, &objective).unwrap();
-    params(&p)
+    let m = actor.update(b, &objective).unwrap();
+    let norms = m.values("actor/grad_norm").to_vec();
+    assert!(!norms.is_empty());
+    (params(&p), norms)
 }
 
+/// The L2 norm of `a - b` over all the parameters.
+fn l2_diff(a: &[(String, Tensor)], b: &[(String, Tensor)]) -> f64 {
+    a.iter()
+        .zip(b)
+        .map(|((_, x), (_, y))| (x - y).square().sum(Kind::Double).double_value(&[]))
+        .sum::<f64>()
+        .sqrt()
+}
+
+// Not bit-equal: 4 micro-batches (or a token budget) run the forward on other shapes and sum
+// the gradient in another order, so the gradients agree to f32 rounding (~1e-7 relative). Nor
+// within a max-abs bar: Adam moves a weight by lr * m / (sqrt(v) + eps), so a weight whose
+// gradient cancels to the rounding noise (~eps = 1e-8) moves by up to ~lr = 1e-2 on that noise,
+// differently in each run (7.2e-6 seen on an AMD EPYC, against the old 1e-5 bar). Such weights
+// are a handful, so the bar is on the L2 norm over all parameters: under 1% of how far the
+// update moved them, which a micro-batch dropped or counted twice fails (dropping a quarter of
+// the batch's signal: 90% of it). Adam hides a gradient scaled by a constant (a normaliser off
+// by the micro-batch count), so the accumulated gradient's norm, which the actor logs before
+// clipping, must agree too: taken in f64 of gradients that agree to f32 rounding, it moved by
+// at most 9e-9 relative here, and 1e-5 relative is far from any factor a normaliser makes.
 #[test]
 fn four_micro_batches_equal_one_for_every_aggregation_mode() {
     let b = batch();
     let init = params(&policy());
     for mode in LossAggMode::ALL {
-        let one = update(&b, mode, None, false);
-        for (name, other) in [
+        let (one, one_norms) = update(&b, mode, None, false);
+        let travel = l2_diff(&one, &init);
+        for (name, (other, norms)) in [
             ("4 micro-batches", update(&b, mode, Some(4), false)),
             ("dynamic bsz", update(&b, mode, None, true)),
         ] {
+            for (a, b) in norms.iter().zip(&one_norms) {
+                assert!(
+                    (a - b).abs() <= 1e-5 * b.abs(),
+                    "{mode} {name}: gradient norm {a} vs {b} in 1 micro-batch"
+                );
+            }
             let diff = one
                 .iter()
                 .zip(&other)
                 .map(|((_, x), (_, y))| (x - y).abs().max().double_value(&[]))
                 .fold(0.0, f64::max);
-            println!("{mode}: {name} vs 1 micro-batch, max |param diff| = {diff:.2e}");
-            assert!(diff < 1e-5, "{mode} {name}: {diff}");
+            let l2 = l2_diff(&one, &other);
+            println!(
+                "{mode}: {name} vs 1 micro-batch, |param diff| max {diff:.2e}, L2 {l2:.2e} of \
+                 the update's {travel:.2e}"
+            );
+            assert!(l2 < 1e-2 * travel, "{mode} {name}: {l2:e} of {travel:e}");
         }
         let moved = one
             .iter()
