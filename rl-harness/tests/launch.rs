@@ -75,7 +75,8 @@ fn setup_warm() -> Env {
         &experiment("quickstart_sft"),
         &[
             "trainer.total_training_steps=120",
-            "trainer.test_freq=0",
+            // validated once, at the end: the file's trainer.stop_when needs validations
+            "trainer.test_freq=120",
             "trainer.save_freq=0",
             "sft.train_batch_size=16",
             "actor_rollout_ref.actor.ppo_mini_batch_size=16",

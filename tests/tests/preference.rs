@@ -147,7 +147,7 @@ fn warm_nc() -> &'static Warm {
             ..ActorConfig::default()
         };
         let target = env_or("NC_SFT_LOSS_E3", 800) as f64 * 1e-3;
-        let losses = sft_until_loss(&task, policy.clone(), actor, 400, target, NC_SEED).unwrap();
+        let losses = sft_until_loss(&task, policy.clone(), actor, 800, target, NC_SEED).unwrap();
         println!(
             "carry-free sft: {} steps in {:.1}s, val/loss every 10 steps {losses:?}",
             10 * (losses.len() - 1),
