@@ -16,8 +16,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::{
-    Env, Tied, max_abs_diff, one_thread_cmd as cmd, one_thread_ok as ok, repo_root, safetensors,
-    tiny_llm, train_ranks as train, wait_for,
+    Env, Tied, l2_diff, max_abs_diff, one_thread_cmd as cmd, one_thread_ok as ok, repo_root,
+    safetensors, tiny_llm, train_ranks as train, wait_for,
 };
 use tch::Tensor;
 
@@ -89,19 +89,6 @@ fn setup_warm() -> Env {
 /// The policy weights of checkpoint folder `dir`.
 fn weights(dir: &Path) -> BTreeMap<String, Tensor> {
     safetensors(&dir.join("trainer/actor/model.safetensors"))
-}
-
-/// The L2 norm of `a - b` over all the weights.
-fn l2_diff(a: &BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>) -> f64 {
-    a.iter()
-        .map(|(k, x)| {
-            (x - &b[k])
-                .square()
-                .sum(tch::Kind::Double)
-                .double_value(&[])
-        })
-        .sum::<f64>()
-        .sqrt()
 }
 
 /// Run `run`'s checkpoints by step.

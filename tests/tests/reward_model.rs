@@ -7,7 +7,7 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, OnceLock};
+use std::sync::OnceLock;
 use std::time::Instant;
 
 use rl_algos::KlPenalty;
@@ -31,16 +31,6 @@ use tch::{Device, Kind, Tensor};
 
 const MAX_OPERAND: i64 = 99;
 const SEED: u64 = 7;
-
-/// Seeds torch's global generator with `seed` and runs `init` (a model with fresh weights)
-/// while no other test thread can reseed or draw from it: the tests of this binary run on
-/// parallel threads and share that generator.
-fn seeded<T>(seed: i64, init: impl FnOnce() -> T) -> T {
-    static GENERATOR: Mutex<()> = Mutex::new(());
-    let _only_me = GENERATOR.lock().unwrap_or_else(|e| e.into_inner());
-    tch::manual_seed(seed);
-    init()
-}
 
 struct Warm {
     task: TinyTask,
@@ -91,7 +81,8 @@ fn warm() -> &'static Warm {
             };
         }
         let vocab = task.tokenizer.vocab_size() as i64;
-        let policy = seeded(SEED as i64, || fresh_tiny_policy(vocab, SEED as i64)).unwrap();
+        // fresh_tiny_policy seeds under rl_e2e::seeded
+        let policy = fresh_tiny_policy(vocab, SEED as i64).unwrap();
         let actor = ActorConfig {
             ppo_mini_batch_size: 32,
             optim: OptimConfig {

@@ -216,6 +216,19 @@ pub fn safetensors(file: &Path) -> BTreeMap<String, Tensor> {
 }
 
 /// The largest `|a - b|` over every tensor; the two must hold the same names.
+/// The L2 norm of `a - b` over all the tensors of `a` (each must be in `b`).
+pub fn l2_diff(a: &BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>) -> f64 {
+    a.iter()
+        .map(|(k, x)| {
+            (x - &b[k])
+                .square()
+                .sum(tch::Kind::Double)
+                .double_value(&[])
+        })
+        .sum::<f64>()
+        .sqrt()
+}
+
 pub fn max_abs_diff(a: &BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>) -> f64 {
     assert_eq!(
         a.keys().collect::<Vec<_>>(),
