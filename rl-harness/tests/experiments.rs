@@ -35,7 +35,7 @@ fn exercised() -> Vec<(&'static str, Vec<&'static str>)> {
         ("rloo", with(&[])),
         ("reinforce_pp", with(&[])),
         // fresh weights score 0 on every sample, so dynamic sampling would find no group to keep;
-        // tests/tests/learn.rs covers it on the SFT-warmed model
+        // tests/tests/learning/on_policy.rs covers it on the SFT-warmed model
         ("dapo", with(&["algorithm.filter_groups.enable=false"])),
         (
             "dpo",
@@ -68,7 +68,7 @@ fn exercised() -> Vec<(&'static str, Vec<&'static str>)> {
 /// live retriever (tests/tests/search.rs trains it against one).
 const RESOLVED_ONLY: &[&str] = &["smollm2_arith_grpo", "gsm8k_qwen_ppo", "search_r1"];
 /// The bandit experiments are exercised by tests/cli.rs and tests/sweep.rs, the reward model
-/// (trained, resumed, exported and used as a reward) by tests/reward_model.rs, the Search-R1
+/// (trained, resumed, exported and used as a reward) by tests/tests/learning/reward_model.rs, the Search-R1
 /// warm-up (on the search task's traces) by tests/search_sft.rs.
 const ELSEWHERE: &[&str] = &["bandit", "bandit_sweep", "reward_model", "search_r1_sft"];
 const SWEEPS: &[&str] = &["kl_coef"];

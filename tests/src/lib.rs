@@ -20,6 +20,11 @@ pub use rl_harness::compose::{
 };
 pub use rl_harness::config::ExperimentConfig;
 
+mod warm;
+pub use warm::{
+    INIT_SEEDS, SFT_MAX_STEPS, SFT_TARGET_LOSS, TASK_SEED, Warm, carry_free_warm, seed_index,
+};
+
 /// Any error of the workspace crates, as a boxed error for tests.
 pub type AnyResult<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
@@ -193,11 +198,20 @@ pub fn build_sft(
 /// that a seeded initialisation (a fresh policy, a value head) cannot interleave with another
 /// test thread's: the draws, and so the weights, are then the same however tests are scheduled.
 pub fn seeded<T>(seed: i64, f: impl FnOnce() -> T) -> T {
+    generator_held(|| {
+        tch::manual_seed(seed);
+        f()
+    })
+}
+
+/// Runs `f` holding the lock of [`seeded`] without reseeding: for a construction that draws
+/// from torch's global generator only to be overwritten (loading weights initialises a model
+/// first), so that it cannot advance the generator in the middle of a seeded initialisation.
+fn generator_held<T>(f: impl FnOnce() -> T) -> T {
     static GLOBAL_GENERATOR: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let _held = GLOBAL_GENERATOR
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
-    tch::manual_seed(seed);
     f()
 }
 
@@ -300,12 +314,15 @@ pub fn assert_gain_over_seeds(
 }
 
 /// Loads a policy saved with `save_pretrained` into `dir`.
+/// (The model is built under [`seeded`]'s lock: see [`generator_held`].)
 pub fn load_policy(dir: &Path) -> AnyResult<SharedPolicy> {
-    Ok(share(CausalLm::from_pretrained(
-        dir,
-        Device::Cpu,
-        Kind::Float,
-    )?))
+    generator_held(|| {
+        Ok(share(CausalLm::from_pretrained(
+            dir,
+            Device::Cpu,
+            Kind::Float,
+        )?))
+    })
 }
 
 /// Parses verl's `algorithm` group; an unknown `adv_estimator` is an error naming

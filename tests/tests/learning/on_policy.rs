@@ -1,11 +1,7 @@
-//! End to end on CPU: a tiny Llama SFT-warmed on single-step addition, then each on-policy
-//! algorithm raises held-out accuracy over the SFT checkpoint with the same seed and budget, by
-//! at least 10 points at the median of three initial-weight seeds, and collapses on none. Each
-//! seed's SFT warm-up runs once per test binary and is shared; the seeds of a test train side by
+//! The on-policy algorithms: each raises held-out accuracy over the shared SFT checkpoint
+//! (`rl_e2e::carry_free_warm`) with the same seed and budget, by at least 10 points at the
+//! median of the initial-weight seeds, and collapses on none. The seeds of a test train side by
 //! side in threads of one intra-op thread each.
-
-use std::path::PathBuf;
-use std::sync::OnceLock;
 
 use rl_algos::advantage::AdvEstimator;
 use rl_algos::{FilterGroupsConfig, KlPenalty, LossAggMode, OverlongBufferConfig};
@@ -15,16 +11,9 @@ use rl_workers::roles::{ActorConfig, CriticConfig, OptimConfig};
 use rl_workers::{RolloutConfig, ValueModel};
 use tch::{Device, Kind};
 
-const MAX_OPERAND: i64 = 99;
-/// The data's seed (one task for every run) and the runs' seed (rollout sampling, shuffling).
-const SEED: u64 = 7;
-/// The seeds of the initial weights: each learning bar is a median over these.
-const INIT_SEEDS: [u64; 3] = [7, 1, 2];
-
-const SFT_STEPS: u64 = 800;
-const SFT_TARGET_LOSS_E3: u64 = 800;
+/// The runs' seed (rollout sampling, shuffling), the data's.
+const SEED: u64 = TASK_SEED;
 const RL_STEPS: usize = 40;
-const MAX_OPERAND_ENV: &str = "MAX_OPERAND";
 
 /// The bar: at least 10 points at the median over [`INIT_SEEDS`], and no seed may lose more than
 /// 10 (a collapse). The floor is not 0: on seed 1, the weakest SFT start (27.5%), RLOO without
@@ -32,58 +21,9 @@ const MAX_OPERAND_ENV: &str = "MAX_OPERAND";
 const MEDIAN_GAIN: f64 = 0.10;
 const WORST_GAIN: f64 = -0.10;
 
-struct Warm {
-    task: TinyTask,
-    ckpt: PathBuf,
-}
-
-/// The SFT warm-up of the initial weights `init_seed` (one of [`INIT_SEEDS`]), done once.
+/// The shared SFT warm-up of the initial weights `init_seed`.
 fn warm(init_seed: u64) -> &'static Warm {
-    static WARM: [OnceLock<Warm>; INIT_SEEDS.len()] = [const { OnceLock::new() }; INIT_SEEDS.len()];
-    let slot = INIT_SEEDS
-        .iter()
-        .position(|&s| s == init_seed)
-        .expect("one of INIT_SEEDS");
-    WARM[slot].get_or_init(|| {
-        // one intra-op thread: the figures' configuration on any machine, and the seeds of a
-        // test run side by side
-        tch::set_num_threads(1);
-        let max = env_or(MAX_OPERAND_ENV, MAX_OPERAND as u64) as i64;
-        let addition = rl_data::tasks::tiny_vocab::TinyAddition {
-            max_operand: max,
-            no_carry: true,
-            zero_pad: true,
-        };
-        let task = tiny_task_with(addition, 1500, 200, SEED).unwrap();
-        let policy =
-            fresh_tiny_policy(task.tokenizer.vocab_size() as i64, init_seed as i64).unwrap();
-        let actor = ActorConfig {
-            ppo_mini_batch_size: 32,
-            optim: OptimConfig {
-                lr: env_or("SFT_LR_E4", 30) as f64 * 1e-4,
-                weight_decay: 0.0,
-                ..OptimConfig::default()
-            },
-            ..ActorConfig::default()
-        };
-        // SFT until the held-out loss first drops below SFT_TARGET_LOSS (checked every 10
-        // steps): the loss curve of this task has a sharp transition whose step varies, so a
-        // loss target gives a steadier starting accuracy than a fixed step count
-        let max_steps = env_or("SFT_STEPS", SFT_STEPS);
-        let target = env_or("SFT_TARGET_LOSS_E3", SFT_TARGET_LOSS_E3) as f64 * 1e-3;
-        let losses = sft_until_loss(&task, policy.clone(), actor, max_steps, target, SEED).unwrap();
-        println!(
-            "sft (init seed {init_seed}): {} validations, val/loss every 10 steps {losses:?}",
-            losses.len()
-        );
-        assert!(
-            losses[losses.len() - 1] < target,
-            "SFT (init seed {init_seed}) did not reach val/loss {target}: {losses:?}"
-        );
-        let ckpt = task.root.path().join("sft");
-        policy.lock().unwrap().save_pretrained(&ckpt).unwrap();
-        Warm { task, ckpt }
-    })
+    carry_free_warm(init_seed)
 }
 
 /// The on-policy config every test starts from (`experiments/quickstart.toml`'s recipe: 64

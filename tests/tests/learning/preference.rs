@@ -1,15 +1,14 @@
-//! End to end on CPU: the preference trainers on a tiny Llama SFT-warmed on single-step
-//! addition (each warm-up runs once per test binary and is shared). Offline DPO on correct vs
-//! incorrect answers raises held-out preference accuracy and its first loss at the reference is
-//! ln 2; SPIN and online DPO raise held-out task accuracy on the carry-free zero-padded task of
-//! the on-policy learning tests; DPO, online DPO and SPIN resume exactly.
+//! The preference trainers from the shared SFT checkpoint (`rl_e2e::carry_free_warm`), each
+//! asserted over the initial-weight seeds: offline DPO on right vs wrong answers raises
+//! held-out preference accuracy (and its first loss at the reference is ln 2); SPIN and online
+//! DPO raise held-out task accuracy; DPO, online DPO and SPIN resume exactly.
 
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
 use rl_algos::trainer::{
-    BatchSource, DpoTrainer, DpoTrainerConfig, MemorySink, OnlineDpoTrainer, RefInit,
-    ReferenceFactory, RunOptions, SpinTrainer, run,
+    BatchSource, DpoTrainer, DpoTrainerConfig, OnlineDpoTrainer, RefInit, ReferenceFactory,
+    SpinTrainer,
 };
 use rl_core::roles::{Reference, Reward};
 use rl_core::{Batch, StepMetrics, Trainer, keys};
@@ -24,172 +23,89 @@ use rl_workers::roles::{
 use serde_json::Value;
 use tch::{Device, Kind, Tensor};
 
+/// The resume tests' task: the original addition (operands up to 19, not zero-padded).
 const MAX_OPERAND: i64 = 19;
-const SEED: u64 = 11;
-const SFT_STEPS: u64 = 200;
 
-/// The initial (random) weights of every tiny policy of this file, written once, before any
-/// test builds another model. `fresh_tiny_policy` seeds torch's global generator and draws the
-/// init from it, and every other model construction draws from it too (`from_pretrained` and
-/// `ReferenceWorker::from_policy` build a randomly initialised model before loading), so an
-/// init racing another test thread would change from run to run; every warm-up loads its
-/// start from here instead.
-struct Inits {
-    _root: tempfile::TempDir,
-    /// Seed [`SEED`]: the offline-DPO warm-up's start.
-    warm: PathBuf,
-    /// Seed [`NC_SEED`]: the carry-free warm-up's start.
-    warm_nc: PathBuf,
-    /// Seed 5: the resume tests' (untrained) policy.
-    cold: PathBuf,
-}
-
-fn inits() -> &'static Inits {
-    static INITS: OnceLock<Inits> = OnceLock::new();
-    INITS.get_or_init(|| {
-        let root = tempfile::tempdir().unwrap();
-        let vocab =
-            rl_data::tasks::tiny_vocab::write_tiny_tokenizer(&root.path().join("tok")).unwrap();
-        let write = |name: &str, seed: u64| {
-            let dir = root.path().join(name);
-            let policy = fresh_tiny_policy(vocab as i64, seed as i64).unwrap();
-            policy.lock().unwrap().save_pretrained(&dir).unwrap();
-            dir
-        };
-        Inits {
-            warm: write("warm", SEED),
-            warm_nc: write("warm_nc", NC_SEED),
-            cold: write("cold", COLD_SEED),
-            _root: root,
-        }
-    })
-}
-
-/// The seed of the resume tests' task and policy.
+/// The seed of the resume tests' task and (untrained) policy.
 const COLD_SEED: u64 = 5;
 
-struct Warm {
-    task: TinyTask,
+/// A start point of the preference trainers: a task, a policy checkpoint, and the data config
+/// of its batches.
+struct Start {
+    task: &'static TinyTask,
     ckpt: PathBuf,
     data: DataConfig,
+    /// The data's and the runs' seed.
     seed: u64,
 }
 
-fn warm() -> &'static Warm {
-    static WARM: OnceLock<Warm> = OnceLock::new();
-    WARM.get_or_init(|| {
-        let task = tiny_task(MAX_OPERAND, 300, 100, SEED).unwrap();
-        let policy = load_policy(&inits().warm).unwrap();
-        let actor = ActorConfig {
-            ppo_mini_batch_size: 32,
-            optim: OptimConfig {
-                lr: 3e-3,
-                weight_decay: 0.0,
-                ..OptimConfig::default()
-            },
-            ..ActorConfig::default()
-        };
-        let steps = env_or("PREF_SFT_STEPS", SFT_STEPS);
-        let mut sft = build_sft(&task, policy.clone(), actor, steps, SEED).unwrap();
-        let mut sink = MemorySink::default();
-        run(
-            &mut sft,
-            &mut sink,
-            RunOptions {
-                val_before_train: true,
-                test_freq: steps as i64,
-            },
-        )
-        .unwrap();
-        let losses: Vec<f64> = sink
-            .records
-            .iter()
-            .filter_map(|(_, m)| m.get("val/loss").copied())
-            .collect();
-        println!("sft val/loss {losses:?}");
-        let ckpt = task.root.path().join("sft");
+/// The shared SFT checkpoint of the initial weights `init_seed`.
+fn warm(init_seed: u64) -> Start {
+    let w = carry_free_warm(init_seed);
+    Start {
+        task: &w.task,
+        ckpt: w.ckpt.clone(),
+        data: tiny_data_config(&w.task, 16, TASK_SEED),
+        seed: TASK_SEED,
+    }
+}
+
+/// A random (untrained) tiny policy saved as the start checkpoint of the resume tests, on the
+/// original addition task (64 train, 16 test prompts): resuming needs no warm-up. Its initial
+/// weights are drawn under `rl_e2e::seeded` (every other construction of the binary's tests
+/// waits on that lock or loads weights over its draws).
+fn cold() -> &'static Start {
+    static COLD: OnceLock<Start> = OnceLock::new();
+    COLD.get_or_init(|| {
+        let seed = COLD_SEED;
+        let task: &'static TinyTask =
+            Box::leak(Box::new(tiny_task(MAX_OPERAND, 64, 16, seed).unwrap()));
+        let ckpt = task.root.path().join("init");
+        let policy = fresh_tiny_policy(task.tokenizer.vocab_size() as i64, seed as i64).unwrap();
         policy.lock().unwrap().save_pretrained(&ckpt).unwrap();
-        let data = tiny_data_config(&task, 16, SEED);
-        Warm {
+        let data = tiny_data_config(task, 4, seed);
+        Start {
             task,
             ckpt,
             data,
-            seed: SEED,
+            seed,
         }
     })
 }
 
-/// The seed of the carry-free task (the on-policy learning tests' setup).
-const NC_SEED: u64 = 7;
-
-/// The on-policy learning tests' start point: carry-free zero-padded addition of operands up
-/// to 99 (1500 train, 200 test prompts), SFT-warmed until the held-out loss drops below
-/// `NC_SFT_LOSS_E3` / 1000 (default 0.8), which leaves the policy at roughly a quarter of the
-/// held-out prompts right: able to answer, far from perfect at imitating.
-fn warm_nc() -> &'static Warm {
-    static WARM: OnceLock<Warm> = OnceLock::new();
-    WARM.get_or_init(|| {
-        let t = std::time::Instant::now();
-        let addition = rl_data::tasks::tiny_vocab::TinyAddition {
-            max_operand: 99,
-            no_carry: true,
-            zero_pad: true,
-        };
-        let task = tiny_task_with(addition, 1500, 200, NC_SEED).unwrap();
-        let policy = load_policy(&inits().warm_nc).unwrap();
-        let actor = ActorConfig {
-            ppo_mini_batch_size: 32,
-            optim: OptimConfig {
-                lr: 3e-3,
-                weight_decay: 0.0,
-                ..OptimConfig::default()
-            },
-            ..ActorConfig::default()
-        };
-        let target = env_or("NC_SFT_LOSS_E3", 800) as f64 * 1e-3;
-        let losses = sft_until_loss(&task, policy.clone(), actor, 800, target, NC_SEED).unwrap();
-        println!(
-            "carry-free sft: {} steps in {:.1}s, val/loss every 10 steps {losses:?}",
-            10 * (losses.len() - 1),
-            t.elapsed().as_secs_f64()
-        );
-        assert!(losses[losses.len() - 1] < target, "{losses:?}");
-        let ckpt = task.root.path().join("sft");
-        policy.lock().unwrap().save_pretrained(&ckpt).unwrap();
-        let data = tiny_data_config(&task, 16, NC_SEED);
-        Warm {
-            task,
-            ckpt,
-            data,
-            seed: NC_SEED,
-        }
-    })
-}
-
-/// A wrong sum for row `row`: any other value a sum of two operands can take, picked by a
-/// fixed hash of the row.
-fn wrong_answer(answer: i64, row: usize) -> i64 {
-    let span = (2 * MAX_OPERAND) as u64;
+/// A wrong answer for row `row`: another number written with as many digits as `answer` (the
+/// zero-padded sums keep their width, so the pair differs in value, not in format), picked by
+/// a fixed hash of the row.
+fn wrong_answer(answer: &str, row: usize) -> AnyResult<String> {
+    let width = answer.len();
+    let span = 10u64.pow(width as u32) - 1;
+    let right: u64 = answer.parse()?;
     let h = (row as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 33;
-    // a value in 0..=span other than `answer`
-    let w = (h % span) as i64;
-    if w >= answer { w + 1 } else { w }
+    // a value in 0..=span other than `right`
+    let w = h % span;
+    let w = if w >= right { w + 1 } else { w };
+    Ok(format!("{w:0width$}"))
 }
 
 /// Synthetic preference pairs of `dataset`'s rows `idx` (chosen: the right sum, rejected: a
-/// wrong one), interleaved in the rollout layout.
-fn pair_batch(dataset: &RlDataset, tok: &Tokenizer, idx: &[usize]) -> AnyResult<Batch> {
+/// wrong one), interleaved in the rollout layout. Pair `k` is of row `k % rows`: an index past
+/// `rows` reuses a row with another wrong answer.
+fn pair_batch(
+    dataset: &RlDataset,
+    rows: usize,
+    tok: &Tokenizer,
+    idx: &[usize],
+) -> AnyResult<Batch> {
     let (mut prompts, mut responses) = (Vec::new(), Vec::new());
     for &k in idx {
-        // index k past the dataset's end reuses row k % len with another wrong answer
-        let i = k % dataset.len();
+        let i = k % rows;
         let row = dataset.row(i)?;
         let answer = row
             .extra_info
             .get("answer")
             .and_then(Value::as_str)
             .ok_or("row lacks extra_info.answer")?;
-        let wrong = wrong_answer(answer.parse()?, k).to_string();
+        let wrong = wrong_answer(answer, k)?;
         for resp in [answer, wrong.as_str()] {
             let ex = rl_data::tokenize_prompt_response(tok, &row.prompt, resp)?;
             let split = ex.loss_mask.iter().position(|&m| m == 1).unwrap_or(0);
@@ -221,22 +137,27 @@ impl BatchSource for Cycle {
     }
 }
 
-/// Train and held-out pair batches of `pairs` pairs each.
-fn pair_sources(w: &Warm, pairs: usize) -> AnyResult<(Cycle, Vec<Batch>)> {
+/// The training rows of offline DPO: 40 batches of 16 pairs (two epochs, a new wrong answer
+/// each), so that a 60-step run cycles through its data and the reference cache is used.
+const DPO_ROWS: usize = 320;
+
+/// Train pair batches of `pairs` pairs each over the first [`DPO_ROWS`] training rows, and
+/// held-out pair batches.
+fn pair_sources(w: &Start, pairs: usize) -> AnyResult<(Cycle, Vec<Batch>)> {
     let tok = &w.task.tokenizer;
     let train = RlDataset::train(&w.data)?;
     let val = RlDataset::val(&w.data)?;
     // two epochs of pairs, each prompt with a different wrong answer per epoch
-    let n = train.len();
+    let n = train.len().min(DPO_ROWS);
     let idx: Vec<usize> = (0..2 * n).collect();
     let batches = idx
         .chunks_exact(pairs)
-        .map(|c| pair_batch(&train, tok, c))
+        .map(|c| pair_batch(&train, n, tok, c))
         .collect::<AnyResult<Vec<_>>>()?;
     let vidx: Vec<usize> = (0..val.len()).collect();
     let val_batches = vidx
         .chunks(50)
-        .map(|c| pair_batch(&val, tok, c))
+        .map(|c| pair_batch(&val, val.len(), tok, c))
         .collect::<AnyResult<Vec<_>>>()?;
     Ok((Cycle { batches, cursor: 0 }, val_batches))
 }
@@ -255,14 +176,20 @@ fn dpo_actor(policy: SharedPolicy, pairs: usize, lr: f64) -> AnyResult<ActorWork
     Ok(ActorWorker::new(policy, cfg, 2)?)
 }
 
-fn build_dpo(cfg: DpoTrainerConfig, pairs: usize, lr: f64) -> AnyResult<DpoTrainer> {
-    let w = warm();
-    build_dpo_from(w, load_policy(&w.ckpt)?, cfg, pairs, lr)
+/// Offline DPO from the SFT checkpoint of `init_seed`.
+fn build_dpo(
+    init_seed: u64,
+    cfg: DpoTrainerConfig,
+    pairs: usize,
+    lr: f64,
+) -> AnyResult<DpoTrainer> {
+    let w = warm(init_seed);
+    build_dpo_from(&w, load_policy(&w.ckpt)?, cfg, pairs, lr)
 }
 
 /// Offline DPO of `policy` on `w`'s synthetic pairs.
 fn build_dpo_from(
-    w: &Warm,
+    w: &Start,
     policy: SharedPolicy,
     cfg: DpoTrainerConfig,
     pairs: usize,
@@ -297,7 +224,7 @@ fn margin_tol(beta: f64) -> f64 {
 
 #[test]
 fn first_dpo_loss_is_ln2_at_the_reference() {
-    let mut t = build_dpo(DpoTrainerConfig::default(), 16, 1e-3).unwrap();
+    let mut t = build_dpo(INIT_SEEDS[0], DpoTrainerConfig::default(), 16, 1e-3).unwrap();
     let m = t.step().unwrap();
     println!(
         "step 1: loss {} (ln 2 = {})",
@@ -325,55 +252,80 @@ fn first_dpo_loss_is_ln2_at_the_reference() {
     }
 }
 
+/// Offline DPO on synthetic pairs (the right sum against another number of the same width),
+/// 60 steps of 16 pairs at beta 0.1 and lr 1e-3, from each seed's SFT checkpoint: held-out
+/// preference accuracy starts at the ties of the reference (every implicit reward 0) and must
+/// reach 80% at the median and 70% on the worst seed, and the held-out loss must fall on every
+/// seed.
 #[test]
 fn offline_dpo_raises_held_out_preference_accuracy() {
     let steps = env_or("DPO_STEPS", 60);
     let beta = env_or("DPO_BETA_E2", 10) as f64 * 1e-2;
-    let cfg = DpoTrainerConfig {
-        beta,
-        precompute_ref_log_probs: true,
-        total_training_steps: steps,
-        ..DpoTrainerConfig::default()
-    };
     let lr = env_or("DPO_LR_E4", 10) as f64 * 1e-4;
-    let mut t = build_dpo(cfg, 16, lr).unwrap();
-    let (before, _) = t.validate().unwrap();
-    let mut last = Default::default();
-    let mut ref_steps = 0;
-    while t.global_step() < t.total_steps() {
-        last = t.step().unwrap();
-        ref_steps += last.contains_key("timing_s/ref") as usize;
-    }
-    let (after, _) = t.validate().unwrap();
-    println!("before {before:?}\nafter {after:?}");
     let key = "val/rewards/accuracies";
-    // at the reference every implicit reward is 0 up to f32 rounding (see `margin_tol`)
-    assert!(
-        before["val/rewards/margins"].abs() <= margin_tol(beta),
-        "{before:?}"
-    );
+    let runs = per_seed(&INIT_SEEDS, |seed| {
+        let cfg = DpoTrainerConfig {
+            beta,
+            precompute_ref_log_probs: true,
+            total_training_steps: steps,
+            ..DpoTrainerConfig::default()
+        };
+        let mut t = build_dpo(seed, cfg, 16, lr).unwrap();
+        let (before, _) = t.validate().unwrap();
+        let mut last = Default::default();
+        let mut ref_steps = 0;
+        while t.global_step() < t.total_steps() {
+            last = t.step().unwrap();
+            ref_steps += last.contains_key("timing_s/ref") as usize;
+        }
+        let (after, _) = t.validate().unwrap();
+        println!(
+            "offline dpo (init seed {seed}): held-out preference accuracy {:.1}% (ties up to \
+             rounding) -> {:.1}% over {steps} steps; margins {:.1e} -> {:.3}, val/loss {:.4} -> \
+             {:.4}; last train loss {:.4}; reference forwards on {ref_steps} of {steps} steps",
+            before[key] * 100.0,
+            after[key] * 100.0,
+            before["val/rewards/margins"],
+            after["val/rewards/margins"],
+            before["val/loss"],
+            after["val/loss"],
+            last["loss"],
+        );
+        // at the reference every implicit reward is 0 up to f32 rounding (see `margin_tol`)
+        assert!(
+            before["val/rewards/margins"].abs() <= margin_tol(beta),
+            "seed {seed}: {before:?}"
+        );
+        assert!(
+            after["val/loss"] < before["val/loss"],
+            "seed {seed}: {before:?} -> {after:?}"
+        );
+        // the cache: one reference forward per training batch, none once the data cycles
+        assert!(ref_steps < steps as usize, "seed {seed}: {ref_steps}");
+        SeedResult {
+            seed,
+            before: before[key],
+            after: after[key],
+        }
+    });
+    let afters: Vec<f64> = runs.iter().map(|r| r.after).collect();
+    let worst = afters.iter().copied().fold(f64::INFINITY, f64::min);
     println!(
-        "offline dpo: held-out preference accuracy {:.1}% (ties up to rounding) -> {:.1}% over \
-         {steps} steps; margins {:.1e} -> {:.3}, val/loss {:.4} -> {:.4}; last train loss {:.4}; \
-         reference forwards on {ref_steps} of {steps} steps",
-        before[key] * 100.0,
-        after[key] * 100.0,
-        before["val/rewards/margins"],
-        after["val/rewards/margins"],
-        before["val/loss"],
-        after["val/loss"],
-        last["loss"],
+        "offline dpo: held-out preference accuracy after, median {:.1}%, worst {:.1}%",
+        100.0 * median(&afters),
+        100.0 * worst
     );
-    assert!(after[key] >= 0.8, "{after:?}");
-    assert!(after["val/loss"] < before["val/loss"]);
-    // the cache: one reference forward per training batch, none once the data cycles
-    assert!(ref_steps < steps as usize, "{ref_steps}");
+    assert!(
+        median(&afters) >= 0.80 && worst >= 0.70,
+        "offline dpo: held-out preference accuracy must reach 80% at the median and 70% on the \
+         worst seed: {runs:?}"
+    );
 }
 
 /// The rollout of the preference trainers: `n` samples per prompt at `temperature`, greedy
 /// validation.
 fn rollout(
-    w: &Warm,
+    w: &Start,
     policy: &SharedPolicy,
     n: usize,
     temperature: f64,
@@ -397,7 +349,7 @@ fn rollout(
 
 /// The SPIN trainer from `w`'s SFT checkpoint: ground truth vs one generation per prompt.
 fn build_spin(
-    w: &Warm,
+    w: &Start,
     policy: SharedPolicy,
     cfg: DpoTrainerConfig,
     prompts: usize,
@@ -462,7 +414,7 @@ fn spin_reference_is_the_policy_after_each_update_and_frozen_between() {
         total_training_steps: 4,
         ..DpoTrainerConfig::default()
     };
-    let w = warm_nc();
+    let w = &warm(INIT_SEEDS[0]);
     let policy = load_policy(&w.ckpt).unwrap();
     let mut t = build_spin(w, policy.clone(), cfg, 8, 1e-3, w.seed).unwrap();
     let sft = answer_source(
@@ -498,65 +450,62 @@ fn spin_reference_is_the_policy_after_each_update_and_frozen_between() {
     }
 }
 
+/// The preference learning bar on task accuracy, over the seeds: SPIN and online DPO must gain
+/// 5 points at the median and lose at most 5 on the worst seed. Their gains are smaller and
+/// noisier than the on-policy algorithms' (`docs/learning.md`: over five seeds SPIN measured
+/// +16 at the median and +10 at the worst, online DPO +12 and 0).
+const PREF_MEDIAN_GAIN: f64 = 0.05;
+const PREF_WORST_GAIN: f64 = -0.05;
+
+/// SPIN (`experiments/spin.toml`'s recipe): 40 steps of 16 prompts, one generation each
+/// against the ground truth, beta 0.1, the reference replaced by the policy every 10 steps,
+/// lr 5e-4.
 #[test]
 fn spin_raises_held_out_accuracy() {
-    let t0 = std::time::Instant::now();
-    let w = warm_nc();
-    let warm_s = t0.elapsed().as_secs_f64();
     let steps = env_or("SPIN_STEPS", 40);
-    let cfg = DpoTrainerConfig {
-        beta: env_or("SPIN_BETA_E2", 10) as f64 * 1e-2,
-        ref_update_freq: env_or("SPIN_REF_FREQ", 10),
-        total_training_steps: steps,
-        ..DpoTrainerConfig::default()
-    };
     let prompts = env_or("SPIN_PROMPTS", 16) as usize;
     let lr = env_or("SPIN_LR_E4", 5) as f64 * 1e-4;
-    let mut t = build_spin(w, load_policy(&w.ckpt).unwrap(), cfg, prompts, lr, w.seed).unwrap();
     let key = "val/test_score/arithmetic";
-    let t1 = std::time::Instant::now();
-    let (before, _) = t.validate().unwrap();
-    let mut log = Vec::new();
-    let mut identical = Vec::new();
-    while t.global_step() < t.total_steps() {
-        let m = t.step().unwrap();
-        identical.push(m["spin/identical_ratio"]);
-        if t.global_step().is_multiple_of(10) {
-            let (v, _) = t.validate().unwrap();
-            log.push(format!(
-                "step {}: loss {:.3} acc {:.2} margin {:.2} logps c {:.2} r {:.2} val {:.3} \
-                 identical {:.2}",
-                t.global_step(),
-                m["loss"],
-                m["rewards/accuracies"],
-                m["rewards/margins"],
-                m["logps/chosen"],
-                m["logps/rejected"],
-                v[key],
-                m["spin/identical_ratio"]
-            ));
+    let results = per_seed(&INIT_SEEDS, |seed| {
+        let w = &warm(seed);
+        let cfg = DpoTrainerConfig {
+            beta: env_or("SPIN_BETA_E2", 10) as f64 * 1e-2,
+            ref_update_freq: env_or("SPIN_REF_FREQ", 10),
+            total_training_steps: steps,
+            ..DpoTrainerConfig::default()
+        };
+        let mut t = build_spin(w, load_policy(&w.ckpt).unwrap(), cfg, prompts, lr, w.seed).unwrap();
+        let t1 = std::time::Instant::now();
+        let (before, _) = t.validate().unwrap();
+        let mut identical = Vec::new();
+        while t.global_step() < t.total_steps() {
+            identical.push(t.step().unwrap()["spin/identical_ratio"]);
         }
-    }
-    let (after, _) = t.validate().unwrap();
-    println!("{}", log.join("\n"));
-    let first = identical[..10].iter().sum::<f64>() / 10.0;
-    println!(
-        "spin: held-out accuracy {:.1}% -> {:.1}% over {steps} steps ({:.1}s; warm-up {warm_s:.1}s); \
-         generations identical to the ground truth over the first 10 steps {:.0}%",
-        before[key] * 100.0,
-        after[key] * 100.0,
-        t1.elapsed().as_secs_f64(),
-        first * 100.0
-    );
-    // the SFT start point is not yet perfect at imitating: most pairs carry a gradient
-    assert!(first < 0.5, "{identical:?}");
-    assert!(after[key] >= before[key] + 0.05, "{before:?} -> {after:?}");
+        let (after, _) = t.validate().unwrap();
+        let first = identical[..10].iter().sum::<f64>() / 10.0;
+        println!(
+            "spin (init seed {seed}): held-out accuracy {:.1}% -> {:.1}% over {steps} steps \
+             ({:.1}s); generations identical to the ground truth over the first 10 steps {:.0}%",
+            before[key] * 100.0,
+            after[key] * 100.0,
+            t1.elapsed().as_secs_f64(),
+            first * 100.0
+        );
+        // the SFT start point is not yet perfect at imitating: most pairs carry a gradient
+        assert!(first < 0.5, "seed {seed}: {identical:?}");
+        SeedResult {
+            seed,
+            before: before[key],
+            after: after[key],
+        }
+    });
+    assert_gain_over_seeds("spin", &results, PREF_MEDIAN_GAIN, PREF_WORST_GAIN);
 }
 
 /// The online-DPO trainer from `w`'s SFT checkpoint: `cfg.n` samples per prompt of a batch of
 /// `prompts`, ranked by the rule reward, `pairs_per_update` pairs per optimiser step.
 fn build_online_dpo(
-    w: &Warm,
+    w: &Start,
     cfg: DpoTrainerConfig,
     prompts: usize,
     pairs_per_update: usize,
@@ -580,7 +529,7 @@ fn build_online_dpo(
 /// [`build_online_dpo`] of `policy` with another reward role.
 #[allow(clippy::too_many_arguments)]
 fn build_online_dpo_with(
-    w: &Warm,
+    w: &Start,
     policy: SharedPolicy,
     cfg: DpoTrainerConfig,
     prompts: usize,
@@ -611,76 +560,52 @@ fn build_online_dpo_with(
     )?)
 }
 
+/// Online DPO (`experiments/online_dpo.toml`'s recipe): 40 steps of 16 prompts x 16
+/// samples ranked by the rule reward, 4 pairs an update, beta 0.1, lr 1e-4.
 #[test]
 fn online_dpo_raises_held_out_accuracy() {
-    let t0 = std::time::Instant::now();
-    let w = warm_nc();
-    let warm_s = t0.elapsed().as_secs_f64();
     let steps = env_or("ONLINE_DPO_STEPS", 40);
     let n = env_or("ONLINE_DPO_N", 16) as usize;
-    let cfg = DpoTrainerConfig {
-        beta: env_or("ONLINE_DPO_BETA_E2", 10) as f64 * 1e-2,
-        n,
-        total_training_steps: steps,
-        ..DpoTrainerConfig::default()
-    };
     let prompts = env_or("ONLINE_DPO_PROMPTS", 16) as usize;
     let pairs = env_or("ONLINE_DPO_PAIRS", 4) as usize;
     let lr = env_or("ONLINE_DPO_LR_E5", 10) as f64 * 1e-5;
-    let mut t = build_online_dpo(w, cfg, prompts, pairs, lr, w.seed).unwrap();
     let key = "val/test_score/arithmetic";
-    let t1 = std::time::Instant::now();
-    let (before, _) = t.validate().unwrap();
-    let (mut used, mut ties) = (0.0, 0.0);
-    let mut log = Vec::new();
-    while t.global_step() < t.total_steps() {
-        let m = t.step().unwrap();
-        used += m["online_dpo/pairs"];
-        ties += m["online_dpo/ties"];
-        if t.global_step().is_multiple_of(10) {
-            let (v, _) = t.validate().unwrap();
-            log.push(format!(
-                "step {}: score {:.3} pairs {} loss {:.3} margin {:.2} logps c {:.2} r {:.2} val {:.3}",
-                t.global_step(),
-                m["critic/score/mean"],
-                m["online_dpo/pairs"],
-                m.get("loss").copied().unwrap_or(f64::NAN),
-                m.get("rewards/margins").copied().unwrap_or(f64::NAN),
-                m.get("logps/chosen").copied().unwrap_or(f64::NAN),
-                m.get("logps/rejected").copied().unwrap_or(f64::NAN),
-                v[key]
-            ));
+    let results = per_seed(&INIT_SEEDS, |seed| {
+        let w = &warm(seed);
+        let cfg = DpoTrainerConfig {
+            beta: env_or("ONLINE_DPO_BETA_E2", 10) as f64 * 1e-2,
+            n,
+            total_training_steps: steps,
+            ..DpoTrainerConfig::default()
+        };
+        let mut t = build_online_dpo(w, cfg, prompts, pairs, lr, w.seed).unwrap();
+        let t1 = std::time::Instant::now();
+        let (before, _) = t.validate().unwrap();
+        let (mut used, mut ties) = (0.0, 0.0);
+        while t.global_step() < t.total_steps() {
+            let m = t.step().unwrap();
+            used += m["online_dpo/pairs"];
+            ties += m["online_dpo/ties"];
         }
-    }
-    let (after, _) = t.validate().unwrap();
-    println!("{}", log.join("\n"));
-    println!(
-        "online dpo: held-out accuracy {:.1}% -> {:.1}% over {steps} steps ({used} pairs trained, \
-         {ties} tied groups skipped; {:.1}s; warm-up {warm_s:.1}s)",
-        before[key] * 100.0,
-        after[key] * 100.0,
-        t1.elapsed().as_secs_f64()
-    );
-    assert!(used > 0.0 && ties > 0.0);
-    assert!(after[key] >= before[key] + 0.05, "{before:?} -> {after:?}");
-}
-
-/// A random (untrained) tiny policy saved as the start checkpoint of the resume tests, on the
-/// original addition task (64 train, 16 test prompts): resuming needs no warm-up.
-fn cold() -> &'static Warm {
-    static COLD: OnceLock<Warm> = OnceLock::new();
-    COLD.get_or_init(|| {
-        let seed = COLD_SEED;
-        let task = tiny_task(MAX_OPERAND, 64, 16, seed).unwrap();
-        let ckpt = inits().cold.clone();
-        let data = tiny_data_config(&task, 4, seed);
-        Warm {
-            task,
-            ckpt,
-            data,
+        let (after, _) = t.validate().unwrap();
+        println!(
+            "online dpo (init seed {seed}): held-out accuracy {:.1}% -> {:.1}% over {steps} \
+             steps ({used} pairs trained, {ties} tied groups skipped; {:.1}s)",
+            before[key] * 100.0,
+            after[key] * 100.0,
+            t1.elapsed().as_secs_f64()
+        );
+        assert!(
+            used > 0.0 && ties > 0.0,
+            "seed {seed}: {used} pairs, {ties} ties"
+        );
+        SeedResult {
             seed,
+            before: before[key],
+            after: after[key],
         }
-    })
+    });
+    assert_gain_over_seeds("online dpo", &results, PREF_MEDIAN_GAIN, PREF_WORST_GAIN);
 }
 
 /// Scores a response by its first token (`id / 100` on its first position), so even a random

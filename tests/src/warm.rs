@@ -1,0 +1,115 @@
+//! The SFT warm-up every learning test starts from, once per initial-weight seed and process:
+//! a tiny Llama SFT-trained on carry-free, zero-padded addition of operands up to 99 (1500
+//! train, 200 held-out prompts) until its held-out loss first drops below 0.8, which leaves it
+//! answering roughly a third of the held-out prompts right (greedy): able to answer, far from
+//! perfect at imitating. The on-policy, preference and reward-model learning tests share one
+//! test binary (`tests/tests/learning`), so each seed's warm-up runs once for all of them.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::{Mutex, OnceLock, PoisonError};
+
+use rl_workers::roles::{ActorConfig, OptimConfig};
+
+use crate::{TinyTask, env_or, fresh_tiny_policy, sft_until_loss, tiny_task_with};
+
+/// The seeds of the initial weights: every learning bar is asserted over these (a median and a
+/// floor for the worst), so that one lucky seed cannot pass it and one CPU's rounding cannot
+/// flip it.
+pub const INIT_SEEDS: [u64; 3] = [7, 1, 2];
+
+/// The position of `init_seed` in [`INIT_SEEDS`], for a per-seed `OnceLock` array; panics
+/// naming the seed when it is not one of them.
+pub fn seed_index(init_seed: u64) -> usize {
+    INIT_SEEDS
+        .iter()
+        .position(|&s| s == init_seed)
+        .unwrap_or_else(|| panic!("init seed {init_seed} is not one of {INIT_SEEDS:?}"))
+}
+
+/// The seed of the task's data and of the runs (rollout sampling, shuffling): one task for
+/// every initial-weight seed.
+pub const TASK_SEED: u64 = 7;
+
+/// The default held-out loss at which SFT stops (`SFT_TARGET_LOSS_E3` / 1000 overrides it).
+pub const SFT_TARGET_LOSS: f64 = 0.8;
+
+/// The most SFT steps a warm-up may take before it counts as stalled (`SFT_STEPS` overrides).
+pub const SFT_MAX_STEPS: u64 = 800;
+
+/// A warmed-up start point: the task on disk and the SFT checkpoint.
+#[derive(Debug)]
+pub struct Warm {
+    /// The carry-free task (its folder also holds the checkpoint).
+    pub task: TinyTask,
+    /// The SFT checkpoint, a Hugging Face folder.
+    pub ckpt: PathBuf,
+    /// The initial-weight seed it was trained from.
+    pub init_seed: u64,
+    /// Held-out losses: before training, then every 10 steps until the target was met.
+    pub losses: Vec<f64>,
+}
+
+/// The warm-up of the initial weights `init_seed`, trained on first use and shared by every
+/// test of the process after that. Training runs on one intra-op thread (set process-wide):
+/// the figures' configuration on any machine, and the seeds of a test then train side by side
+/// in threads of their own (see [`crate::per_seed`]). Environment variables change the recipe
+/// while tuning: `MAX_OPERAND`, `SFT_LR_E4`, `SFT_STEPS`, `SFT_TARGET_LOSS_E3`.
+pub fn carry_free_warm(init_seed: u64) -> &'static Warm {
+    static SLOTS: Mutex<BTreeMap<u64, &'static OnceLock<Warm>>> = Mutex::new(BTreeMap::new());
+    let slot: &'static OnceLock<Warm> = *SLOTS
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .entry(init_seed)
+        .or_insert_with(|| Box::leak(Box::new(OnceLock::new())));
+    slot.get_or_init(|| train_warm(init_seed))
+}
+
+fn train_warm(init_seed: u64) -> Warm {
+    let t = std::time::Instant::now();
+    tch::set_num_threads(1);
+    let addition = rl_data::tasks::tiny_vocab::TinyAddition {
+        max_operand: env_or("MAX_OPERAND", 99) as i64,
+        no_carry: true,
+        zero_pad: true,
+    };
+    let task = tiny_task_with(addition, 1500, 200, TASK_SEED).expect("the carry-free task");
+    let policy = fresh_tiny_policy(task.tokenizer.vocab_size() as i64, init_seed as i64)
+        .expect("a fresh tiny policy");
+    let actor = ActorConfig {
+        ppo_mini_batch_size: 32,
+        optim: OptimConfig {
+            lr: env_or("SFT_LR_E4", 30) as f64 * 1e-4,
+            weight_decay: 0.0,
+            ..OptimConfig::default()
+        },
+        ..ActorConfig::default()
+    };
+    // a loss target rather than a step count: the loss curve of this task has a sharp
+    // transition whose step varies with the seed and with the CPU's rounding
+    let max_steps = env_or("SFT_STEPS", SFT_MAX_STEPS);
+    let target = env_or("SFT_TARGET_LOSS_E3", (SFT_TARGET_LOSS * 1e3) as u64) as f64 * 1e-3;
+    let losses = sft_until_loss(&task, policy.clone(), actor, max_steps, target, TASK_SEED)
+        .expect("the SFT warm-up");
+    println!(
+        "sft (init seed {init_seed}): {} steps in {:.1}s, val/loss every 10 steps {losses:?}",
+        10 * (losses.len() - 1),
+        t.elapsed().as_secs_f64()
+    );
+    assert!(
+        losses[losses.len() - 1] < target,
+        "SFT (init seed {init_seed}) did not reach val/loss {target} in {max_steps} steps: {losses:?}"
+    );
+    let ckpt = task.root.path().join("sft");
+    policy
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .save_pretrained(&ckpt)
+        .expect("saving the SFT checkpoint");
+    Warm {
+        task,
+        ckpt,
+        init_seed,
+        losses,
+    }
+}
