@@ -5,9 +5,8 @@
 //! perfect at imitating. The on-policy, preference and reward-model learning tests share one
 //! test binary (`tests/tests/learning`), so each seed's warm-up runs once for all of them.
 
-use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::{Mutex, OnceLock, PoisonError};
+use std::sync::{OnceLock, PoisonError};
 
 use rl_workers::roles::{ActorConfig, OptimConfig};
 
@@ -50,19 +49,14 @@ pub struct Warm {
     pub losses: Vec<f64>,
 }
 
-/// The warm-up of the initial weights `init_seed`, trained on first use and shared by every
+/// The warm-up of the initial weights `init_seed` (one of [`INIT_SEEDS`]), trained on first use and shared by every
 /// test of the process after that. Training runs on one intra-op thread (set process-wide):
 /// the figures' configuration on any machine, and the seeds of a test then train side by side
 /// in threads of their own (see [`crate::per_seed`]). Environment variables change the recipe
 /// while tuning: `MAX_OPERAND`, `SFT_LR_E4`, `SFT_STEPS`, `SFT_TARGET_LOSS_E3`.
 pub fn carry_free_warm(init_seed: u64) -> &'static Warm {
-    static SLOTS: Mutex<BTreeMap<u64, &'static OnceLock<Warm>>> = Mutex::new(BTreeMap::new());
-    let slot: &'static OnceLock<Warm> = *SLOTS
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .entry(init_seed)
-        .or_insert_with(|| Box::leak(Box::new(OnceLock::new())));
-    slot.get_or_init(|| train_warm(init_seed))
+    static WARM: [OnceLock<Warm>; INIT_SEEDS.len()] = [const { OnceLock::new() }; INIT_SEEDS.len()];
+    WARM[seed_index(init_seed)].get_or_init(|| train_warm(init_seed))
 }
 
 fn train_warm(init_seed: u64) -> Warm {

@@ -358,7 +358,7 @@ fn build_spin(
 ) -> AnyResult<SpinTrainer> {
     let tok = w.task.tokenizer.clone();
     let exp = ExperimentConfig {
-        data: tiny_data_config(&w.task, prompts, w.seed),
+        data: tiny_data_config(w.task, prompts, w.seed),
         ..ExperimentConfig::default()
     };
     let (_, val) = loaders(&exp, &tok)?;
@@ -540,7 +540,7 @@ fn build_online_dpo_with(
 ) -> AnyResult<OnlineDpoTrainer> {
     let tok = w.task.tokenizer.clone();
     let exp = ExperimentConfig {
-        data: tiny_data_config(&w.task, prompts, w.seed),
+        data: tiny_data_config(w.task, prompts, w.seed),
         ..ExperimentConfig::default()
     };
     let (train, val) = loaders(&exp, &tok)?;
