@@ -8,5 +8,6 @@
 //! `preference::` or `reward_model::` picks one group) and prints every seed's figures.
 
 mod on_policy;
+mod pairs;
 mod preference;
 mod reward_model;

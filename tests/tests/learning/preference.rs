@@ -7,20 +7,20 @@ use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
 use rl_algos::trainer::{
-    BatchSource, DpoTrainer, DpoTrainerConfig, OnlineDpoTrainer, RefInit, ReferenceFactory,
-    SpinTrainer,
+    DpoTrainer, DpoTrainerConfig, OnlineDpoTrainer, RefInit, ReferenceFactory, SpinTrainer,
 };
 use rl_core::roles::{Reference, Reward};
 use rl_core::{Batch, StepMetrics, Trainer, keys};
 use rl_data::reward::RewardRegistry;
 use rl_data::reward::role::RuleReward;
-use rl_data::{DataConfig, RlDataset, Tokenizer};
+use rl_data::{DataConfig, RlDataset};
 use rl_e2e::*;
+
+use crate::pairs::{Cycle, pair_batch};
 use rl_workers::RolloutConfig;
 use rl_workers::roles::{
     ActorConfig, ActorWorker, OptimConfig, ReferenceWorker, RolloutWorker, SharedPolicy, ValKwargs,
 };
-use serde_json::Value;
 use tch::{Device, Kind, Tensor};
 
 /// The resume tests' task: the original addition (operands up to 19, not zero-padded).
@@ -87,56 +87,6 @@ fn wrong_answer(answer: &str, row: usize) -> AnyResult<String> {
     Ok(format!("{w:0width$}"))
 }
 
-/// Synthetic preference pairs of `dataset`'s rows `idx` (chosen: the right sum, rejected: a
-/// wrong one), interleaved in the rollout layout. Pair `k` is of row `k % rows`: an index past
-/// `rows` reuses a row with another wrong answer.
-fn pair_batch(
-    dataset: &RlDataset,
-    rows: usize,
-    tok: &Tokenizer,
-    idx: &[usize],
-) -> AnyResult<Batch> {
-    let (mut prompts, mut responses) = (Vec::new(), Vec::new());
-    for &k in idx {
-        let i = k % rows;
-        let row = dataset.row(i)?;
-        let answer = row
-            .extra_info
-            .get("answer")
-            .and_then(Value::as_str)
-            .ok_or("row lacks extra_info.answer")?;
-        let wrong = wrong_answer(answer, k)?;
-        for resp in [answer, wrong.as_str()] {
-            let ex = rl_data::tokenize_prompt_response(tok, &row.prompt, resp)?;
-            let split = ex.loss_mask.iter().position(|&m| m == 1).unwrap_or(0);
-            prompts.push(ex.input_ids[..split].to_vec());
-            responses.push(ex.input_ids[split..].to_vec());
-        }
-    }
-    rollout_layout(&prompts, &responses, tok.pad_id_or_eos()?)
-}
-
-/// Fixed batches, cycled; the state is the cursor.
-struct Cycle {
-    batches: Vec<Batch>,
-    cursor: usize,
-}
-
-impl BatchSource for Cycle {
-    fn next_batch(&mut self) -> rl_core::Result<Batch> {
-        let b = self.batches[self.cursor % self.batches.len()].shallow_clone();
-        self.cursor += 1;
-        Ok(b)
-    }
-    fn state(&self) -> Value {
-        self.cursor.into()
-    }
-    fn load_state(&mut self, state: &Value) -> rl_core::Result<()> {
-        self.cursor = state.as_u64().unwrap_or(0) as usize;
-        Ok(())
-    }
-}
-
 /// The training rows of offline DPO: 40 batches of 16 pairs (two epochs, a new wrong answer
 /// each), so that a 60-step run cycles through its data and the reference cache is used.
 const DPO_ROWS: usize = 320;
@@ -152,12 +102,12 @@ fn pair_sources(w: &Start, pairs: usize) -> AnyResult<(Cycle, Vec<Batch>)> {
     let idx: Vec<usize> = (0..2 * n).collect();
     let batches = idx
         .chunks_exact(pairs)
-        .map(|c| pair_batch(&train, n, tok, c))
+        .map(|c| pair_batch(&train, n, tok, c, wrong_answer))
         .collect::<AnyResult<Vec<_>>>()?;
     let vidx: Vec<usize> = (0..val.len()).collect();
     let val_batches = vidx
         .chunks(50)
-        .map(|c| pair_batch(&val, val.len(), tok, c))
+        .map(|c| pair_batch(&val, val.len(), tok, c, wrong_answer))
         .collect::<AnyResult<Vec<_>>>()?;
     Ok((Cycle { batches, cursor: 0 }, val_batches))
 }

@@ -13,15 +13,15 @@ use std::time::Instant;
 
 use rl_algos::KlPenalty;
 use rl_algos::advantage::AdvEstimator;
-use rl_algos::trainer::{
-    BatchSource, CombinedReward, RewardPart, RmTrainer, RmTrainerConfig, reward_metrics,
-};
+use rl_algos::trainer::{CombinedReward, RewardPart, RmTrainer, RmTrainerConfig, reward_metrics};
 use rl_core::roles::{Reward, Rollout};
 use rl_core::{Batch, StepMetrics, Trainer, keys};
 use rl_data::reward::RewardRegistry;
 use rl_data::reward::role::RuleReward;
 use rl_data::{RlDataset, Tokenizer};
 use rl_e2e::*;
+
+use crate::pairs::{Cycle, answer_of, pair_batch};
 use rl_workers::roles::{
     ActorConfig, CriticConfig, OptimConfig, RewardModelConfig, RewardModelWorker, RmWorker,
     RmWorkerConfig, RolloutWorker, reward_model_from_lm,
@@ -58,70 +58,15 @@ fn near_miss(answer: &str, h: u64) -> String {
 
 /// A wrong answer for pair `k` whose right answer is `answer`: any other number of the same
 /// width, drawn by a fixed hash.
-fn wrong_answer(answer: &str, k: usize) -> String {
+fn wrong_answer(answer: &str, k: usize) -> AnyResult<String> {
     let width = answer.len();
     let span = 10u64.pow(width as u32);
-    let right: u64 = answer.parse().unwrap_or(0);
+    let right: u64 = answer.parse()?;
     let mut w = (hash(k as u64) >> 20) % span;
     if w == right {
         w = (w + 1) % span;
     }
-    format!("{w:0width$}")
-}
-
-/// `extra_info.answer` of a row: the zero-padded sum as written in the SFT target.
-fn answer_of(row: &rl_data::RlRow) -> AnyResult<String> {
-    Ok(row
-        .extra_info
-        .get("answer")
-        .and_then(Value::as_str)
-        .ok_or("row lacks extra_info.answer")?
-        .to_owned())
-}
-
-/// Pairs for `dataset`'s rows `idx` (index `k` past the end reuses row `k % len` with another
-/// wrong answer), interleaved chosen-first in the rollout layout.
-fn pair_batch(dataset: &RlDataset, tok: &Tokenizer, idx: &[usize]) -> AnyResult<Batch> {
-    let (mut prompts, mut responses) = (Vec::new(), Vec::new());
-    for &k in idx {
-        let row = dataset.row(k % dataset.len())?;
-        let answer = answer_of(&row)?;
-        let wrong = wrong_answer(&answer, k);
-        for resp in [answer.as_str(), wrong.as_str()] {
-            let ex = rl_data::tokenize_prompt_response(tok, &row.prompt, resp)?;
-            let split = ex.loss_mask.iter().position(|&m| m == 1).unwrap_or(0);
-            prompts.push(ex.input_ids[..split].to_vec());
-            responses.push(ex.input_ids[split..].to_vec());
-        }
-    }
-    rollout_layout(&prompts, &responses, tok.pad_id_or_eos()?)
-}
-
-/// Fixed batches, cycled; the state is the cursor.
-struct Cycle {
-    batches: Vec<Batch>,
-    cursor: usize,
-}
-
-impl BatchSource for Cycle {
-    fn next_batch(&mut self) -> rl_core::Result<Batch> {
-        let b = self.batches[self.cursor % self.batches.len()].shallow_clone();
-        self.cursor += 1;
-        Ok(b)
-    }
-    fn state(&self) -> Value {
-        self.cursor.into()
-    }
-    fn load_state(&mut self, state: &Value) -> rl_core::Result<()> {
-        self.cursor = state
-            .as_u64()
-            .ok_or("cursor is not a number")
-            .map_err(|e| rl_core::Error::Role {
-                role: "data",
-                source: e.into(),
-            })? as usize;
-        Ok(())
-    }
+    Ok(format!("{w:0width$}"))
 }
 
 /// Train batches of `pairs` pairs over `epochs` passes of `train` (a new wrong answer per pass)
@@ -136,12 +81,12 @@ fn pair_sources(
     let idx: Vec<usize> = (0..epochs * train.len()).collect();
     let batches = idx
         .chunks_exact(pairs)
-        .map(|c| pair_batch(train, tok, c))
+        .map(|c| pair_batch(train, train.len(), tok, c, wrong_answer))
         .collect::<AnyResult<Vec<_>>>()?;
     let vidx: Vec<usize> = (0..val.len()).collect();
     let val_batches = vidx
         .chunks(100)
-        .map(|c| pair_batch(val, tok, c))
+        .map(|c| pair_batch(val, val.len(), tok, c, wrong_answer))
         .collect::<AnyResult<Vec<_>>>()?;
     Ok((Cycle { batches, cursor: 0 }, val_batches))
 }
@@ -297,7 +242,7 @@ fn policy_pairs(
                 let other = response_ids(&row, &other)?;
                 pairs.push((s.prompt.clone(), target.clone(), other));
             }
-            let wrong = response_ids(&row, &wrong_answer(&answer, i * 16 + e + 7919))?;
+            let wrong = response_ids(&row, &wrong_answer(&answer, i * 16 + e + 7919)?)?;
             pairs.push((s.prompt.clone(), target.clone(), wrong));
         }
     }
