@@ -341,6 +341,9 @@ pub fn build_with_group(
     if world > 1 && !cfg.trainer.algorithm.is_data_parallel() {
         bail!("{}", cfg.trainer.algorithm.not_data_parallel());
     }
+    // not held across the build (`rl_workers::hold_generator`): joining a group broadcasts,
+    // and a rank must not wait on a collective while holding a process-wide lock; `harness`
+    // builds on one thread, so the seeded draws below are its own
     tch::manual_seed(cfg.trainer.seed as i64);
     let dir = cfg.actor_rollout_ref.model.path.clone();
     let kind = cfg.actor_rollout_ref.model.dtype.kind();
@@ -948,6 +951,7 @@ pub fn init_tiny(dir: &Path, seed: i64, noise: f64) -> Result<i64> {
     }
     let vocab = rl_data::tasks::tiny_vocab::write_tiny_tokenizer(dir)
         .with_context(|| format!("writing the tiny tokenizer to {}", dir.display()))?;
+    let _generator = rl_workers::hold_generator();
     tch::manual_seed(seed);
     let lm = CausalLm::new(&tiny_llama_config(vocab as i64), Device::Cpu, Kind::Float)?;
     if noise > 0.0 {

@@ -189,6 +189,7 @@ fn a_reward_model_combined_with_the_rule_reward_scores_the_rollouts() {
     let env = Env::new();
     tiny_llm(&env, 64, 16);
     let rm_dir = env.path().join("models/tiny-rm");
+    let _generator = rl_workers::hold_generator();
     tch::manual_seed(3);
     let rm = rl_workers::roles::reward_model_from_lm(
         env.path().join("models/tiny-llama"),

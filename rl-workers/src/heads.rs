@@ -72,6 +72,8 @@ fn build<H>(
     head: impl FnOnce(&tch::nn::Path, &Config) -> H,
 ) -> Result<(VarStore, Model, H)> {
     check_kind(kind)?;
+    // the initial draws come from torch's global generator: hold it (crate::seed)
+    let _generator = crate::seed::hold_generator();
     let mut vs = VarStore::new(device);
     let model = Model::new(vs.root() / "model", cfg)?;
     let head = head(&vs.root(), cfg);
@@ -89,8 +91,8 @@ pub struct CausalLm {
 }
 
 impl CausalLm {
-    /// A freshly initialised model (normal(0, `initializer_range`) like transformers; seed with
-    /// `tch::manual_seed` first for a reproducible init).
+    /// A freshly initialised model (normal(0, `initializer_range`) like transformers; build it
+    /// inside [`crate::seeded`] for a reproducible init).
     pub fn new(cfg: &Config, device: Device, kind: Kind) -> Result<CausalLm> {
         let (vs, model, lm_head) = build(cfg, device, kind, |root, cfg| {
             (!cfg.tie_word_embeddings).then(|| {

@@ -9,6 +9,7 @@
 //! - [`generate_multi_turn`] with a [`ToolEnv`]: multi-turn rollouts that call tools between
 //!   turns, keeping the KV cache.
 //! - [`roles`]: actor, rollout (sharing the actor's weights), reference and critic workers.
+//! - [`seeded`], [`hold_generator`]: seeded initialisations that other threads cannot disturb.
 
 mod error;
 pub mod gguf;
@@ -18,6 +19,7 @@ mod model;
 mod multiturn;
 pub mod roles;
 mod rollout;
+mod seed;
 
 pub use error::{Error, Result};
 pub use heads::{CONFIG_JSON, CausalLm, RewardModel, ValueModel};
@@ -27,3 +29,4 @@ pub use multiturn::{
     generate_multi_turn, token_ids_u32,
 };
 pub use rollout::{GenerateOptions, Progress, RolloutConfig, RolloutOutput, generate};
+pub use seed::{GeneratorGuard, hold_generator, seeded};

@@ -194,25 +194,11 @@ pub fn build_sft(
     )?)
 }
 
-/// Runs `f` with torch's global generator seeded with `seed`, holding a process-wide lock, so
-/// that a seeded initialisation (a fresh policy, a value head) cannot interleave with another
-/// test thread's: the draws, and so the weights, are then the same however tests are scheduled.
+/// Runs `f` with torch's global generator seeded with `seed` and held ([`rl_workers::seeded`]):
+/// every model construction of the workspace draws under the same lock, so a seeded
+/// initialisation (a fresh policy, a value head) is the same however tests are scheduled.
 pub fn seeded<T>(seed: i64, f: impl FnOnce() -> T) -> T {
-    generator_held(|| {
-        tch::manual_seed(seed);
-        f()
-    })
-}
-
-/// Runs `f` holding the lock of [`seeded`] without reseeding: for a construction that draws
-/// from torch's global generator only to be overwritten (loading weights initialises a model
-/// first), so that it cannot advance the generator in the middle of a seeded initialisation.
-fn generator_held<T>(f: impl FnOnce() -> T) -> T {
-    static GLOBAL_GENERATOR: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let _held = GLOBAL_GENERATOR
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    f()
+    rl_workers::seeded(seed, f)
 }
 
 /// A fresh tiny policy (seeded init, see [`seeded`]).
@@ -314,15 +300,12 @@ pub fn assert_gain_over_seeds(
 }
 
 /// Loads a policy saved with `save_pretrained` into `dir`.
-/// (The model is built under [`seeded`]'s lock: see [`generator_held`].)
 pub fn load_policy(dir: &Path) -> AnyResult<SharedPolicy> {
-    generator_held(|| {
-        Ok(share(CausalLm::from_pretrained(
-            dir,
-            Device::Cpu,
-            Kind::Float,
-        )?))
-    })
+    Ok(share(CausalLm::from_pretrained(
+        dir,
+        Device::Cpu,
+        Kind::Float,
+    )?))
 }
 
 /// Parses verl's `algorithm` group; an unknown `adv_estimator` is an error naming

@@ -14,6 +14,7 @@ use rl_workers::{CausalLm, Config, RolloutConfig};
 use tch::{Device, Kind, Tensor};
 
 fn policy() -> SharedPolicy {
+    let _generator = rl_workers::hold_generator();
     tch::manual_seed(5);
     share(CausalLm::new(&Config::tiny(), Device::Cpu, Kind::Float).unwrap())
 }
@@ -21,6 +22,7 @@ fn policy() -> SharedPolicy {
 /// 16 rows (4 prompts x 4 samples) with old/ref log-probs and random advantages.
 fn batch() -> Batch {
     let p = policy();
+    let _generator = rl_workers::hold_generator();
     tch::manual_seed(6);
     let ids = Tensor::randint_low(3, 120, [4, 6], (Kind::Int64, Device::Cpu));
     let mask = Tensor::ones([4, 6], (Kind::Int64, Device::Cpu));

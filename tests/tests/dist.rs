@@ -222,11 +222,13 @@ const PROMPTS: usize = 4;
 const N: usize = 4;
 
 fn tiny_policy() -> SharedPolicy {
+    let _generator = rl_workers::hold_generator();
     tch::manual_seed(5);
     rl_workers::roles::share(CausalLm::new(&Config::tiny(), Device::Cpu, Kind::Float).unwrap())
 }
 
 fn tiny_critic() -> ValueModel {
+    let _generator = rl_workers::hold_generator();
     tch::manual_seed(7);
     ValueModel::new(&Config::tiny(), Device::Cpu, Kind::Float).unwrap()
 }
@@ -234,6 +236,7 @@ fn tiny_critic() -> ValueModel {
 /// 16 rows (4 prompts x 4 responses of 1 to 7 tokens, some empty-ish prompts) with old/ref
 /// log-probs, values, returns and advantages: no sampling, the same on every process.
 fn fixed_batch() -> Batch {
+    let _generator = rl_workers::hold_generator();
     tch::manual_seed(6);
     let rows = PROMPTS * N;
     let lens = Vec::<i64>::try_from(Tensor::randint_low(
@@ -479,6 +482,7 @@ fn on_policy_trainer(
     }
     let mut critic_vars = Vec::new();
     let critic = if cfg.algorithm.adv_estimator.needs_critic() {
+        let _generator = rl_workers::hold_generator();
         tch::manual_seed(11);
         let vm = ValueModel::new(
             &tiny_llama_config(tokenizer.vocab_size() as i64),

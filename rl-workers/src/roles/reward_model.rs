@@ -458,6 +458,7 @@ mod tests {
     use crate::model::Config;
 
     fn tiny_rm(seed: i64) -> RewardModel {
+        let _generator = crate::hold_generator();
         tch::manual_seed(seed);
         let mut cfg = Config::tiny();
         cfg.set_num_labels(1);
@@ -518,6 +519,7 @@ mod tests {
 
     #[test]
     fn two_labels_are_refused_by_name() {
+        let _generator = crate::hold_generator();
         tch::manual_seed(0);
         let mut cfg = Config::tiny();
         cfg.set_num_labels(2);

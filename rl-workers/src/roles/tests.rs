@@ -52,10 +52,11 @@ impl ValueObjective for Mse {
     }
 }
 
-/// A random tiny policy. Two calls with the same seed need not give the same weights: the
-/// seed is libtorch's process-global generator, and tests on other threads draw from it
-/// between `manual_seed` and the initialisation. Use [`copy_of`] for equal starts.
+/// A random tiny policy, seeded under the generator lock (`crate::seeded`'s), so one seed gives
+/// one set of weights whatever other test threads do. [`copy_of`] copies a policy's current
+/// weights.
 fn tiny_policy(seed: i64) -> SharedPolicy {
+    let _generator = crate::hold_generator();
     tch::manual_seed(seed);
     share(CausalLm::new(&Config::tiny(), Device::Cpu, Kind::Float).unwrap())
 }
@@ -93,6 +94,7 @@ fn rollout(policy: &SharedPolicy, n: usize) -> RolloutWorker {
 }
 
 fn rolled(policy: &SharedPolicy) -> Batch {
+    let _generator = crate::hold_generator();
     tch::manual_seed(11);
     let mut b = rollout(policy, 2).generate(&prompts(4)).unwrap();
     let adv = Tensor::randn([8, 6], (Kind::Float, Device::Cpu));
@@ -278,6 +280,7 @@ fn reference_is_frozen_and_resume_restores_weights_and_optimizer() {
 fn critic_loss_falls() {
     let policy = tiny_policy(3);
     let batch = rolled(&policy);
+    let _generator = crate::hold_generator();
     tch::manual_seed(4);
     let vm = ValueModel::new(&Config::tiny(), Device::Cpu, Kind::Float).unwrap();
     let cfg = CriticConfig {

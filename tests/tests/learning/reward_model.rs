@@ -514,10 +514,8 @@ fn rm_training_raises_held_out_preference_accuracy() {
     assert_gain_over_seeds("rm (the policy's own held-out samples)", &own, 0.10, 0.0);
 }
 
-/// A fresh reward model for [`small_rm_trainer`] (seed `seed`). Two calls with one seed need
-/// not agree: `seeded` keeps other `seeded` calls out, but this binary's other tests draw
-/// from torch's global generator too (every `from_pretrained` and `from_policy` initialises
-/// a model before loading), so build one and hand out copies where starts must be equal.
+/// A fresh reward model for [`small_rm_trainer`] (seed `seed`, drawn under `seeded`'s lock,
+/// which every model construction takes, so one seed gives one model).
 fn small_rm(task: &TinyTask, seed: i64) -> AnyResult<RewardModel> {
     let mut cfg = tiny_llama_config(task.tokenizer.vocab_size() as i64);
     cfg.set_num_labels(1);
