@@ -28,7 +28,7 @@ fn warm(init_seed: u64) -> &'static Warm {
 
 /// The on-policy config every test starts from (`experiments/quickstart.toml`'s recipe: 64
 /// prompts x 8 samples a step at temperature 0.5, lr 1e-3), over the SFT checkpoint of `w`.
-fn base_config(w: &Warm, adv: AdvEstimator) -> ExperimentConfig {
+pub(crate) fn base_config(w: &Warm, adv: AdvEstimator) -> ExperimentConfig {
     let batch = env_or("LEARN_RL_BATCH", 64) as usize;
     let mut cfg = ExperimentConfig {
         data: tiny_data_config(&w.task, batch, SEED),

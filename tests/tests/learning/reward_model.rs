@@ -23,8 +23,8 @@ use rl_e2e::*;
 
 use crate::pairs::{Cycle, answer_of, pair_batch};
 use rl_workers::roles::{
-    ActorConfig, CriticConfig, OptimConfig, RewardModelConfig, RewardModelWorker, RmWorker,
-    RmWorkerConfig, RolloutWorker, reward_model_from_lm,
+    OptimConfig, RewardModelConfig, RewardModelWorker, RmWorker, RmWorkerConfig, RolloutWorker,
+    reward_model_from_lm,
 };
 use rl_workers::{RewardModel, RolloutConfig, ValueModel};
 use serde_json::Value;
@@ -729,9 +729,9 @@ fn rm_plus_rule_is_the_weighted_sum_at_the_last_token() {
 }
 
 /// The RL settings of a run (each overridable while tuning: `RM_RL_STEPS`, `RM_RL_LR_E4`,
-/// `RM_RL_KL_E3`, `RM_RL_KL_LOSS`, `RM_RL_KL_REWARD`; and for every run `RM_RL_BATCH` prompts
-/// of 8 samples at temperature `RM_RL_TEMP_PCT` / 100, default the quickstart's 64 at 0.5,
-/// `RM_RL_CRITIC_WARMUP` critic-only steps before them, `RM_RL_VAL_EVERY`).
+/// `RM_RL_KL_E3`, `RM_RL_KL_LOSS`, `RM_RL_KL_REWARD`; and for every run `RM_RL_CRITIC_WARMUP`
+/// critic-only steps before them, `RM_RL_VAL_EVERY`; the batch and temperature are the
+/// on-policy tests', `LEARN_RL_BATCH` and `LEARN_RL_TEMP_PCT`).
 struct RlSettings {
     /// Training steps.
     steps: u64,
@@ -763,48 +763,19 @@ fn rl_with_learned_reward(
     let w = warm(init_seed);
     let rm_dir = trained_rm(init_seed).dir.clone();
     let tok = w.task.tokenizer.clone();
-    let mut cfg = ExperimentConfig {
-        data: tiny_data_config(&w.task, env_or("RM_RL_BATCH", 64) as usize, SEED),
-        ..ExperimentConfig::default()
-    };
+    // the on-policy tests' recipe (64 prompts x 8 samples at temperature 0.5, the same critic),
+    // with this run's learning rate and KL
+    let mut cfg = crate::on_policy::base_config(w, adv);
     let steps = env_or("RM_RL_STEPS", steps);
-    {
-        let arr = &mut cfg.actor_rollout_ref;
-        arr.model.path = w.ckpt.clone();
-        arr.rollout = RolloutConfig {
-            n: 8,
-            response_length: 4,
-            temperature: env_or("RM_RL_TEMP_PCT", 50) as f64 / 100.0,
-            seed: SEED,
-            ..RolloutConfig::default()
-        };
-        arr.actor = ActorConfig {
-            ppo_mini_batch_size: env_or("RM_RL_BATCH", 64) as usize,
-            ppo_micro_batch_size_per_gpu: Some(64),
-            optim: OptimConfig {
-                lr: env_or("RM_RL_LR_E4", lr_e4) as f64 * 1e-4,
-                weight_decay: 0.0,
-                ..OptimConfig::default()
-            },
-            ..ActorConfig::default()
-        };
-        arr.actor_loss.use_kl_loss = env_or("RM_RL_KL_LOSS", u64::from(kl_loss)) == 1;
-        arr.actor_loss.kl_loss_type = KlPenalty::LowVarKl;
-        arr.actor_loss.kl_loss_coef = env_or("RM_RL_KL_E3", kl_e3) as f64 * 1e-3;
-    }
-    cfg.algorithm.adv_estimator = adv;
+    let kl_coef = env_or("RM_RL_KL_E3", kl_e3) as f64 * 1e-3;
+    let arr = &mut cfg.actor_rollout_ref;
+    arr.actor.optim.lr = env_or("RM_RL_LR_E4", lr_e4) as f64 * 1e-4;
+    arr.actor_loss.use_kl_loss = env_or("RM_RL_KL_LOSS", u64::from(kl_loss)) == 1;
+    arr.actor_loss.kl_loss_type = KlPenalty::LowVarKl;
+    arr.actor_loss.kl_loss_coef = kl_coef;
     cfg.algorithm.lam = 0.95;
     cfg.algorithm.use_kl_in_reward = env_or("RM_RL_KL_REWARD", u64::from(!kl_loss)) == 1;
-    cfg.algorithm.kl_ctrl.kl_coef = env_or("RM_RL_KL_E3", kl_e3) as f64 * 1e-3;
-    cfg.critic.worker = CriticConfig {
-        ppo_mini_batch_size: 16,
-        optim: OptimConfig {
-            lr: 3e-3,
-            weight_decay: 0.0,
-            ..OptimConfig::default()
-        },
-        ..CriticConfig::default()
-    };
+    cfg.algorithm.kl_ctrl.kl_coef = kl_coef;
     let warmup = env_or("RM_RL_CRITIC_WARMUP", 0);
     cfg.trainer.total_training_steps = Some(steps + warmup);
     cfg.trainer.critic_warmup = warmup;
