@@ -6,21 +6,36 @@
 //! each run's cursor in `tracker_runs`. A background task pushes while training; a tracker that
 //! is down or slow only leaves records pending (never blocks or fails training), and
 //! `harness sync` pushes them later.
+//!
+//! Every push is idempotent, so nothing is doubled remotely when an answer is lost (a timeout
+//! after the server acted, a kill between a call and its record): a run is created with a
+//! random `harness.create_token` tag and looked up by it before creating again; params are
+//! diffed against the remote run's; a metrics batch is recorded as in flight before it is
+//! posted, and an in-flight batch is looked up remotely before it is sent again. One process at
+//! a time pushes a run: it holds a lease (`tracker_runs.sync_owner`, `sync_until`).
 
+mod mlflow;
+
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, anyhow, bail};
+use anyhow::{Result, anyhow, bail};
 use serde_json::{Value, json};
 use sqlx::Row;
 use sqlx::sqlite::SqliteConnection;
+use tokio::runtime::Runtime;
+use tokio::sync::watch;
 
 use crate::config::{self, ExperimentConfig, TrackerConfig};
 use crate::store::{Store, now};
+use mlflow::{CallError, MlflowClient, metric_value};
 
 /// MLflow's limits for one `runs/log-batch` call.
 pub const MAX_METRICS_PER_BATCH: usize = 1000;
 /// MLflow's limit of params per `runs/log-batch` call.
 pub const MAX_PARAMS_PER_BATCH: usize = 100;
+/// The tag that finds a remote run again when the answer to its `runs/create` was lost.
+const CREATE_TOKEN: &str = "harness.create_token";
 /// MLflow's limit on a param value's length.
 const MAX_PARAM_VALUE: usize = 6000;
 
@@ -32,7 +47,9 @@ pub async fn enqueue_start(
 ) -> Result<()> {
     let t = now();
     sqlx::query(
-        "INSERT OR REPLACE INTO tracker_runs (run_id, uri, metric_cursor) VALUES (?, ?, 0)",
+        "INSERT INTO tracker_runs (run_id, uri, metric_cursor) VALUES (?, ?, 0) \
+         ON CONFLICT (run_id) DO UPDATE SET uri = excluded.uri, metric_cursor = 0, \
+         remote_run_id = NULL, experiment_id = NULL, inflight_upto = NULL",
     )
     .bind(run_id)
     .bind(&cfg.trainer.tracker.uri)
@@ -48,7 +65,11 @@ pub async fn enqueue_start(
         "experiment": experiment,
         "run_name": format!("{}-{run_id}", cfg.trainer.experiment_name),
         "start_time": (t * 1000.0) as i64,
-        "tags": {"harness.run_id": run_id.to_string(), "mlflow.runName": format!("{}-{run_id}", cfg.trainer.experiment_name)},
+        "tags": {
+            "harness.run_id": run_id.to_string(),
+            "mlflow.runName": format!("{}-{run_id}", cfg.trainer.experiment_name),
+            CREATE_TOKEN: format!("{:032x}", rand::random::<u128>()),
+        },
     });
     let flat = config::flatten(&serde_json::to_value(cfg)?);
     let params: Vec<(String, String)> = flat
@@ -139,145 +160,6 @@ pub async fn enqueue_status(
     Ok(())
 }
 
-/// A failed call: transient ones are retried, permanent ones are recorded and skipped.
-#[derive(Debug)]
-struct CallError {
-    permanent: bool,
-    message: String,
-}
-
-/// Percent-encodes a query value.
-fn encode(s: &str) -> String {
-    s.bytes()
-        .map(|b| match b {
-            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
-                (b as char).to_string()
-            }
-            _ => format!("%{b:02X}"),
-        })
-        .collect()
-}
-
-/// A small MLflow REST client.
-pub struct MlflowClient {
-    http: reqwest::Client,
-    base: String,
-}
-
-impl MlflowClient {
-    /// A client for `uri` with a per-request timeout.
-    pub fn new(uri: &str, timeout: Duration) -> Result<MlflowClient> {
-        let http = reqwest::Client::builder()
-            .timeout(timeout)
-            .connect_timeout(timeout)
-            .build()
-            .context("building the HTTP client")?;
-        Ok(MlflowClient {
-            http,
-            base: format!("{}/api/2.0/mlflow", uri.trim_end_matches('/')),
-        })
-    }
-
-    async fn call(
-        &self,
-        method: reqwest::Method,
-        endpoint: &str,
-        body: Option<Value>,
-        query: &[(&str, &str)],
-    ) -> Result<Value, CallError> {
-        let mut url = format!("{}/{endpoint}", self.base);
-        for (i, (k, v)) in query.iter().enumerate() {
-            url.push(if i == 0 { '?' } else { '&' });
-            url.push_str(&format!("{k}={}", encode(v)));
-        }
-        let mut req = self.http.request(method, &url);
-        if let Some(b) = body {
-            req = req.json(&b);
-        }
-        let resp = req.send().await.map_err(|e| CallError {
-            permanent: false,
-            message: format!("{url}: {e}"),
-        })?;
-        let status = resp.status();
-        let text = resp.text().await.map_err(|e| CallError {
-            permanent: false,
-            message: format!("{url}: reading the answer: {e}"),
-        })?;
-        if status.is_success() {
-            return Ok(serde_json::from_str(&text).unwrap_or(Value::Null));
-        }
-        let code = serde_json::from_str::<Value>(&text)
-            .ok()
-            .and_then(|v| {
-                v.get("error_code")
-                    .and_then(Value::as_str)
-                    .map(str::to_owned)
-            })
-            .unwrap_or_default();
-        Err(CallError {
-            permanent: status.is_client_error() && status.as_u16() != 429 && status.as_u16() != 408,
-            message: format!(
-                "{url}: HTTP {status} {code}: {}",
-                text.chars().take(300).collect::<String>()
-            ),
-        })
-    }
-
-    async fn post(&self, endpoint: &str, body: Value) -> Result<Value, CallError> {
-        self.call(reqwest::Method::POST, endpoint, Some(body), &[])
-            .await
-    }
-
-    /// The id of the experiment named `name`, created if needed.
-    async fn experiment_id(&self, name: &str) -> Result<String, CallError> {
-        let found = self
-            .call(
-                reqwest::Method::GET,
-                "experiments/get-by-name",
-                None,
-                &[("experiment_name", name)],
-            )
-            .await;
-        let id_of = |v: &Value| {
-            v.pointer("/experiment/experiment_id")
-                .and_then(Value::as_str)
-                .map(str::to_owned)
-        };
-        match found {
-            Ok(v) => id_of(&v).ok_or_else(|| CallError {
-                permanent: true,
-                message: format!("experiments/get-by-name answered without an id: {v}"),
-            }),
-            Err(e) if e.permanent => {
-                match self.post("experiments/create", json!({"name": name})).await {
-                    Ok(v) => v
-                        .get("experiment_id")
-                        .and_then(Value::as_str)
-                        .map(str::to_owned)
-                        .ok_or_else(|| CallError {
-                            permanent: true,
-                            message: format!("experiments/create answered without an id: {v}"),
-                        }),
-                    // Created by someone else in between.
-                    Err(e) if e.message.contains("RESOURCE_ALREADY_EXISTS") => {
-                        let v = self
-                            .call(
-                                reqwest::Method::GET,
-                                "experiments/get-by-name",
-                                None,
-                                &[("experiment_name", name)],
-                            )
-                            .await?;
-                        id_of(&v).ok_or(e)
-                    }
-                    Err(e) => Err(e),
-                }
-            }
-            Err(e) => Err(e),
-        }
-    }
-}
-
 /// What is still waiting for the tracker for one run.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Pending {
@@ -331,8 +213,103 @@ async fn mark(store: &Store, outbox_id: i64, done: bool, error: Option<String>) 
         .map(|_| ())
 }
 
+/// This process's name as the holder of a run's push lease.
+fn owner() -> &'static str {
+    static OWNER: OnceLock<String> = OnceLock::new();
+    OWNER.get_or_init(|| {
+        format!(
+            "pid {} ({:016x})",
+            std::process::id(),
+            rand::random::<u64>()
+        )
+    })
+}
+
+/// Takes the push lease of `run_id` until `until` (Unix seconds), or names who holds it.
+async fn claim(store: &Store, run_id: i64, until: f64) -> Result<Option<String>> {
+    let me = owner();
+    let claimed = store
+        .write(move |c| {
+            Box::pin(async move {
+                let r = sqlx::query(
+                    "UPDATE tracker_runs SET sync_owner = ?1, sync_until = ?2 WHERE run_id = ?3 \
+                     AND (sync_owner IS NULL OR sync_owner = ?1 OR sync_until < ?4)",
+                )
+                .bind(me)
+                .bind(until)
+                .bind(run_id)
+                .bind(now())
+                .execute(&mut *c)
+                .await?;
+                Ok(r.rows_affected() as i64)
+            })
+        })
+        .await?;
+    if claimed == 1 {
+        return Ok(None);
+    }
+    let holder: Option<(Option<String>, Option<f64>)> =
+        sqlx::query_as("SELECT sync_owner, sync_until FROM tracker_runs WHERE run_id = ?")
+            .bind(run_id)
+            .fetch_optional(store.pool())
+            .await?;
+    Ok(Some(match holder {
+        Some((Some(who), Some(until))) => {
+            format!("{who}, for {:.0} s more", (until - now()).max(0.0))
+        }
+        _ => "another process".to_owned(),
+    }))
+}
+
+async fn release(store: &Store, run_id: i64) -> Result<()> {
+    let me = owner();
+    store
+        .write(move |c| {
+            Box::pin(async move {
+                sqlx::query(
+                    "UPDATE tracker_runs SET sync_owner = NULL, sync_until = NULL \
+                     WHERE run_id = ? AND sync_owner = ?",
+                )
+                .bind(run_id)
+                .bind(me)
+                .execute(&mut *c)
+                .await?;
+                Ok(0)
+            })
+        })
+        .await
+        .map(|_| ())
+}
+
+/// Records how far the metrics are pushed: `cursor` is accepted remotely, `inflight` (the last
+/// row of a batch posted and not answered yet) may or may not be.
+async fn set_cursor(store: &Store, run_id: i64, cursor: i64, inflight: Option<i64>) -> Result<()> {
+    store
+        .write(move |c| {
+            Box::pin(async move {
+                sqlx::query(
+                    "UPDATE tracker_runs SET metric_cursor = ?, inflight_upto = ? WHERE run_id = ?",
+                )
+                .bind(cursor)
+                .bind(inflight)
+                .bind(run_id)
+                .execute(&mut *c)
+                .await?;
+                Ok(0)
+            })
+        })
+        .await
+        .map(|_| ())
+}
+
+/// A metric's wall time as MLflow's timestamp (ms).
+fn millis(wall: f64) -> i64 {
+    (wall * 1000.0) as i64
+}
+
 /// Pushes what is pending for `run_id`, in order, until done, an error, or `deadline`.
-/// `uri` overrides the stored tracker address.
+/// `uri` overrides the stored tracker address. Refuses, naming the holder, while another
+/// process pushes the same run.
 pub async fn sync_run(
     store: &Store,
     run_id: i64,
@@ -340,15 +317,45 @@ pub async fn sync_run(
     timeout: Duration,
     deadline: Instant,
 ) -> Result<Pending> {
-    let row = sqlx::query("SELECT uri, experiment_id, remote_run_id, metric_cursor FROM tracker_runs WHERE run_id = ?")
-        .bind(run_id)
-        .fetch_optional(store.pool())
-        .await?
-        .with_context(|| format!("run {run_id} is not tracked remotely"))?;
+    let tracked: Option<i64> =
+        sqlx::query_scalar("SELECT run_id FROM tracker_runs WHERE run_id = ?")
+            .bind(run_id)
+            .fetch_optional(store.pool())
+            .await?;
+    if tracked.is_none() {
+        bail!("run {run_id} is not tracked remotely");
+    }
+    // One call may overrun the deadline by its timeout; a few more for the records after it.
+    let lease = deadline.saturating_duration_since(Instant::now()) + timeout * 2;
+    let until = now() + lease.as_secs_f64() + 5.0;
+    if let Some(holder) = claim(store, run_id, until).await? {
+        bail!("run {run_id} is being pushed by another process ({holder}); it stays pending");
+    }
+    let result = push_pending(store, run_id, uri, timeout, deadline).await;
+    let released = release(store, run_id).await;
+    let pending = result?;
+    released?;
+    Ok(pending)
+}
+
+async fn push_pending(
+    store: &Store,
+    run_id: i64,
+    uri: Option<&str>,
+    timeout: Duration,
+    deadline: Instant,
+) -> Result<Pending> {
+    let row = sqlx::query(
+        "SELECT uri, remote_run_id, metric_cursor, inflight_upto FROM tracker_runs WHERE run_id = ?",
+    )
+    .bind(run_id)
+    .fetch_one(store.pool())
+    .await?;
     let stored_uri: String = row.get(0);
     let client = MlflowClient::new(uri.unwrap_or(&stored_uri), timeout)?;
-    let mut remote: Option<String> = row.get(2);
-    let mut cursor: i64 = row.get(3);
+    let mut remote: Option<String> = row.get(1);
+    let mut cursor: i64 = row.get(2);
+    let mut inflight: Option<i64> = row.get(3);
     // 1. create and params, in order (status records wait until the metrics are out).
     let records = sqlx::query(
         "SELECT id, kind, payload FROM outbox WHERE run_id = ? AND done IS NULL ORDER BY id",
@@ -371,6 +378,7 @@ pub async fn sync_run(
             "rewind" => {
                 remote = None;
                 cursor = 0;
+                inflight = None;
                 match payload["remote_run_id"].as_str() {
                     Some(old) => client
                         .post("runs/delete", json!({"run_id": old}))
@@ -415,7 +423,27 @@ pub async fn sync_run(
     let Some(rid) = remote else {
         return pending(store, run_id).await;
     };
-    // 2. metrics past the cursor, in chunks of MLflow's batch limit.
+    // 2. a batch posted before whose answer never came back: sent again only if it never landed.
+    if let Some(upto) = inflight {
+        let last: Option<(String, i64, f64)> =
+            sqlx::query_as("SELECT key, step, wall_time FROM metrics WHERE id = ? AND run_id = ?")
+                .bind(upto)
+                .bind(run_id)
+                .fetch_optional(store.pool())
+                .await?;
+        let landed = match last {
+            Some((key, step, wall)) => client
+                .has_metric(&rid, &key, step, millis(wall))
+                .await
+                .map_err(|e| anyhow!("{}", e.message))?,
+            None => false,
+        };
+        if landed {
+            cursor = upto;
+        }
+        set_cursor(store, run_id, cursor, None).await?;
+    }
+    // 3. metrics past the cursor, in chunks of MLflow's batch limit.
     loop {
         if Instant::now() > deadline {
             return pending(store, run_id).await;
@@ -436,16 +464,17 @@ pub async fn sync_run(
             .iter()
             .map(|r| {
                 let v: Option<f64> = r.get(3);
-                let wall: f64 = r.get(4);
                 json!({"key": r.get::<String, _>(2), "value": metric_value(v.unwrap_or(f64::NAN)),
-                       "timestamp": (wall * 1000.0) as i64, "step": r.get::<i64, _>(1)})
+                       "timestamp": millis(r.get(4)), "step": r.get::<i64, _>(1)})
             })
             .collect();
+        set_cursor(store, run_id, cursor, Some(last)).await?;
         match client
             .post("runs/log-batch", json!({"run_id": rid, "metrics": metrics}))
             .await
         {
             Ok(_) => {}
+            // Refused as a whole: the server stored none of it.
             Err(e) if e.permanent => {
                 store.event(
                     Some(run_id),
@@ -456,20 +485,9 @@ pub async fn sync_run(
             Err(e) => bail!("{}", e.message),
         }
         cursor = last;
-        store
-            .write(move |c| {
-                Box::pin(async move {
-                    sqlx::query("UPDATE tracker_runs SET metric_cursor = ? WHERE run_id = ?")
-                        .bind(last)
-                        .bind(run_id)
-                        .execute(&mut *c)
-                        .await?;
-                    Ok(0)
-                })
-            })
-            .await?;
+        set_cursor(store, run_id, cursor, None).await?;
     }
-    // 3. status changes.
+    // 4. status changes.
     for (id, payload) in statuses {
         let mut body = json!({"run_id": rid, "status": payload["status"]});
         if let Some(t) = payload.get("end_time").and_then(Value::as_i64) {
@@ -487,19 +505,6 @@ pub async fn sync_run(
     pending(store, run_id).await
 }
 
-/// MLflow's JSON takes non-finite doubles as strings.
-fn metric_value(v: f64) -> Value {
-    if v.is_finite() {
-        json!(v)
-    } else if v.is_nan() {
-        json!("NaN")
-    } else if v > 0.0 {
-        json!("Infinity")
-    } else {
-        json!("-Infinity")
-    }
-}
-
 async fn push_create(
     client: &MlflowClient,
     store: &Store,
@@ -508,6 +513,15 @@ async fn push_create(
 ) -> Result<String, CallError> {
     let name = p["experiment"].as_str().unwrap_or("rl-posttrain");
     let exp = client.experiment_id(name).await?;
+    // Created before, and the answer lost: adopt that run instead of creating a second one.
+    let found = match p["tags"][CREATE_TOKEN].as_str() {
+        Some(token) => client.find_run_by_tag(&exp, CREATE_TOKEN, token).await?,
+        None => None,
+    };
+    if let Some(rid) = found {
+        record_remote(store, run_id, &rid, &exp).await?;
+        return Ok(rid);
+    }
     let tags: Vec<Value> = p["tags"]
         .as_object()
         .map(|m| {
@@ -530,7 +544,12 @@ async fn push_create(
             permanent: true,
             message: format!("runs/create answered without a run id: {v}"),
         })?;
-    let (rid2, exp2) = (rid.clone(), exp.clone());
+    record_remote(store, run_id, &rid, &exp).await?;
+    Ok(rid)
+}
+
+async fn record_remote(store: &Store, run_id: i64, rid: &str, exp: &str) -> Result<(), CallError> {
+    let (rid2, exp2) = (rid.to_owned(), exp.to_owned());
     store
         .write(move |c| {
             Box::pin(async move {
@@ -549,31 +568,92 @@ async fn push_create(
         .map_err(|e| CallError {
             permanent: false,
             message: format!("recording the remote run id: {e:#}"),
-        })?;
-    Ok(rid)
+        })
+        .map(|_| ())
 }
 
+/// Sends the params the remote run does not have yet; a param it has with another value is a
+/// permanent error naming it (MLflow never changes a param).
 async fn push_params(client: &MlflowClient, rid: &str, p: &Value) -> Result<(), CallError> {
-    let params: Vec<(String, String)> = serde_json::from_value(p.clone()).unwrap_or_default();
-    for chunk in params.chunks(MAX_PARAMS_PER_BATCH) {
+    let params: Vec<(String, String)> =
+        serde_json::from_value(p.clone()).map_err(|e| CallError {
+            permanent: true,
+            message: format!("a params record that is not a list of [key, value] pairs: {e}"),
+        })?;
+    let have = client.run_params(rid).await?;
+    let changed: Vec<String> = params
+        .iter()
+        .filter_map(|(k, v)| {
+            let old = have.get(k)?;
+            (old != v).then(|| format!("{k} (remote {old:?}, ours {v:?})"))
+        })
+        .collect();
+    if !changed.is_empty() {
+        return Err(CallError {
+            permanent: true,
+            message: format!(
+                "remote run {rid} already has other values for {} params: {}",
+                changed.len(),
+                changed.join(", ")
+            ),
+        });
+    }
+    let missing: Vec<&(String, String)> = params
+        .iter()
+        .filter(|(k, _)| !have.contains_key(k))
+        .collect();
+    for chunk in missing.chunks(MAX_PARAMS_PER_BATCH) {
         let params: Vec<Value> = chunk
             .iter()
             .map(|(k, v)| json!({"key": k, "value": v}))
             .collect();
         client
             .post("runs/log-batch", json!({"run_id": rid, "params": params}))
-            .await?;
+            .await
+            // Someone else's copy of the same params landed in between: diff again next time.
+            .map_err(|mut e| {
+                if e.message.contains("RESOURCE_ALREADY_EXISTS") {
+                    e.permanent = false;
+                }
+                e
+            })?;
     }
     Ok(())
 }
 
 /// The background push while a run trains: every `interval_s`, errors only logged.
-pub async fn pump(store: Store, run_id: i64, cfg: TrackerConfig) {
+pub struct Pump {
+    stop: watch::Sender<bool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Pump {
+    /// Starts pushing `run_id` in the background on `rt`.
+    pub fn start(rt: &Runtime, store: Store, run_id: i64, cfg: TrackerConfig) -> Pump {
+        let (stop, stopped) = watch::channel(false);
+        let task = rt.spawn(pump(store, run_id, cfg, stopped));
+        Pump { stop, task }
+    }
+
+    /// Stops after the push under way, never in the middle of one (a call cut off after the
+    /// server acted would be sent again by the next pusher), and waits for it.
+    pub fn stop(self, rt: &Runtime) {
+        let _ = self.stop.send(true);
+        if let Err(e) = rt.block_on(self.task) {
+            tracing::warn!("the tracker's background push ended badly: {e}");
+        }
+    }
+}
+
+async fn pump(store: Store, run_id: i64, cfg: TrackerConfig, mut stopped: watch::Receiver<bool>) {
     let timeout = Duration::from_secs_f64(cfg.timeout_s);
     let mut tick = tokio::time::interval(Duration::from_secs_f64(cfg.interval_s));
     let mut warned = false;
     loop {
-        tick.tick().await;
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = stopped.changed() => return,
+        }
         let deadline = Instant::now() + Duration::from_secs_f64(cfg.interval_s.max(1.0));
         if let Err(e) = sync_run(&store, run_id, None, timeout, deadline).await {
             if !warned {

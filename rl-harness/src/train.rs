@@ -960,7 +960,7 @@ fn drive(
     let signals = stop_on_signal(rt, stop.clone());
     let pump = store
         .filter(|_| t.tracker.kind != config::TrackerKind::None)
-        .map(|store| rt.spawn(tracker::pump(store.clone(), run_id, t.tracker.clone())));
+        .map(|store| tracker::Pump::start(rt, store.clone(), run_id, t.tracker.clone()));
     let stop_when = t
         .stop_when
         .as_deref()
@@ -1050,7 +1050,7 @@ fn drive(
     }
     signals.abort();
     if let Some(p) = pump {
-        p.abort();
+        p.stop(rt);
     }
     result
 }

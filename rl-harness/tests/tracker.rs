@@ -2,13 +2,15 @@
 //! `scripts/mlflow-env` into `.venv-mlflow/`), started once for this test binary on 127.0.0.1
 //! with a SQLite backend. Runs are read back through MLflow's REST API. The server is also
 //! stopped in the middle of a run: training must finish regardless, and `harness sync` must
-//! catch up once the server is back.
+//! catch up once the server is back. Answers lost after the server acted (through
+//! [`LossyProxy`]) and two pushers at once must never double a run, a param or a metric value.
 //!
 //! The server lives in a `static`, which is never dropped, so it is a [`Tied`]: it and every
 //! process it starts (uvicorn, the job runner, the huey consumers) are SIGKILLed when the test
 //! binary ends, however it ends.
 
 mod common;
+mod lossy;
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -17,6 +19,7 @@ use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use common::{BANDIT, Env, Tied, wait_for};
+use lossy::LossyProxy;
 use serde_json::Value;
 
 struct Server {
@@ -145,7 +148,7 @@ fn history(port: u16, rid: &str, key: &str) -> Vec<(i64, f64)> {
 
 fn tracked_config(env: &Env, port: u16, extra: &str) -> String {
     let text = format!(
-        "{BANDIT}{extra}\n[trainer.tracker]\nkind = \"mlflow\"\nuri = \"http://127.0.0.1:{port}\"\nexperiment = \"harness-test\"\ntimeout_s = 2\ninterval_s = 0.5\nflush_timeout_s = 5\n"
+        "{BANDIT}{extra}\n[trainer.tracker]\nkind = \"mlflow\"\nuri = \"http://127.0.0.1:{port}\"\nexperiment = \"harness-test\"\ntimeout_s = 2\ninterval_s = 0.5\nflush_timeout_s = 60\n"
     );
     env.file("tracked.toml", &text)
         .to_str()
@@ -173,7 +176,12 @@ fn runs_params_and_metrics_are_mirrored_to_mlflow() {
     let params = run["run"]["data"]["params"].as_array().unwrap();
     let stored = rt.block_on(store.run(1)).unwrap().unwrap().config;
     let keys = rl_harness::config::flatten(&serde_json::from_str(&stored).unwrap()).len();
-    assert_eq!(params.len(), keys, "every config key is a param");
+    assert_eq!(
+        params.len(),
+        keys,
+        "every config key is a param; events: {:?}",
+        rt.block_on(store.events(1)).unwrap()
+    );
     assert!(
         params
             .iter()
@@ -308,4 +316,165 @@ fn a_resume_that_drops_metrics_replaces_the_remote_copy_so_it_equals_the_store()
     assert_eq!(old["run"]["info"]["lifecycle_stage"], "deleted", "{old}");
     let events = rt.block_on(store.events(1)).unwrap();
     assert!(events.iter().any(|e| e.kind == "tracker"), "{events:?}");
+}
+
+/// Every remote run of experiment `harness-test` named `name`.
+fn remote_runs_named(port: u16, name: &str) -> Vec<Value> {
+    let exp = get(
+        port,
+        "/api/2.0/mlflow/experiments/get-by-name?experiment_name=harness-test",
+    )
+    .expect("the experiment exists");
+    let id = exp["experiment"]["experiment_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let v: Value = rt.block_on(async {
+        reqwest::Client::new()
+            .post(format!(
+                "http://127.0.0.1:{port}/api/2.0/mlflow/runs/search"
+            ))
+            .json(&serde_json::json!({"experiment_ids": [id],
+                "filter": format!("tags.`mlflow.runName` = '{name}'"), "max_results": 100}))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap()
+    });
+    v["runs"].as_array().cloned().unwrap_or_default()
+}
+
+/// The remote copy of run 1 equals the store: one remote run, every param once, every metric
+/// value once, finished, and nothing pending.
+fn assert_mirrored_once(env: &Env, port: u16, name: &str) {
+    let (rt, store) = env.store();
+    let events = rt.block_on(store.events(1)).unwrap();
+    let runs = remote_runs_named(port, name);
+    assert_eq!(
+        runs.len(),
+        1,
+        "one remote run for {name}: {runs:?}; events: {events:?}"
+    );
+    let rid = remote_run_id(&rt, &store, 1);
+    assert_eq!(runs[0]["info"]["run_id"], rid.as_str());
+    let run = get(port, &format!("/api/2.0/mlflow/runs/get?run_id={rid}")).expect("runs/get");
+    assert_eq!(
+        run["run"]["info"]["status"], "FINISHED",
+        "events: {events:?}"
+    );
+    let stored = rt.block_on(store.run(1)).unwrap().unwrap().config;
+    let keys = rl_harness::config::flatten(&serde_json::from_str(&stored).unwrap()).len();
+    let params = run["run"]["data"]["params"].as_array().unwrap();
+    assert_eq!(
+        params.len(),
+        keys,
+        "every config key is a param once; events: {events:?}"
+    );
+    for key in ["critic/score/mean", "actor/pg_loss", "val/test_score"] {
+        let local = rt.block_on(store.series(1, key)).unwrap();
+        let remote = history(port, &rid, key);
+        assert_eq!(
+            remote.iter().map(|p| p.0).collect::<Vec<_>>(),
+            local.iter().map(|p| p.0).collect::<Vec<_>>(),
+            "{key}: each step once remotely; events: {events:?}"
+        );
+    }
+    let pending = rt
+        .block_on(rl_harness::tracker::pending(&store, 1))
+        .unwrap();
+    assert!(pending.is_empty(), "{pending:?}");
+}
+
+#[test]
+fn answers_lost_after_the_server_acted_never_double_a_run_a_param_or_a_metric() {
+    let server = server().lock().unwrap_or_else(|e| e.into_inner());
+    // The first runs/create and every other log-batch (params and metrics) are carried out by
+    // the server and their answers lost: each is a timeout-after-commit.
+    let proxy = LossyProxy::start(
+        server.port,
+        Duration::ZERO,
+        Box::new(|path, n| {
+            (path.ends_with("/runs/create") && n == 1)
+                || (path.ends_with("/runs/log-batch") && n % 2 == 1)
+        }),
+    );
+    let env = Env::new();
+    let cfg = tracked_config(&env, proxy.port, "");
+    env.ok(&[
+        "train",
+        &cfg,
+        "trainer.total_training_steps=150",
+        "trainer.experiment_name=lossy",
+    ]);
+    assert!(proxy.lost() >= 4, "only {} answers lost", proxy.lost());
+    assert_mirrored_once(&env, server.port, "lossy-1");
+}
+
+#[test]
+fn two_syncs_at_once_push_each_record_once() {
+    let server = server().lock().unwrap_or_else(|e| e.into_inner());
+    // Nothing listens on the run's tracker address: everything stays pending.
+    let closed = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let env = Env::new();
+    let cfg = tracked_config(&env, closed, "");
+    env.ok(&[
+        "train",
+        &cfg,
+        "trainer.total_training_steps=150",
+        "trainer.experiment_name=twice",
+    ]);
+    // Each answer held back 300 ms, so the two pushes overlap.
+    let proxy = LossyProxy::start(
+        server.port,
+        Duration::from_millis(300),
+        Box::new(|_, _| false),
+    );
+    let uri = format!("http://127.0.0.1:{}", proxy.port);
+    let children: Vec<_> = (0..2)
+        .map(|_| {
+            env.cmd()
+                .args(["sync", "--uri", &uri])
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let outs: Vec<_> = children
+        .into_iter()
+        .map(|c| c.wait_with_output().unwrap())
+        .collect();
+    let texts: Vec<String> = outs
+        .iter()
+        .map(|o| {
+            format!(
+                "{}{}",
+                String::from_utf8_lossy(&o.stdout),
+                String::from_utf8_lossy(&o.stderr)
+            )
+        })
+        .collect();
+    assert!(
+        texts.iter().any(|t| t.contains("run 1: pushed")),
+        "{texts:?}"
+    );
+    for (out, text) in outs.iter().zip(&texts) {
+        assert!(
+            out.status.success() || text.contains("is being pushed by another process (pid"),
+            "a sync failed for another reason: {text}"
+        );
+    }
+    // Whoever lost the race pushes nothing twice when run again.
+    env.ok(&["sync", "--uri", &uri]);
+    assert_mirrored_once(&env, server.port, "twice-1");
 }
