@@ -369,7 +369,7 @@ pub(crate) fn run(cli: Cli) -> Result<()> {
             } else {
                 train::train(&rt, cfg, member)?
             };
-            println!("run {id} finished");
+            outln!("run {id} finished");
             rt.block_on(print_validation_summary(&cfg_db, id))?;
         }
         Command::Resume {
@@ -410,20 +410,25 @@ pub(crate) fn run(cli: Cli) -> Result<()> {
             } else {
                 train::resume(&rt, &db, &run, from_step, &parsed)?
             };
-            println!("run {id} finished");
+            outln!("run {id} finished");
         }
         Command::Sweep {
             file,
             parallel,
             retry_failed,
         } => {
-            let r = sweep::run(&rt, &file, parallel, retry_failed)?;
-            println!(
-                "sweep {}: {} skipped (already finished), {} started, {} resumed; {} finished, {} failed",
-                r.id, r.skipped, r.started, r.resumed, r.finished, r.failed
+            let r = sweep::run(&rt, &file, parallel, retry_failed, cli.db.as_deref())?;
+            outln!(
+                "sweep {}: {} skipped, {} started, {} resumed; {} finished, {} failed",
+                r.id,
+                r.skipped,
+                r.started,
+                r.resumed,
+                r.finished,
+                r.failed
             );
             if r.failed > 0 {
-                eprintln!(
+                note!(
                     "harness: see `harness compare --sweep {}` and `harness show RUN` for the failures",
                     r.id
                 );
@@ -448,12 +453,13 @@ pub(crate) fn run(cli: Cli) -> Result<()> {
                 })?,
             ))?;
             if done.is_empty() {
-                println!("nothing pending");
+                outln!("nothing pending");
             }
             for (run, p) in done {
-                println!(
+                outln!(
                     "run {run}: pushed {} records and {} metrics",
-                    p.records, p.metrics
+                    p.records,
+                    p.metrics
                 );
             }
         }
@@ -466,9 +472,9 @@ pub(crate) fn run(cli: Cli) -> Result<()> {
                 env: true,
                 overrides: parse_overrides(&overrides)?,
             })?;
-            print!("{}", config::to_toml(&cfg)?);
+            out!("{}", config::to_toml(&cfg)?);
         }
-        Command::Config(ConfigCommand::Reference) => print!("{}", config::reference_markdown()),
+        Command::Config(ConfigCommand::Reference) => out!("{}", config::reference_markdown()),
         Command::Data(d) => data(d)?,
         Command::Retriever(c) => crate::retriever::run(c)?,
         Command::Model(ModelCommand::InitTiny {
@@ -477,7 +483,7 @@ pub(crate) fn run(cli: Cli) -> Result<()> {
             noise,
         }) => {
             let n = crate::compose::init_tiny(&out_dir, seed, noise)?;
-            println!(
+            outln!(
                 "{}: tiny Llama, {n} parameters, character-level tokenizer",
                 out_dir.display()
             );
@@ -486,7 +492,7 @@ pub(crate) fn run(cli: Cli) -> Result<()> {
             let r = rl_workers::gguf::import(&file, &out_dir).with_context(|| {
                 format!("importing {} into {}", file.display(), out_dir.display())
             })?;
-            println!(
+            outln!(
                 "{}: {} tensors, vocab {}, {} (tied embeddings: {})",
                 r.out_dir.display(),
                 r.tensors,
@@ -580,7 +586,7 @@ fn data(d: DataCommand) -> Result<()> {
                 let pair_files =
                     tasks::tiny_vocab::generate_tiny_preferences(&g.out_dir, task, sizes, g.seed)
                         .with_context(context)?;
-                println!(
+                outln!(
                     "wrote {}, {}, {} and {}",
                     g.out_dir.join("train.parquet").display(),
                     g.out_dir.join("test.parquet").display(),
@@ -593,7 +599,7 @@ fn data(d: DataCommand) -> Result<()> {
                 .with_context(context)?
         }
     };
-    println!(
+    outln!(
         "wrote {} and {}",
         files.train.display(),
         files.test.display()
@@ -604,7 +610,7 @@ fn data(d: DataCommand) -> Result<()> {
 /// Prints each validation metric's first and last value (`val/test_score/arithmetic: 0.265 ->
 /// 0.545 (step 0 -> 40)`), so a finished run says at once whether it learned.
 async fn print_validation_summary(db: &Path, id: i64) -> Result<()> {
-    let store = Store::open(db).await?;
+    let store = Store::open_read_only(db).await?;
     let all = store.all_metrics(id).await?;
     // key -> ((first step, value), (last step, value))
     type FirstLast = ((i64, f64), (i64, f64));
@@ -624,7 +630,7 @@ async fn print_validation_summary(db: &Path, id: i64) -> Result<()> {
         }
     }
     for (key, ((s0, v0), (s1, v1))) in seen {
-        println!("  {key}: {v0:.4} -> {v1:.4} (step {s0} -> {s1})");
+        outln!("  {key}: {v0:.4} -> {v1:.4} (step {s0} -> {s1})");
     }
     Ok(())
 }
@@ -640,7 +646,7 @@ async fn open_existing(db: &Path) -> Result<Store> {
             db.display()
         );
     }
-    Store::open(db).await
+    Store::open_read_only(db).await
 }
 
 fn fmt_time(t: Option<f64>) -> String {
@@ -693,7 +699,7 @@ async fn list_runs(db: &Path, filter: Option<&str>, sweep: Option<&str>) -> Resu
     let expr = filter.map(filter::parse).transpose()?;
     let store = open_existing(db).await?;
     let runs = store.runs(sweep).await?;
-    let mut out = std::io::stdout().lock();
+    let mut out = crate::console::stdout();
     writeln!(
         out,
         "{:>5}  {:<24} {:<9} {:>7}  {:<19}  {:<16} score",
@@ -802,7 +808,7 @@ async fn show(db: &Path, spec: &str) -> Result<()> {
     let cfg: config::ExperimentConfig = config::from_stored(&r.config, &[])
         .with_context(|| format!("the stored config of run {}", r.id))?;
     let _ = writeln!(out, "\nconfig:\n{}", config::to_toml(&cfg)?);
-    print!("{out}");
+    out!("{out}");
     Ok(())
 }
 
@@ -818,7 +824,7 @@ async fn compare_cmd(db: &Path, a: CompareArgs) -> Result<()> {
                     .unwrap_or_else(|| "val/test_score".into())
             }
         };
-        print!(
+        out!(
             "{}",
             compare::rank_sweep(&store, sweep_id, &metric, a.mode).await?
         );
@@ -842,7 +848,7 @@ async fn compare_cmd(db: &Path, a: CompareArgs) -> Result<()> {
     } else {
         a.metrics.clone()
     };
-    print!(
+    out!(
         "{}",
         compare::report(&store, &runs, &metrics, a.mode, a.at_step).await?
     );
@@ -859,7 +865,7 @@ async fn compare_cmd(db: &Path, a: CompareArgs) -> Result<()> {
             curves.push((m.clone(), per_run));
         }
         compare::plot(file, &curves, a.smooth)?;
-        println!("plot written to {}", file.display());
+        outln!("plot written to {}", file.display());
     }
     Ok(())
 }
@@ -911,7 +917,7 @@ async fn export(db: &Path, spec: &str, format: ExportFormat, out: Option<&Path>)
     }
     match out {
         Some(p) => std::fs::write(p, text).with_context(|| format!("writing {}", p.display()))?,
-        None => std::io::stdout().lock().write_all(text.as_bytes())?,
+        None => crate::console::stdout().write_all(text.as_bytes())?,
     }
     Ok(())
 }

@@ -163,6 +163,10 @@ pub struct HarnessConfig {
     /// Seconds between heartbeats (> 0); a run silent for 3 heartbeats is shown as dead.
     /// Default 5.
     pub heartbeat_s: f64,
+    /// Seconds the run store may refuse every write (its lock held by another process, a full
+    /// disk) before the run fails; until then the rows wait and are retried, never dropped.
+    /// Default 300.
+    pub store_patience_s: f64,
     /// The remote tracker.
     pub tracker: TrackerConfig,
 }
@@ -188,6 +192,7 @@ impl Default for HarnessConfig {
             runs_dir: PathBuf::from("runs"),
             db: None,
             heartbeat_s: 5.0,
+            store_patience_s: 300.0,
             tracker: TrackerConfig::default(),
         }
     }
@@ -241,6 +246,7 @@ pub const RESUME_SAFE_KEYS: &[&str] = &[
     "trainer.val_before_train",
     "trainer.max_ckpt_to_keep",
     "trainer.heartbeat_s",
+    "trainer.store_patience_s",
     "trainer.experiment_name",
     "trainer.tracker.",
     "trainer.log_val_generations",
@@ -399,6 +405,7 @@ pub fn validate(cfg: &ExperimentConfig) -> Result<()> {
         );
     }
     for (k, v) in [
+        ("trainer.store_patience_s", t.store_patience_s),
         ("trainer.tracker.timeout_s", t.tracker.timeout_s),
         ("trainer.tracker.interval_s", t.tracker.interval_s),
     ] {

@@ -210,7 +210,7 @@ fn signal_group(child: &Child, sig: &str) {
         .stderr(Stdio::null())
         .status();
     if let Err(e) = sent {
-        eprintln!(
+        note!(
             "harness: could not run kill(1) to send SIG{sig} to the process group of pid {}: {e}",
             child.id()
         );
@@ -278,25 +278,12 @@ fn forward(
                     let _ = if to_stderr {
                         writeln!(std::io::stderr().lock(), "[rank {rank}] {text}")
                     } else {
-                        writeln!(std::io::stdout().lock(), "[rank {rank}] {text}")
+                        writeln!(crate::console::stdout(), "[rank {rank}] {text}")
                     };
                 }
             }
         }
     })
-}
-
-/// Removes the `.tmp-*` folders a killed rank 0 may have left in `<run dir>/checkpoints`
-/// (never recorded in the store, so never resumed from; this only tidies).
-fn remove_partial_checkpoints(run_dir: &Path) {
-    let Ok(entries) = std::fs::read_dir(run_dir.join("checkpoints")) else {
-        return;
-    };
-    for e in entries.flatten() {
-        if e.file_name().to_string_lossy().starts_with(".tmp-") {
-            let _ = std::fs::remove_dir_all(e.path());
-        }
-    }
 }
 
 /// Starts `nproc` ranks of this executable running `child_args` (the `train` command line
@@ -337,7 +324,7 @@ pub fn launch_resume(
     let r = train::prepare_resume(rt, &store, spec, from_step, overrides, &|cfg| {
         check_data_parallel(cfg, nproc)
     })?;
-    eprintln!(
+    note!(
         "harness: resuming run {} from {}",
         r.id,
         r.ckpt_dir.display()
@@ -359,7 +346,7 @@ fn fail_if_running(rt: &Runtime, store: &Store, id: i64, e: &anyhow::Error) {
         .flatten()
         .is_some_and(|r| r.status == "running");
     if running && let Err(mark) = train::mark_failed(rt, store, id, crate::one_line(e)) {
-        eprintln!("harness: run {id}: could not mark it failed: {mark:#}");
+        note!("harness: run {id}: could not mark it failed: {mark:#}");
     }
 }
 
@@ -403,7 +390,7 @@ fn wait_ranks(
     let mut forwarders = Vec::new();
     for rank in 0..nproc {
         let mut child = spawn(rank)?;
-        eprintln!("harness: run {id}: rank {rank} is pid {}", child.id());
+        note!("harness: run {id}: rank {rank} is pid {}", child.id());
         if let Some(out) = child.stdout.take() {
             forwarders.push(forward(rank, out, false));
         }
@@ -433,7 +420,7 @@ fn wait_ranks(
         if lost.is_none() && !failed_now.is_empty() && !stop.load(Ordering::SeqCst) {
             failed_now.sort_by_key(|(rank, s)| (s.code().is_some(), *rank));
             let (rank, status) = failed_now[0];
-            eprintln!(
+            note!(
                 "harness: run {id}: rank {rank} {}; the other ranks have {:.0} s \
                  (--dist-timeout-s) to stop",
                 describe(status),
@@ -504,7 +491,7 @@ fn supervise(
         (cores / nproc).max(1).to_string()
     });
     let stop = Arc::new(AtomicBool::new(false));
-    let signals = crate::train::stop_on_signal(rt, stop.clone());
+    let signals = crate::train::stop_on_signal(rt, stop.clone(), None);
     let spawn = |rank: usize, port: u16| {
         Command::new(&exe)
             .args(child_args)
@@ -539,7 +526,7 @@ fn supervise(
                 .context("picking a free port on 127.0.0.1 for the ranks' rendezvous")?
                 .port(),
         };
-        eprintln!(
+        note!(
             "harness: run {id}: starting {nproc} ranks on 127.0.0.1:{port} ({threads} thread(s) \
              each)"
         );
@@ -552,7 +539,7 @@ fn supervise(
             }
         };
         if ended.port_taken && ended.lost.is_some() && tries < 3 {
-            eprintln!("harness: run {id}: port {port} was taken; trying another");
+            note!("harness: run {id}: port {port} was taken; trying another");
             continue;
         }
         break ended;
@@ -583,14 +570,14 @@ fn supervise(
             others.join(", ")
         );
         train::mark_failed(rt, store, id, msg.clone())?;
-        remove_partial_checkpoints(run_dir);
+        crate::train::remove_partial_checkpoints(run_dir);
         bail!("run {id} failed: {msg}");
     }
     if stop.load(Ordering::SeqCst) {
         // rank 0 records `killed` after its last checkpoint; this covers a rank 0 that the
         // signal reached before it could
         train::mark_ended(rt, store, id, "killed", None)?;
-        remove_partial_checkpoints(run_dir);
+        crate::train::remove_partial_checkpoints(run_dir);
         bail!("run {id} stopped by a signal; `harness resume {id}` continues it");
     }
     if !killed.is_empty() {

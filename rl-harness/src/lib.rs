@@ -6,8 +6,13 @@
 //! config groups under verl's names and [`compose`] builds the LLM trainers from them.
 //!
 //! This crate is the only one that knows the CLI, figment, SQLite, the run directory and
-//! wall-clock time. `main.rs` only parses the command line and prints errors.
+//! wall-clock time. `main.rs` only parses the command line and prints errors. Nothing prints with
+//! `println!`/`eprintln!`: see [`console`].
 
+#![deny(clippy::print_stdout, clippy::print_stderr)]
+
+#[macro_use]
+pub mod console;
 pub mod bandit;
 mod cli;
 pub mod compare;

@@ -66,6 +66,9 @@ pub(crate) fn init() {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let console = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
+        // Its default reports a failed write with `eprintln!`, which panics once stderr's
+        // reader is gone; a log line that cannot be shown is dropped instead.
+        .log_internal_errors(false)
         .with_ansi(stderr_ansi())
         .with_target(false)
         .with_filter(filter);

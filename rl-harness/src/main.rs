@@ -1,12 +1,21 @@
 //! The `harness` binary: parses the command line and runs it; failures print one line and exit 1 (98 for a
 //! rank 0 whose rendezvous port was taken).
 
+#![deny(clippy::print_stdout, clippy::print_stderr)]
+
 use clap::Parser;
+use rl_harness::{console, note};
 
 fn main() {
     let cli = rl_harness::Cli::parse();
-    if let Err(e) = rl_harness::run(cli) {
-        eprintln!("harness: error: {}", rl_harness::one_line(&e));
+    let result = rl_harness::run(cli);
+    // What could not be written to stdout (other than to a reader that went away) is an error.
+    if let (Ok(()), Some(e)) = (&result, console::output_error()) {
+        note!("harness: error: writing to standard output: {e}");
+        std::process::exit(1);
+    }
+    if let Err(e) = result {
+        note!("harness: error: {}", rl_harness::one_line(&e));
         // a rank 0 that could not bind the rendezvous port tells its launcher so
         let port_taken = e.downcast_ref::<rl_harness::launch::PortTaken>().is_some();
         std::process::exit(if port_taken {

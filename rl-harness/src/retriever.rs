@@ -90,7 +90,7 @@ pub(crate) fn run(cmd: RetrieverCommand) -> Result<()> {
         RetrieverCommand::Index { corpus, dir } => {
             let stats = build_index(&corpus, &dir)
                 .with_context(|| format!("indexing {} into {}", corpus.display(), dir.display()))?;
-            println!("{}: {} passages indexed", dir.display(), stats.docs);
+            outln!("{}: {} passages indexed", dir.display(), stats.docs);
         }
         RetrieverCommand::Serve {
             dir,
@@ -106,7 +106,7 @@ pub(crate) fn run(cmd: RetrieverCommand) -> Result<()> {
             };
             let handle = start_server(&dir, &opts)
                 .with_context(|| format!("serving the index {}", dir.display()))?;
-            println!(
+            outln!(
                 "serving {} ({} passages) at {}",
                 dir.display(),
                 handle.num_docs(),
@@ -146,16 +146,16 @@ pub(crate) fn search_task(a: SearchTaskArgs) -> Result<()> {
     let files = task
         .write(out, &tool)
         .with_context(|| format!("writing the search task to {}", out.display()))?;
-    println!("wrote {} ({} passages)", corpus.display(), stats.docs);
-    println!("wrote {}", index.display());
-    println!(
+    outln!("wrote {} ({} passages)", corpus.display(), stats.docs);
+    outln!("wrote {}", index.display());
+    outln!(
         "wrote {}, {} and {} (traces with topk = {})",
         files.train.display(),
         files.test.display(),
         files.sft.display(),
         a.topk
     );
-    println!(
+    outln!(
         "serve it with `harness retriever serve {}` and use topk = {} in the search tool",
         index.display(),
         a.topk
@@ -189,7 +189,7 @@ fn clear_old_index(index: &Path) -> Result<()> {
 pub(crate) fn search_r1(a: SearchR1Args) -> Result<()> {
     let n = rl_data::tasks::preprocess_search_r1_qa(&a.input, &a.out, &a.data_source, &a.split)
         .with_context(|| format!("preprocessing {}", a.input.display()))?;
-    println!(
+    outln!(
         "wrote {} ({n} rows, data_source {})",
         a.out.display(),
         a.data_source

@@ -8,13 +8,17 @@ use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use anyhow::{Context, Result, anyhow};
+use anyhow::{Context, Result, anyhow, bail};
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
     SqliteSynchronous,
 };
-use sqlx::{Connection, QueryBuilder, Row, Sqlite};
+use sqlx::{Connection, Row};
 use tokio::sync::{mpsc, oneshot};
+
+mod writer;
+
+use writer::{Op, QueuedEnd, QueuedEvent, SharedHealth};
 
 /// A boxed future borrowing the writer's connection.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -22,26 +26,6 @@ pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 /// A write run by the writer task in its own transaction; returns an integer (an id, a count).
 pub type WriteFn =
     Box<dyn for<'c> FnOnce(&'c mut SqliteConnection) -> BoxFuture<'c, Result<i64>> + Send>;
-
-enum Op {
-    Metrics {
-        run: i64,
-        step: i64,
-        wall: f64,
-        values: Vec<(String, f64)>,
-    },
-    Heartbeat {
-        run: i64,
-        time: f64,
-    },
-    Event {
-        run: Option<i64>,
-        kind: String,
-        message: String,
-    },
-    Write(WriteFn, oneshot::Sender<Result<i64>>),
-    Flush(oneshot::Sender<Result<()>>),
-}
 
 /// Now, as Unix seconds.
 pub fn now() -> f64 {
@@ -51,15 +35,14 @@ pub fn now() -> f64 {
         .unwrap_or(0.0)
 }
 
-/// Rows of metrics per INSERT statement (5 binds each, well under SQLite's bind limit).
-const ROWS_PER_INSERT: usize = 150;
-
 /// A handle on the run store. Cheap to clone; all clones share one writer task.
 #[derive(Clone)]
 pub struct Store {
     pool: SqlitePool,
     tx: mpsc::UnboundedSender<Op>,
     path: PathBuf,
+    health: SharedHealth,
+    read_only: bool,
 }
 
 /// What [`Store::summaries`] finds for one metric of one run.
@@ -146,6 +129,19 @@ impl RunRow {
         }
     }
 
+    /// Why it cannot be resumed or started again now: it is alive in another process.
+    pub fn still_running(&self) -> Option<String> {
+        (self.effective_status() == "running").then(|| {
+            format!(
+                "run {} is still running (pid {} on {}, heartbeat {:.0} s ago)",
+                self.id,
+                self.pid.unwrap_or(-1),
+                self.host,
+                now() - self.heartbeat.unwrap_or(self.created)
+            )
+        })
+    }
+
     /// `dead` for a run stored as running whose process is gone (same host) or whose heartbeat
     /// is older than three intervals; the stored status otherwise.
     pub fn effective_status(&self) -> &str {
@@ -226,6 +222,9 @@ impl Store {
             .synchronous(SqliteSynchronous::Normal)
             .busy_timeout(Duration::from_secs(60))
             .foreign_keys(false);
+        if path.exists() {
+            check_schema(path, &opts).await?;
+        }
         migrate(path, &opts)
             .await
             .with_context(|| format!("migrating the run store {}", path.display()))?;
@@ -234,15 +233,74 @@ impl Store {
             .connect_with(opts.clone())
             .await
             .with_context(|| format!("opening the run store {}", path.display()))?;
-        let conn = SqliteConnection::connect_with(&opts)
+        let mut conn = SqliteConnection::connect_with(&opts)
             .await
             .with_context(|| format!("opening the run store {}", path.display()))?;
+        // What a process that could not write left in spill files; kept for later if the
+        // store still refuses.
+        match writer::replay_spills(&mut conn, path).await {
+            Ok(0) => {}
+            Ok(n) => tracing::info!("run store {}: {n} spilled rows written", path.display()),
+            Err(e) => tracing::warn!(
+                "run store {}: spills not replayed yet: {e:#}",
+                path.display()
+            ),
+        }
         let (tx, rx) = mpsc::unbounded_channel();
-        tokio::spawn(writer(conn, rx));
+        let health = SharedHealth::default();
+        tokio::spawn(writer::writer(conn, rx, path.to_path_buf(), health.clone()));
         Ok(Store {
             pool,
             tx,
             path: path.to_path_buf(),
+            health,
+            read_only: false,
+        })
+    }
+
+    /// Opens an existing store only to read it: nothing is created, migrated or written, so a
+    /// store in a read-only folder or on a read-only disk can be listed and compared. A store
+    /// from a newer harness is refused, naming both schema versions; one from an older harness
+    /// is migrated first (which needs write access, and says so when it has none).
+    pub async fn open_read_only(path: &Path) -> Result<Store> {
+        let opts = SqliteConnectOptions::new()
+            .filename(path)
+            .create_if_missing(false)
+            .read_only(true)
+            .busy_timeout(Duration::from_secs(60))
+            .foreign_keys(false);
+        let (ours, theirs) = check_schema(path, &opts).await?;
+        if theirs < ours {
+            return Store::open(path).await.with_context(|| {
+                format!(
+                    "the run store {} is from an older harness (schema {theirs}, this one \
+                     {ours}) and must be migrated once by a process that can write it",
+                    path.display()
+                )
+            });
+        }
+        // A WAL store whose -shm file is gone (its last writer closed) cannot be read in a
+        // folder where that file cannot be made, unless SQLite is told nobody writes it.
+        let pool = match SqlitePoolOptions::new()
+            .max_connections(4)
+            .connect_with(opts.clone())
+            .await
+        {
+            Ok(pool) => pool,
+            Err(_) => SqlitePoolOptions::new()
+                .max_connections(4)
+                .connect_with(opts.immutable(true))
+                .await
+                .with_context(|| format!("opening the run store {} to read", path.display()))?,
+        };
+        // No writer: a write is an error naming the store.
+        let (tx, _) = mpsc::unbounded_channel();
+        Ok(Store {
+            pool,
+            tx,
+            path: path.to_path_buf(),
+            health: SharedHealth::default(),
+            read_only: true,
         })
     }
 
@@ -257,6 +315,9 @@ impl Store {
     }
 
     fn send(&self, op: Op) -> Result<()> {
+        if self.read_only {
+            bail!("the run store {} is open read-only", self.path.display());
+        }
         self.tx
             .send(op)
             .map_err(|_| anyhow!("the run store's writer task has stopped"))
@@ -286,11 +347,47 @@ impl Store {
 
     /// Queues an event.
     pub fn event(&self, run: Option<i64>, kind: &str, message: impl Into<String>) -> Result<()> {
-        self.send(Op::Event {
+        self.send(Op::Event(QueuedEvent {
             run,
+            time: now(),
             kind: kind.into(),
             message: message.into(),
-        })
+        }))
+    }
+
+    /// Queues how run `run` ended, for when the transaction recording it failed: it is then
+    /// owed like any metric (retried, spilled, replayed) instead of lost.
+    pub fn end_owed(&self, run: i64, status: &str, error: Option<String>) -> Result<()> {
+        self.send(Op::End(QueuedEnd {
+            run,
+            status: status.into(),
+            time: now(),
+            error,
+        }))
+    }
+
+    /// An error once the store has refused every write for longer than `patience_s` seconds:
+    /// what failed, how many rows wait, and where spilled ones are kept.
+    pub fn check(&self, patience_s: f64) -> Result<()> {
+        let h = self.health.lock().unwrap_or_else(|e| e.into_inner());
+        match h.failing_since {
+            Some(since) if now() - since > patience_s => {
+                let kept: Vec<String> = h.spilled.iter().map(|p| p.display().to_string()).collect();
+                Err(anyhow!(
+                    "the run store {} has refused every write for {:.0} s (trainer.store_patience_s = {patience_s}): {}; {} rows wait in memory{}",
+                    self.path.display(),
+                    now() - since,
+                    h.error,
+                    h.waiting,
+                    if kept.is_empty() {
+                        String::new()
+                    } else {
+                        format!(", more are kept in {}", kept.join(", "))
+                    }
+                ))
+            }
+            _ => Ok(()),
+        }
     }
 
     /// Runs `f` in its own transaction on the writer, after everything queued before it.
@@ -326,6 +423,16 @@ impl Store {
             .await?;
         row.map(|r| RunRow::from_row(&r))
             .with_context(|| format!("no run with id or name {spec:?} in {}", self.path.display()))
+    }
+
+    /// One run, read on `c` (inside a write transaction, to decide on what it will change).
+    pub async fn run_on(c: &mut SqliteConnection, id: i64) -> Result<Option<RunRow>> {
+        let row = sqlx::query("SELECT * FROM runs WHERE id = ?")
+            .bind(id)
+            .fetch_optional(&mut *c)
+            .await
+            .with_context(|| format!("reading run {id}"))?;
+        Ok(row.map(|r| RunRow::from_row(&r)))
     }
 
     /// One run.
@@ -514,6 +621,37 @@ impl Store {
     }
 }
 
+/// The migrations this harness knows.
+static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
+
+/// The newest schema version this harness knows and the store's; an error if the store is
+/// newer (written by a newer harness, whose tables this one would misread).
+async fn check_schema(path: &Path, opts: &SqliteConnectOptions) -> Result<(i64, i64)> {
+    let ours = MIGRATOR.iter().map(|m| m.version).max().unwrap_or(0);
+    let ro = opts.clone().read_only(true);
+    let mut conn = match SqliteConnection::connect_with(&ro).await {
+        Ok(c) => c,
+        Err(_) => SqliteConnection::connect_with(&ro.immutable(true))
+            .await
+            .with_context(|| format!("opening the run store {}", path.display()))?,
+    };
+    let theirs: Option<i64> =
+        sqlx::query_scalar("SELECT MAX(version) FROM _sqlx_migrations WHERE success")
+            .fetch_one(&mut conn)
+            .await
+            .unwrap_or(None);
+    conn.close().await.ok();
+    let theirs = theirs.unwrap_or(0);
+    if theirs > ours {
+        bail!(
+            "the run store {} was written by a newer harness (schema {theirs}; this harness \
+             knows up to {ours}): use that harness, or a newer one",
+            path.display()
+        );
+    }
+    Ok((ours, theirs))
+}
+
 /// Applies the checked-in migrations, holding an exclusive lock on `<db>.migrate.lock` so two
 /// processes opening a new store at once cannot race.
 async fn migrate(path: &Path, opts: &SqliteConnectOptions) -> Result<()> {
@@ -528,108 +666,8 @@ async fn migrate(path: &Path, opts: &SqliteConnectOptions) -> Result<()> {
         .await?
         .with_context(|| format!("locking {}", lock_path.display()))?;
     let mut conn = SqliteConnection::connect_with(opts).await?;
-    let result = sqlx::migrate!("./migrations").run(&mut conn).await;
+    let result = MIGRATOR.run(&mut conn).await;
     conn.close().await.ok();
     drop(lock);
     result.map_err(Into::into)
-}
-
-async fn writer(mut conn: SqliteConnection, mut rx: mpsc::UnboundedReceiver<Op>) {
-    let mut queue: Vec<Op> = Vec::new();
-    while let Some(op) = rx.recv().await {
-        queue.push(op);
-        while let Ok(op) = rx.try_recv() {
-            queue.push(op);
-            if queue.len() >= 4096 {
-                break;
-            }
-        }
-        let mut batch: Vec<Op> = Vec::new();
-        for op in queue.drain(..) {
-            match op {
-                Op::Write(f, done) => {
-                    let r = commit_batch(&mut conn, std::mem::take(&mut batch)).await;
-                    if let Err(e) = r {
-                        tracing::error!("run store: writing a batch of metrics failed: {e:#}");
-                    }
-                    let _ = done.send(transaction(&mut conn, f).await);
-                }
-                Op::Flush(done) => {
-                    let r = commit_batch(&mut conn, std::mem::take(&mut batch)).await;
-                    let _ = done.send(r);
-                }
-                other => batch.push(other),
-            }
-        }
-        if let Err(e) = commit_batch(&mut conn, batch).await {
-            tracing::error!("run store: writing a batch of metrics failed: {e:#}");
-        }
-    }
-    conn.close().await.ok();
-}
-
-async fn transaction(conn: &mut SqliteConnection, f: WriteFn) -> Result<i64> {
-    sqlx::query("BEGIN IMMEDIATE").execute(&mut *conn).await?;
-    match f(conn).await {
-        Ok(v) => {
-            sqlx::query("COMMIT").execute(&mut *conn).await?;
-            Ok(v)
-        }
-        Err(e) => {
-            sqlx::query("ROLLBACK").execute(&mut *conn).await.ok();
-            Err(e)
-        }
-    }
-}
-
-async fn commit_batch(conn: &mut SqliteConnection, batch: Vec<Op>) -> Result<()> {
-    if batch.is_empty() {
-        return Ok(());
-    }
-    let f: WriteFn = Box::new(move |c| Box::pin(apply_batch(c, batch)));
-    transaction(conn, f).await.map(|_| ())
-}
-
-async fn apply_batch(conn: &mut SqliteConnection, batch: Vec<Op>) -> Result<i64> {
-    let mut rows: Vec<(i64, i64, String, f64, f64)> = Vec::new();
-    for op in batch {
-        match op {
-            Op::Metrics {
-                run,
-                step,
-                wall,
-                values,
-            } => rows.extend(values.into_iter().map(|(k, v)| (run, step, k, v, wall))),
-            Op::Heartbeat { run, time } => {
-                sqlx::query("UPDATE runs SET heartbeat = ? WHERE id = ?")
-                    .bind(time)
-                    .bind(run)
-                    .execute(&mut *conn)
-                    .await?;
-            }
-            Op::Event { run, kind, message } => {
-                sqlx::query("INSERT INTO events (run_id, time, kind, message) VALUES (?, ?, ?, ?)")
-                    .bind(run)
-                    .bind(now())
-                    .bind(kind)
-                    .bind(message)
-                    .execute(&mut *conn)
-                    .await?;
-            }
-            Op::Write(..) | Op::Flush(_) => {}
-        }
-    }
-    for chunk in rows.chunks(ROWS_PER_INSERT) {
-        let mut qb: QueryBuilder<Sqlite> =
-            QueryBuilder::new("INSERT INTO metrics (run_id, step, key, value, wall_time) ");
-        qb.push_values(chunk, |mut b, (run, step, key, value, wall)| {
-            b.push_bind(*run)
-                .push_bind(*step)
-                .push_bind(key.clone())
-                .push_bind(if value.is_nan() { None } else { Some(*value) })
-                .push_bind(*wall);
-        });
-        qb.build().persistent(true).execute(&mut *conn).await?;
-    }
-    Ok(rows.len() as i64)
 }

@@ -18,7 +18,7 @@ use sqlx::Row;
 use tokio::runtime::Runtime;
 
 use crate::config::{self, Override, Sources};
-use crate::store::{Store, now};
+use crate::store::{Store, hostname, now, pid_alive};
 
 /// Search strategies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -285,6 +285,73 @@ async fn set_trial(
         .map(|_| ())
 }
 
+/// This process as the owner of the trials it claims: `pid@host`.
+fn me() -> String {
+    format!("{}@{}", std::process::id(), hostname())
+}
+
+/// Whether the sweep process `owner` (`pid@host`) lives: known on this host, assumed elsewhere.
+fn owner_alive(owner: &str) -> bool {
+    match owner.split_once('@') {
+        Some((pid, host)) if host == hostname() => pid.parse().is_ok_and(pid_alive),
+        _ => true,
+    }
+}
+
+/// Claims `trial` for this process in one transaction, so that of two sweeps of one file each
+/// trial runs once. `Some(why)` when it cannot be claimed: another live sweep process holds it,
+/// it finished meanwhile, or it failed and failures are not retried.
+async fn claim_trial(
+    store: &Store,
+    sweep: &str,
+    trial: &str,
+    retry_failed: bool,
+) -> Result<Option<String>> {
+    let refused = std::sync::Arc::new(std::sync::Mutex::new(None));
+    let (sweep, trial, out) = (sweep.to_string(), trial.to_string(), refused.clone());
+    store
+        .write(move |c| {
+            Box::pin(async move {
+                let row: Option<(String, Option<String>)> = sqlx::query_as(
+                    "SELECT state, owner FROM trials WHERE sweep_id = ? AND trial_id = ?",
+                )
+                .bind(&sweep)
+                .bind(&trial)
+                .fetch_optional(&mut *c)
+                .await?;
+                let me = me();
+                let why = match row {
+                    None => Some("is not recorded in the store".to_string()),
+                    Some((state, owner)) => match (state.as_str(), owner) {
+                        ("finished", _) => Some("finished meanwhile".into()),
+                        ("failed", _) if !retry_failed => {
+                            Some("failed (use --retry-failed)".into())
+                        }
+                        ("running", Some(o)) if o != me && owner_alive(&o) => {
+                            Some(format!("is claimed by the sweep process {o}"))
+                        }
+                        _ => None,
+                    },
+                };
+                if why.is_none() {
+                    sqlx::query(
+                        "UPDATE trials SET state = 'running', owner = ? WHERE sweep_id = ? AND trial_id = ?",
+                    )
+                    .bind(&me)
+                    .bind(&sweep)
+                    .bind(&trial)
+                    .execute(&mut *c)
+                    .await?;
+                }
+                *out.lock().unwrap_or_else(|e| e.into_inner()) = why;
+                Ok(0)
+            })
+        })
+        .await?;
+    let why = refused.lock().unwrap_or_else(|e| e.into_inner()).take();
+    Ok(why)
+}
+
 async fn run_of(store: &Store, sweep: &str, trial: &str) -> Result<Option<i64>> {
     Ok(sqlx::query_scalar(
         "SELECT id FROM runs WHERE sweep_id = ? AND trial_id = ? ORDER BY id DESC LIMIT 1",
@@ -307,7 +374,8 @@ enum Plan {
 pub struct SweepReport {
     /// The sweep id.
     pub id: String,
-    /// Trials already finished before this invocation.
+    /// Trials not run by this invocation: finished before, failed (without `--retry-failed`),
+    /// or claimed by another live sweep of the same file.
     pub skipped: usize,
     /// Trials started fresh.
     pub started: usize,
@@ -319,13 +387,69 @@ pub struct SweepReport {
     pub failed: usize,
 }
 
-/// Runs (or continues) the sweep of `file` with at most `parallel` trials at once.
-pub fn run(rt: &Runtime, file: &Path, parallel: usize, retry_failed: bool) -> Result<SweepReport> {
+/// What defines a sweep's base experiment, for its id: the resolved config without where its
+/// results go (the store, the runs folder, exports, the tracker), with every file it reads named
+/// by its canonical path. The same experiment is the same sweep however its store is named.
+fn identity_of(base: &config::ExperimentConfig) -> Result<Value> {
+    let mut v = serde_json::to_value(base)?;
+    if let Some(t) = v.get_mut("trainer").and_then(Value::as_object_mut) {
+        for key in ["db", "runs_dir", "export_dir", "tracker"] {
+            t.remove(key);
+        }
+    }
+    canonical_paths(&mut v, "");
+    Ok(v)
+}
+
+/// Replaces each existing file or folder named under a path-like key (`…path`, `…files`,
+/// `…file`, `…dir`, `tokenizer`) by its canonical path.
+fn canonical_paths(v: &mut Value, key: &str) {
+    let last = key.rsplit('.').next().unwrap_or(key);
+    let path_like = ["path", "files", "file", "dir"]
+        .iter()
+        .any(|s| last.ends_with(s))
+        || last == "tokenizer";
+    match v {
+        Value::Object(m) => {
+            for (k, child) in m.iter_mut() {
+                canonical_paths(child, &format!("{key}.{k}"));
+            }
+        }
+        Value::Array(items) if path_like => {
+            for item in items {
+                canonical_paths(item, key);
+            }
+        }
+        Value::String(s) if path_like && !s.is_empty() => {
+            if let Ok(p) = std::fs::canonicalize(&*s) {
+                *s = p.display().to_string();
+            }
+        }
+        _ => {}
+    }
+}
+
+/// Runs (or continues) the sweep of `file` with at most `parallel` trials at once, in the store
+/// `db` when given (`harness --db`), else the one the base experiment names.
+pub fn run(
+    rt: &Runtime,
+    file: &Path,
+    parallel: usize,
+    retry_failed: bool,
+    db: Option<&Path>,
+) -> Result<SweepReport> {
     let spec = read_spec(file)?;
+    let db_override: Vec<Override> = db
+        .map(|d| Override {
+            key: "trainer.db".into(),
+            value: toml::Value::String(d.display().to_string()),
+        })
+        .into_iter()
+        .collect();
     let base = config::load(&Sources {
         file: Some(file.to_path_buf()),
         env: true,
-        overrides: vec![],
+        overrides: db_override.clone(),
     })
     .with_context(|| format!("the base experiment of {}", file.display()))?;
     let trials = expand(&spec);
@@ -339,7 +463,7 @@ pub fn run(rt: &Runtime, file: &Path, parallel: usize, retry_failed: bool) -> Re
         config::load(&Sources {
             file: Some(file.to_path_buf()),
             env: true,
-            overrides,
+            overrides: [db_override.clone(), overrides].concat(),
         })
         .with_context(|| format!("sweep {}: trial {:?}", file.display(), t.params))?;
     }
@@ -348,7 +472,7 @@ pub fn run(rt: &Runtime, file: &Path, parallel: usize, retry_failed: bool) -> Re
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_else(|| "sweep".into())
     });
-    let identity = serde_json::json!({"base": base, "grid": spec.grid, "random": spec.random,
+    let identity = serde_json::json!({"base": identity_of(&base)?, "grid": spec.grid, "random": spec.random,
         "strategy": spec.strategy, "num_trials": spec.num_trials, "seed": spec.seed});
     let id = format!(
         "{name}-{:08x}",
@@ -363,7 +487,7 @@ pub fn run(rt: &Runtime, file: &Path, parallel: usize, retry_failed: bool) -> Re
     };
     let slots = parallel.max(1).min(cores).min(devices);
     if slots < parallel {
-        eprintln!(
+        note!(
             "harness: sweep {id}: running {slots} trials at once (bounded by {cores} cores / devices)"
         );
     }
@@ -401,7 +525,7 @@ pub fn run(rt: &Runtime, file: &Path, parallel: usize, retry_failed: bool) -> Re
         })
     }))
     .with_context(|| format!("recording sweep {id}"))?;
-    eprintln!(
+    note!(
         "harness: sweep {id}: {} trials, {slots} at once",
         trials.len()
     );
@@ -476,23 +600,41 @@ async fn schedule(
     for t in trials {
         match plan_for(store, sweep, &t, retry_failed).await? {
             Plan::Skip(why) => {
-                eprintln!("harness: sweep {sweep}: trial {} {why}, skipped", t.id);
+                note!("harness: sweep {sweep}: trial {} {why}, skipped", t.id);
                 report.skipped += 1;
             }
-            p => queue.push((t, p)),
+            _ => queue.push(t),
         }
     }
     queue.reverse();
     let mut running = tokio::task::JoinSet::new();
     loop {
         while running.len() < slots
-            && let Some((t, plan)) = queue.pop()
+            && let Some(t) = queue.pop()
         {
+            // Claimed first, then planned again: another sweep of the same file may have
+            // started, finished or left it since the plan above.
+            let claimed = match claim_trial(store, sweep, &t.id, retry_failed).await? {
+                Some(why) => Err(why),
+                None => match plan_for(store, sweep, &t, retry_failed).await? {
+                    Plan::Skip(why) => Err(why.to_string()),
+                    plan => Ok(plan),
+                },
+            };
+            let plan = match claimed {
+                Ok(plan) => plan,
+                Err(why) => {
+                    note!("harness: sweep {sweep}: trial {} {why}, skipped", t.id);
+                    report.skipped += 1;
+                    continue;
+                }
+            };
             let mut cmd = tokio::process::Command::new(exe);
+            cmd.arg("--db").arg(db);
             let resume_id = match plan {
                 Plan::Resume(r) => {
                     report.resumed += 1;
-                    cmd.arg("--db").arg(db).arg("resume").arg(r.to_string());
+                    cmd.arg("resume").arg(r.to_string());
                     Some(r)
                 }
                 _ => {
@@ -514,7 +656,7 @@ async fn schedule(
                 .stderr(Stdio::piped())
                 .kill_on_drop(false);
             set_trial(store, sweep, &t.id, "running", resume_id, None).await?;
-            eprintln!(
+            note!(
                 "harness: sweep {sweep}: trial {} {} {:?}",
                 t.id,
                 if resume_id.is_some() {
@@ -541,7 +683,7 @@ async fn schedule(
             Ok(o) if o.status.success() => {
                 report.finished += 1;
                 set_trial(store, sweep, &t.id, "finished", run, None).await?;
-                eprintln!(
+                note!(
                     "harness: sweep {sweep}: trial {} finished (run {})",
                     t.id,
                     run.unwrap_or(-1)
@@ -562,7 +704,7 @@ async fn schedule(
                     format!("sweep {sweep} trial {}: {cause}", t.id),
                 )?;
                 set_trial(store, sweep, &t.id, "failed", run, Some(cause.clone())).await?;
-                eprintln!("harness: sweep {sweep}: trial {} failed: {cause}", t.id);
+                note!("harness: sweep {sweep}: trial {} failed: {cause}", t.id);
             }
             Err(e) => {
                 report.failed += 1;
@@ -587,6 +729,30 @@ pub async fn sweep_file(store: &Store, sweep: &str) -> Result<Option<PathBuf>> {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn the_identity_leaves_out_where_results_go_and_names_files_canonically() {
+        let dir = tempfile::tempdir().unwrap();
+        let data = dir.path().join("train.parquet");
+        std::fs::write(&data, b"rows").unwrap();
+        let mut a = config::ExperimentConfig::default();
+        a.data.train_files = vec![data.clone()];
+        let mut b = a.clone();
+        b.data.train_files = vec![dir.path().join("./sub/../train.parquet")];
+        std::fs::create_dir(dir.path().join("sub")).unwrap();
+        b.trainer.db = Some(dir.path().join("elsewhere.db"));
+        b.trainer.runs_dir = dir.path().join("other-runs");
+        assert_eq!(identity_of(&a).unwrap(), identity_of(&b).unwrap());
+        b.data.train_files = vec![dir.path().join("missing.parquet")];
+        assert_ne!(identity_of(&a).unwrap(), identity_of(&b).unwrap());
+        let mut c = a.clone();
+        c.trainer.seed += 1;
+        assert_ne!(
+            identity_of(&a).unwrap(),
+            identity_of(&c).unwrap(),
+            "the seed is the experiment"
+        );
+    }
 
     #[test]
     fn grid_is_the_cartesian_product_with_stable_ids() {

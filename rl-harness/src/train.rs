@@ -186,7 +186,7 @@ fn export(built: &Built, run_dir: &Path, cfg: &ExperimentConfig) -> Result<()> {
     for out in outs {
         compose::export_model(model, src, &out)?;
         tracing::info!("{} exported to {}", model.name(), out.display());
-        eprintln!(
+        note!(
             "harness: trained {} written to {}",
             model.name(),
             out.display()
@@ -322,7 +322,7 @@ fn train_created(
 ) -> Result<i64> {
     logging::to_file(&run_dir.join("harness.log"));
     tracing::info!(run = run_id, dir = %run_dir.display(), "run started");
-    eprintln!(
+    note!(
         "harness: run {run_id} ({}) in {}",
         cfg.trainer.experiment_name,
         run_dir.display()
@@ -508,13 +508,8 @@ pub fn prepare_resume(
 ) -> Result<Resumed> {
     let run = rt.block_on(store.resolve_run(spec))?;
     let id = run.id;
-    if run.effective_status() == "running" {
-        bail!(
-            "run {id} is still running (pid {} on {}, heartbeat {:.0} s ago)",
-            run.pid.unwrap_or(-1),
-            run.host,
-            now() - run.heartbeat.unwrap_or(run.created)
-        );
+    if let Some(why) = run.still_running() {
+        bail!("{why}");
     }
     let ckpts = rt.block_on(store.checkpoints(id))?;
     let chosen = ckpts
@@ -562,6 +557,11 @@ pub fn prepare_resume(
     let dropped = rt
         .block_on(store.write(move |c| {
             Box::pin(async move {
+                // The claim: checked and taken in one transaction, so of two resumes at once
+                // the second sees the first's pid and refuses.
+                if let Some(why) = Store::run_on(c, id).await?.and_then(|r| r.still_running()) {
+                    bail!("{why}");
+                }
                 let t = now();
                 let dropped = sqlx::query("DELETE FROM metrics WHERE run_id = ? AND step > ?")
                     .bind(id)
@@ -637,6 +637,19 @@ pub fn prepare_resume(
     })
 }
 
+/// Removes the `.tmp-*` folders a process killed while saving a checkpoint left in `<run
+/// dir>/checkpoints` (never recorded in the store, so never resumed from; this only tidies).
+pub(crate) fn remove_partial_checkpoints(run_dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(run_dir.join("checkpoints")) else {
+        return;
+    };
+    for e in entries.flatten() {
+        if e.file_name().to_string_lossy().starts_with(".tmp-") {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
+}
+
 /// Trains a prepared run from its checkpoint to the end (on rank 0 of `group` when there is
 /// one) and records how it ended.
 fn resume_prepared(
@@ -648,7 +661,9 @@ fn resume_prepared(
     let (id, step, ckpt_dir, run_dir, cfg) = (r.id, r.step, &r.ckpt_dir, &r.run_dir, &r.cfg);
     logging::to_file(&run_dir.join("harness.log"));
     tracing::info!(run = id, step, "resuming from {}", ckpt_dir.display());
-    eprintln!("harness: resuming run {id} from {}", ckpt_dir.display());
+    note!("harness: resuming run {id} from {}", ckpt_dir.display());
+    // What a process killed while saving left behind; this resume owns the run now.
+    remove_partial_checkpoints(run_dir);
     let result = build_drive_export(rt, store, group, id, run_dir, cfg, Some(r));
     finish(rt, store, id, cfg, result)
 }
@@ -866,6 +881,13 @@ fn finish(
     }));
     if let Err(e) = recorded {
         tracing::error!("recording the end of run {id}: {e:#}");
+        // Owed like a metric: retried, and kept in a spill file if the store still refuses.
+        let kept = store
+            .end_owed(id, status, error.clone())
+            .and_then(|()| rt.block_on(store.flush()));
+        if let Err(e) = kept {
+            tracing::error!("run {id}: {e:#}");
+        }
     }
     if cfg.trainer.tracker.kind != config::TrackerKind::None {
         let budget = Duration::from_secs_f64(cfg.trainer.tracker.flush_timeout_s);
@@ -875,7 +897,17 @@ fn finish(
     match result {
         Ok(Outcome::Finished) => Ok(id),
         Ok(Outcome::Killed) => {
-            bail!("run {id} stopped by a signal; `harness resume {id}` continues it")
+            let resumable = rt
+                .block_on(store.checkpoints(id))
+                .map(|c| !c.is_empty())
+                .unwrap_or(true);
+            if resumable {
+                bail!("run {id} stopped by a signal; `harness resume {id}` continues it")
+            }
+            bail!(
+                "run {id} stopped by a signal before its first checkpoint: there is nothing to \
+                 resume; start it again"
+            )
         }
         Err(e) => Err(e.context(format!("run {id} failed"))),
     }
@@ -905,27 +937,91 @@ fn agreed_stop(group: Option<&SharedCollective>, stop: bool) -> Result<bool> {
     Ok(v[0] > 0.0)
 }
 
-/// Sets `stop` on the first SIGINT or SIGTERM (abort the handle when done).
-pub(crate) fn stop_on_signal(rt: &Runtime, stop: Arc<AtomicBool>) -> tokio::task::JoinHandle<()> {
+/// Stops at the first SIGINT, SIGTERM or SIGHUP (a closed terminal) after the current step,
+/// with a checkpoint, and says so. A second one stops at once when `at_once` names the store and
+/// run to record as killed; the launcher passes none, as it stops its ranks itself.
+pub(crate) fn stop_on_signal(
+    rt: &Runtime,
+    stop: Arc<AtomicBool>,
+    at_once: Option<(Store, i64)>,
+) -> tokio::task::JoinHandle<()> {
+    use tokio::signal::unix::{SignalKind, signal};
     let _guard = rt.enter();
+    // Registered before this returns: no signal from here on takes the default action.
+    let streams = (
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::terminate()),
+        signal(SignalKind::hangup()),
+    );
     rt.spawn(async move {
-        use tokio::signal::unix::{SignalKind, signal};
-        let (Ok(mut int), Ok(mut term), Ok(mut hup)) = (
-            signal(SignalKind::interrupt()),
-            signal(SignalKind::terminate()),
-            signal(SignalKind::hangup()),
-        ) else {
+        let (Ok(mut int), Ok(mut term), Ok(mut hup)) = streams else {
             return;
         };
-        tokio::select! {
-            _ = int.recv() => {},
-            _ = term.recv() => {},
-            // a closed terminal: the launcher's ranks are in their own process groups and do
-            // not get the terminal's SIGHUP, so the launcher stops them
-            _ = hup.recv() => {},
+        let mut stopping = false;
+        loop {
+            let name = tokio::select! {
+                _ = int.recv() => "SIGINT",
+                _ = term.recv() => "SIGTERM",
+                // a closed terminal: the launcher's ranks are in their own process groups and
+                // do not get the terminal's SIGHUP, so the launcher stops them
+                _ = hup.recv() => "SIGHUP",
+            };
+            if !stopping {
+                stopping = true;
+                stop.store(true, Ordering::SeqCst);
+                let again = if at_once.is_some() {
+                    " (Ctrl-C again to stop at once)"
+                } else {
+                    ""
+                };
+                note!("harness: {name}: stopping after this step, with a checkpoint{again}");
+                continue;
+            }
+            let Some((store, run)) = &at_once else {
+                continue;
+            };
+            note!("harness: {name} again: stopping now; the run resumes from its last checkpoint");
+            record_stopped_at_once(store, *run, name).await;
+            std::process::exit(130);
         }
-        stop.store(true, Ordering::SeqCst);
     })
+}
+
+/// Records run `run` as killed by a second signal, before the process exits mid-step.
+async fn record_stopped_at_once(store: &Store, run: i64, name: &'static str) {
+    let recorded =
+        store
+            .write(move |c| {
+                Box::pin(async move {
+                    let t = now();
+                    sqlx::query(
+                        "UPDATE runs SET status = 'killed', ended = ?, heartbeat = ? WHERE id = ?",
+                    )
+                    .bind(t)
+                    .bind(t)
+                    .bind(run)
+                    .execute(&mut *c)
+                    .await?;
+                    sqlx::query(
+                    "INSERT INTO events (run_id, time, kind, message) VALUES (?, ?, 'signal', ?)",
+                )
+                .bind(run)
+                .bind(t)
+                .bind(format!("stopped at once by a second {name}, in the middle of a step"))
+                .execute(&mut *c)
+                .await?;
+                    tracker::enqueue_status(c, run, "killed", Some(t)).await?;
+                    Ok(0)
+                })
+            })
+            .await;
+    if let Err(e) = recorded {
+        tracing::error!("recording that run {run} stopped: {e:#}");
+        let _ = store.end_owed(run, "killed", None);
+    }
+    if let Err(e) = store.flush().await {
+        tracing::error!("run {run}: {e:#}");
+    }
 }
 
 /// The loop: validation, steps, metrics, checkpoints, heartbeat, signals.
@@ -957,7 +1053,7 @@ fn drive(
             }
         })
     });
-    let signals = stop_on_signal(rt, stop.clone());
+    let signals = stop_on_signal(rt, stop.clone(), store.map(|s| (s.clone(), run_id)));
     let pump = store
         .filter(|_| t.tracker.kind != config::TrackerKind::None)
         .map(|store| tracker::Pump::start(rt, store.clone(), run_id, t.tracker.clone()));
@@ -1015,6 +1111,9 @@ fn drive(
             }
             if let Some(store) = store {
                 store.log_metrics(run_id, step, &m)?;
+                // Rows it refuses wait and are retried; a store that refuses for too long
+                // fails the run instead of letting it train on unrecorded.
+                store.check(t.store_patience_s)?;
                 if is_due(t.save_freq, step, total) || (stopped_early.is_some() && step > last_ckpt)
                 {
                     save_checkpoint(rt, store, run_id, run_dir, cfg, trainer.as_ref())?;

@@ -1,8 +1,11 @@
 //! The command line end to end on the bandit trainer: help everywhere, one-line errors,
 //! `config show` layering, train → runs (with filters) → show → compare (tables, config diffs,
-//! SVG and PNG plots) → export, concurrent writers on one store, and the bandit experiment files.
+//! SVG and PNG plots) → export, concurrent writers on one store, the bandit experiment files, and
+//! output to readers that went away (closed pipes) or cannot take it (a full disk).
 
 mod common;
+
+use std::process::Stdio;
 
 use common::{BANDIT, Env};
 
@@ -419,6 +422,68 @@ fn tiny_addition_with_pairs_lists_every_file_it_writes() {
         assert!(
             out.contains(&path.display().to_string()),
             "{name} is not in {out:?}"
+        );
+    }
+}
+
+/// A reader that went away never stops a run: training with both pipes closed before it writes
+/// its first line ends `finished` with exit 0; `runs` into a closed pipe (`runs | head`) ends
+/// quietly; stdout on a full disk is an error, never a cut-short answer with exit 0.
+#[test]
+fn a_gone_reader_never_stops_a_run_and_a_full_disk_is_an_error() {
+    let env = Env::new();
+    let cfg = env.file("exp.toml", BANDIT);
+    let mut child = env
+        .cmd()
+        .args(["train", cfg.to_str().unwrap(), "bandit.step_delay_ms=20"])
+        .env("RUST_LOG", "debug")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    drop(child.stderr.take());
+    let status = child.wait().unwrap();
+    assert!(status.success(), "train with its pipes closed: {status}");
+    let runs = env.ok(&["runs"]);
+    assert!(runs.contains("finished"), "{runs}");
+
+    let mut child = env
+        .cmd()
+        .arg("runs")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "runs into a closed pipe: {err}");
+    assert!(err.is_empty(), "runs into a closed pipe says: {err}");
+
+    let full = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/full")
+        .unwrap();
+    for args in [
+        &["runs"][..],
+        &["config", "show", cfg.to_str().unwrap()][..],
+    ] {
+        let out = env
+            .cmd()
+            .args(args)
+            .stdout(full.try_clone().unwrap())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(
+            out.status.code(),
+            Some(1),
+            "{args:?} onto a full disk: {err}"
+        );
+        assert!(
+            err.contains("harness: error:") && err.contains("No space left on device"),
+            "{args:?}: {err}"
         );
     }
 }

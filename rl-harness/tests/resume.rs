@@ -158,6 +158,72 @@ fn a_running_run_cannot_be_resumed_twice() {
     child.wait().unwrap();
 }
 
+/// Two `resume` of one run at once: one claims it, the other refuses naming the claimant's
+/// pid, and every step is in the store once. Another connection holds the store's write lock
+/// while both start, so both pass every check made before their first write and reach it
+/// together when the lock is let go.
+#[test]
+fn two_resumes_at_once_one_runs_and_the_other_names_it() {
+    use sqlx::Connection;
+    let env = Env::new();
+    let cfg = env.file("exp.toml", BANDIT);
+    env.ok(&[
+        "train",
+        cfg.to_str().unwrap(),
+        "trainer.total_training_steps=40",
+    ]);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut lock = rt
+        .block_on(sqlx::SqliteConnection::connect(&format!(
+            "sqlite://{}",
+            env.db().display()
+        )))
+        .unwrap();
+    rt.block_on(sqlx::query("BEGIN IMMEDIATE").execute(&mut lock))
+        .unwrap();
+    let children: Vec<_> = (0..2)
+        .map(|_| {
+            env.cmd()
+                .args(["resume", "1", "--from-step", "5", "bandit.step_delay_ms=50"])
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    std::thread::sleep(Duration::from_secs(3));
+    rt.block_on(sqlx::query("ROLLBACK").execute(&mut lock))
+        .unwrap();
+    let outs: Vec<_> = children
+        .into_iter()
+        .map(|c| c.wait_with_output().unwrap())
+        .collect();
+    let ok = outs.iter().filter(|o| o.status.success()).count();
+    let errs: Vec<String> = outs
+        .iter()
+        .map(|o| String::from_utf8_lossy(&o.stderr).into_owned())
+        .collect();
+    assert_eq!(ok, 1, "exactly one resume runs: {errs:?}");
+    let refused = outs
+        .iter()
+        .zip(&errs)
+        .find(|(o, _)| !o.status.success())
+        .unwrap()
+        .1;
+    assert!(refused.contains("run 1 is still running (pid"), "{refused}");
+    let (rt, store) = env.store();
+    let series = rt.block_on(store.series(1, "critic/score/mean")).unwrap();
+    let steps: Vec<i64> = series.iter().map(|p| p.0).collect();
+    assert_eq!(steps, (1..=40).collect::<Vec<_>>(), "each step once");
+    assert_eq!(
+        rt.block_on(store.run(1)).unwrap().unwrap().status,
+        "finished"
+    );
+}
+
 #[test]
 fn sigterm_checkpoints_marks_the_run_killed_and_resume_is_exact() {
     let env = Env::new();
@@ -206,4 +272,67 @@ fn sigterm_checkpoints_marks_the_run_killed_and_resume_is_exact() {
     );
     env.ok(&["resume", "2", "bandit.step_delay_ms=0"]);
     assert_eq!(metrics_of(&rt, &store, 1), metrics_of(&rt, &store, 2));
+}
+
+/// A process killed while saving leaves a `.tmp-global_step_N-PID` folder beside the
+/// checkpoints; the next resume of that run removes it.
+#[test]
+fn a_resume_removes_the_partial_checkpoints_a_killed_save_left() {
+    let env = Env::new();
+    let cfg = env.file("exp.toml", BANDIT);
+    env.ok(&["train", cfg.to_str().unwrap()]);
+    let (rt, store) = env.store();
+    let run_dir = std::path::PathBuf::from(rt.block_on(store.run(1)).unwrap().unwrap().run_dir);
+    let partial = run_dir.join("checkpoints/.tmp-global_step_7-999999");
+    std::fs::create_dir_all(&partial).unwrap();
+    std::fs::write(partial.join("model.safetensors"), b"half").unwrap();
+    env.ok(&["resume", "1", "--from-step", "15"]);
+    assert!(!partial.exists(), "{} is still there", partial.display());
+}
+
+/// The first Ctrl-C says it stops after the step; a second one stops at once, records the run
+/// as killed, and the run resumes from its last checkpoint to the same end.
+#[test]
+fn a_second_ctrl_c_stops_at_once_and_the_run_resumes() {
+    let env = Env::new();
+    let cfg = env.file("exp.toml", BANDIT);
+    let child = env.spawn(&["train", cfg.to_str().unwrap(), "bandit.step_delay_ms=1500"]);
+    wait_for("the run store", Duration::from_secs(60), || {
+        env.db().exists()
+    });
+    let (rt, store) = env.store();
+    // Step 6 just committed: step 7 has 1.5 s to go, and checkpoint 5 exists.
+    wait_for("step 6", Duration::from_secs(60), || {
+        rt.block_on(store.series(1, "actor/pg_loss"))
+            .map(|s| s.len() >= 6)
+            .unwrap_or(false)
+    });
+    let interrupt = || {
+        std::process::Command::new("kill")
+            .args(["-INT", &child.id().to_string()])
+            .status()
+            .unwrap()
+    };
+    interrupt();
+    std::thread::sleep(Duration::from_millis(100));
+    interrupt();
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(130), "{err}");
+    assert!(
+        err.contains("SIGINT: stopping after this step")
+            && err.contains("SIGINT again: stopping now"),
+        "{err}"
+    );
+    let run = rt.block_on(store.run(1)).unwrap().unwrap();
+    assert_eq!(run.status, "killed", "{run:?}");
+    let steps = rt.block_on(store.series(1, "actor/pg_loss")).unwrap().len();
+    assert!(
+        steps < 8,
+        "it went on after the second signal: {steps} steps"
+    );
+    env.ok(&["resume", "1", "bandit.step_delay_ms=0"]);
+    let series = rt.block_on(store.series(1, "actor/pg_loss")).unwrap();
+    let got: Vec<i64> = series.iter().map(|p| p.0).collect();
+    assert_eq!(got, (1..=20).collect::<Vec<_>>(), "every step once");
 }

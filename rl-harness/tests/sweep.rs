@@ -1,6 +1,7 @@
 //! Sweeps on the bandit trainer: an interrupted sweep re-run completes only the missing trials
 //! (finished ones skipped, the interrupted one resumed), a failed trial is recorded while the
-//! sweep goes on, and `compare --sweep` ranks the trials.
+//! sweep goes on, `compare --sweep` ranks the trials, two sweeps of one file at once run each
+//! trial once, the sweep id does not depend on how the store is named, and `--db` is obeyed.
 
 mod common;
 
@@ -71,7 +72,7 @@ fn an_interrupted_sweep_rerun_completes_only_the_missing_trials() {
 
     let out = env.ok(&["sweep", &file]);
     assert!(
-        out.contains("2 skipped (already finished), 1 started, 1 resumed; 2 finished, 0 failed"),
+        out.contains("2 skipped, 1 started, 1 resumed; 2 finished, 0 failed"),
         "{out}"
     );
     let runs = rt.block_on(store.runs(None)).unwrap();
@@ -131,4 +132,58 @@ fn a_failed_trial_is_recorded_and_the_sweep_goes_on() {
         err.contains("bandit.lrr") && err.contains("did you mean `bandit.lr`"),
         "{err}"
     );
+}
+
+#[test]
+fn two_sweeps_of_one_file_at_once_run_each_trial_once() {
+    let env = Env::new();
+    let file = sweep_file(
+        &env,
+        "\"bandit.lr\" = [0.02, 0.05, 0.1, 0.2]\n\"bandit.step_delay_ms\" = [40]",
+    );
+    let outs = env.at_once(2, &["sweep", &file]);
+    for o in &outs {
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    }
+    let (rt, store) = env.store();
+    let runs = rt.block_on(store.runs(None)).unwrap();
+    let mut trials: Vec<String> = runs.iter().filter_map(|r| r.trial_id.clone()).collect();
+    trials.sort();
+    let before = trials.len();
+    trials.dedup();
+    assert_eq!(before, trials.len(), "a trial ran twice: {runs:?}");
+    assert_eq!(trials.len(), 4, "every trial ran");
+    assert!(runs.iter().all(|r| r.status == "finished"), "{runs:?}");
+}
+
+#[test]
+fn the_sweep_id_does_not_depend_on_how_the_store_is_named_and_db_is_obeyed() {
+    let env = Env::new();
+    let file = sweep_file(&env, "\"bandit.lr\" = [0.05, 0.1]");
+    let first = env.ok(&["sweep", &file]);
+    assert!(first.contains("0 skipped, 2 started"), "{first}");
+    // The same store named through the environment, then by its absolute path.
+    let out = env
+        .cmd()
+        .args(["sweep", &file])
+        .env("RL_TRAINER__DB", "runs/harness.db")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && text.contains("2 skipped, 0 started"),
+        "{text}"
+    );
+    let abs = env.db();
+    let again = env.ok(&["--db", abs.to_str().unwrap(), "sweep", &file]);
+    assert!(again.contains("2 skipped, 0 started"), "{again}");
+    let (rt, store) = env.store();
+    assert_eq!(rt.block_on(store.runs(None)).unwrap().len(), 2);
+    // Another store through --db: the trials land there, none in the default one.
+    let other = env.path().join("other.db");
+    let there = env.ok(&["--db", other.to_str().unwrap(), "sweep", &file]);
+    assert!(there.contains("0 skipped, 2 started"), "{there}");
+    assert_eq!(rt.block_on(store.runs(None)).unwrap().len(), 2);
+    let listed = env.ok(&["--db", other.to_str().unwrap(), "runs"]);
+    assert_eq!(listed.lines().count(), 3, "{listed}");
 }

@@ -440,20 +440,7 @@ fn two_syncs_at_once_push_each_record_once() {
         Box::new(|_, _| false),
     );
     let uri = format!("http://127.0.0.1:{}", proxy.port);
-    let children: Vec<_> = (0..2)
-        .map(|_| {
-            env.cmd()
-                .args(["sync", "--uri", &uri])
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    let outs: Vec<_> = children
-        .into_iter()
-        .map(|c| c.wait_with_output().unwrap())
-        .collect();
+    let outs = env.at_once(2, &["sync", "--uri", &uri]);
     let texts: Vec<String> = outs
         .iter()
         .map(|o| {

@@ -88,6 +88,24 @@ impl Env {
             .unwrap()
     }
 
+    /// Starts `n` copies of `harness args` at once and waits for them all.
+    pub fn at_once(&self, n: usize, args: &[&str]) -> Vec<Output> {
+        let children: Vec<Child> = (0..n)
+            .map(|_| {
+                self.cmd()
+                    .args(args)
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::piped())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        children
+            .into_iter()
+            .map(|c| c.wait_with_output().unwrap())
+            .collect()
+    }
+
     /// Opens the run store with a runtime for reading.
     pub fn store(&self) -> (tokio::runtime::Runtime, rl_harness::Store) {
         let rt = tokio::runtime::Builder::new_multi_thread()
