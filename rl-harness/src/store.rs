@@ -360,6 +360,7 @@ impl Store {
     pub fn end_owed(&self, run: i64, status: &str, error: Option<String>) -> Result<()> {
         self.send(Op::End(QueuedEnd {
             run,
+            pid: i64::from(std::process::id()),
             status: status.into(),
             time: now(),
             error,
@@ -635,13 +636,30 @@ async fn check_schema(path: &Path, opts: &SqliteConnectOptions) -> Result<(i64, 
             .await
             .with_context(|| format!("opening the run store {}", path.display()))?,
     };
-    let theirs: Option<i64> =
+    let read = async {
+        let tracked: Option<String> = sqlx::query_scalar(
+            "SELECT name FROM sqlite_master WHERE type = 'table' AND name = '_sqlx_migrations'",
+        )
+        .fetch_optional(&mut conn)
+        .await?;
+        if tracked.is_none() {
+            // a new, empty file
+            return Ok::<_, sqlx::Error>(None);
+        }
         sqlx::query_scalar("SELECT MAX(version) FROM _sqlx_migrations WHERE success")
             .fetch_one(&mut conn)
             .await
-            .unwrap_or(None);
+    }
+    .await;
     conn.close().await.ok();
-    let theirs = theirs.unwrap_or(0);
+    let theirs: i64 = read
+        .with_context(|| {
+            format!(
+                "reading the schema version of the run store {}",
+                path.display()
+            )
+        })?
+        .unwrap_or(0);
     if theirs > ours {
         bail!(
             "the run store {} was written by a newer harness (schema {theirs}; this harness \

@@ -49,7 +49,8 @@ pub async fn enqueue_start(
     sqlx::query(
         "INSERT INTO tracker_runs (run_id, uri, metric_cursor) VALUES (?, ?, 0) \
          ON CONFLICT (run_id) DO UPDATE SET uri = excluded.uri, metric_cursor = 0, \
-         remote_run_id = NULL, experiment_id = NULL, inflight_upto = NULL",
+         remote_run_id = NULL, experiment_id = NULL, inflight_upto = NULL, \
+         sync_owner = NULL, sync_until = NULL",
     )
     .bind(run_id)
     .bind(&cfg.trainer.tracker.uri)
@@ -287,19 +288,52 @@ async fn set_cursor(store: &Store, run_id: i64, cursor: i64, inflight: Option<i6
     store
         .write(move |c| {
             Box::pin(async move {
-                sqlx::query(
-                    "UPDATE tracker_runs SET metric_cursor = ?, inflight_upto = ? WHERE run_id = ?",
+                let r = sqlx::query(
+                    "UPDATE tracker_runs SET metric_cursor = ?, inflight_upto = ? \
+                     WHERE run_id = ? AND sync_owner = ?",
                 )
                 .bind(cursor)
                 .bind(inflight)
                 .bind(run_id)
+                .bind(owner())
                 .execute(&mut *c)
                 .await?;
-                Ok(0)
+                Ok(r.rows_affected() as i64)
             })
         })
         .await
-        .map(|_| ())
+        .and_then(|n| fenced(n, run_id))
+}
+
+/// An error when a fenced update changed nothing: another process (or a resume's rewind) took
+/// the run's push lease, and this push must stop before it writes anything else.
+fn fenced(changed: i64, run_id: i64) -> Result<()> {
+    if changed == 0 {
+        bail!("run {run_id}: another process took over its push; it stays pending");
+    }
+    Ok(())
+}
+
+/// Extends this process's lease on `run_id` before a remote call, or fails if it was lost.
+async fn renew(store: &Store, run_id: i64, timeout: Duration) -> Result<()> {
+    let until = now() + (timeout * 3).as_secs_f64() + 5.0;
+    let changed = store
+        .write(move |c| {
+            Box::pin(async move {
+                let r = sqlx::query(
+                    "UPDATE tracker_runs SET sync_until = MAX(COALESCE(sync_until, 0), ?) \
+                     WHERE run_id = ? AND sync_owner = ?",
+                )
+                .bind(until)
+                .bind(run_id)
+                .bind(owner())
+                .execute(&mut *c)
+                .await?;
+                Ok(r.rows_affected() as i64)
+            })
+        })
+        .await?;
+    fenced(changed, run_id)
 }
 
 /// A metric's wall time as MLflow's timestamp (ms).
@@ -374,6 +408,7 @@ async fn push_pending(
         if Instant::now() > deadline {
             return pending(store, run_id).await;
         }
+        renew(store, run_id, timeout).await?;
         let result = match kind.as_str() {
             "rewind" => {
                 remote = None;
@@ -425,6 +460,7 @@ async fn push_pending(
     };
     // 2. a batch posted before whose answer never came back: sent again only if it never landed.
     if let Some(upto) = inflight {
+        renew(store, run_id, timeout).await?;
         let last: Option<(String, i64, f64)> =
             sqlx::query_as("SELECT key, step, wall_time FROM metrics WHERE id = ? AND run_id = ?")
                 .bind(upto)
@@ -432,10 +468,15 @@ async fn push_pending(
                 .fetch_optional(store.pool())
                 .await?;
         let landed = match last {
-            Some((key, step, wall)) => client
-                .has_metric(&rid, &key, step, millis(wall))
-                .await
-                .map_err(|e| anyhow!("{}", e.message))?,
+            Some((key, step, wall)) => {
+                match client.has_metric(&rid, &key, step, millis(wall)).await {
+                    Ok(found) => found,
+                    // Refused for good (the remote run is gone, say): sent again, and the batch's
+                    // own answer decides.
+                    Err(e) if e.permanent => false,
+                    Err(e) => bail!("{}", e.message),
+                }
+            }
             None => false,
         };
         if landed {
@@ -468,6 +509,7 @@ async fn push_pending(
                        "timestamp": millis(r.get(4)), "step": r.get::<i64, _>(1)})
             })
             .collect();
+        renew(store, run_id, timeout).await?;
         set_cursor(store, run_id, cursor, Some(last)).await?;
         match client
             .post("runs/log-batch", json!({"run_id": rid, "metrics": metrics}))
@@ -489,6 +531,7 @@ async fn push_pending(
     }
     // 4. status changes.
     for (id, payload) in statuses {
+        renew(store, run_id, timeout).await?;
         let mut body = json!({"run_id": rid, "status": payload["status"]});
         if let Some(t) = payload.get("end_time").and_then(Value::as_i64) {
             body["end_time"] = json!(t);
@@ -553,23 +596,25 @@ async fn record_remote(store: &Store, run_id: i64, rid: &str, exp: &str) -> Resu
     store
         .write(move |c| {
             Box::pin(async move {
-                sqlx::query(
-                    "UPDATE tracker_runs SET remote_run_id = ?, experiment_id = ? WHERE run_id = ?",
+                let r = sqlx::query(
+                    "UPDATE tracker_runs SET remote_run_id = ?, experiment_id = ? \
+                     WHERE run_id = ? AND sync_owner = ?",
                 )
                 .bind(rid2)
                 .bind(exp2)
                 .bind(run_id)
+                .bind(owner())
                 .execute(&mut *c)
                 .await?;
-                Ok(0)
+                Ok(r.rows_affected() as i64)
             })
         })
         .await
+        .and_then(|n| fenced(n, run_id))
         .map_err(|e| CallError {
             permanent: false,
             message: format!("recording the remote run id: {e:#}"),
         })
-        .map(|_| ())
 }
 
 /// Sends the params the remote run does not have yet; a param it has with another value is a
@@ -651,8 +696,9 @@ async fn pump(store: Store, run_id: i64, cfg: TrackerConfig, mut stopped: watch:
     let mut warned = false;
     loop {
         tokio::select! {
-            _ = tick.tick() => {}
+            biased;
             _ = stopped.changed() => return,
+            _ = tick.tick() => {}
         }
         let deadline = Instant::now() + Duration::from_secs_f64(cfg.interval_s.max(1.0));
         if let Err(e) = sync_run(&store, run_id, None, timeout, deadline).await {
@@ -668,6 +714,9 @@ async fn pump(store: Store, run_id: i64, cfg: TrackerConfig, mut stopped: watch:
     }
 }
 
+/// How many failed pushes the end-of-run flush tries before it leaves the rest pending.
+const FLUSH_TRIES: usize = 3;
+
 /// At the end of a run: keep pushing for at most `budget`, then leave the rest to `harness sync`.
 pub async fn flush_run(store: &Store, run_id: i64, cfg: &TrackerConfig, budget: Duration) {
     let timeout =
@@ -676,13 +725,21 @@ pub async fn flush_run(store: &Store, run_id: i64, cfg: &TrackerConfig, budget: 
     if let Err(e) = store.flush().await {
         tracing::warn!("flushing run {run_id}: {e:#}");
     }
+    // A lost answer is worth another try; a server that is down fails fast three times and
+    // the rest waits for `harness sync`.
+    let mut failures = 0;
     while Instant::now() < deadline {
         match sync_run(store, run_id, None, timeout, deadline).await {
             Ok(p) if p.is_empty() => return,
             Ok(_) => {}
             Err(e) => {
-                tracing::warn!("tracker: run {run_id} left pending for `harness sync`: {e:#}");
-                return;
+                failures += 1;
+                if failures >= FLUSH_TRIES {
+                    tracing::warn!("tracker: run {run_id} left pending for `harness sync`: {e:#}");
+                    return;
+                }
+                let left = deadline.saturating_duration_since(Instant::now());
+                tokio::time::sleep(Duration::from_millis(500).min(left)).await;
             }
         }
     }

@@ -981,7 +981,15 @@ pub(crate) fn stop_on_signal(
                 continue;
             };
             note!("harness: {name} again: stopping now; the run resumes from its last checkpoint");
-            record_stopped_at_once(store, *run, name).await;
+            // A store that hangs must not hold the exit up: a few seconds, then go anyway.
+            let recorded = tokio::time::timeout(
+                Duration::from_secs(5),
+                record_stopped_at_once(store, *run, name),
+            )
+            .await;
+            if recorded.is_err() {
+                note!("harness: run {run}: the store did not take the stop in 5 s; exiting anyway");
+            }
             std::process::exit(130);
         }
     })

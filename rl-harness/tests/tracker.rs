@@ -412,7 +412,9 @@ fn answers_lost_after_the_server_acted_never_double_a_run_a_param_or_a_metric() 
         "trainer.total_training_steps=150",
         "trainer.experiment_name=lossy",
     ]);
-    assert!(proxy.lost() >= 4, "only {} answers lost", proxy.lost());
+    // At least the first create, the first params chunk (log-batch 1) and a metrics batch
+    // (log-batch 3: the params' second chunk is 2) were lost.
+    assert!(proxy.lost() >= 3, "only {} answers lost", proxy.lost());
     assert_mirrored_once(&env, server.port, "lossy-1");
 }
 

@@ -72,6 +72,8 @@ pub(super) struct QueuedEvent {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub(super) struct QueuedEnd {
     pub(super) run: i64,
+    /// The process that drove the run: a replay never ends a run another process took over.
+    pub(super) pid: i64,
     pub(super) status: String,
     pub(super) time: f64,
     pub(super) error: Option<String>,
@@ -329,14 +331,18 @@ async fn apply(conn: &mut SqliteConnection, b: &Backlog, spill: Option<&str>) ->
             .await?;
     }
     for e in &b.ends {
-        sqlx::query("UPDATE runs SET status = ?, ended = ?, heartbeat = ?, error = ? WHERE id = ?")
-            .bind(&e.status)
-            .bind(e.time)
-            .bind(e.time)
-            .bind(&e.error)
-            .bind(e.run)
-            .execute(&mut *conn)
-            .await?;
+        sqlx::query(
+            "UPDATE runs SET status = ?, ended = ?, heartbeat = ?, error = ? \
+             WHERE id = ? AND status = 'running' AND pid = ?",
+        )
+        .bind(&e.status)
+        .bind(e.time)
+        .bind(e.time)
+        .bind(&e.error)
+        .bind(e.run)
+        .bind(e.pid)
+        .execute(&mut *conn)
+        .await?;
     }
     Ok(())
 }
@@ -346,7 +352,11 @@ pub(super) async fn transaction(conn: &mut SqliteConnection, f: WriteFn) -> Resu
     sqlx::query("BEGIN IMMEDIATE").execute(&mut *conn).await?;
     match f(conn).await {
         Ok(v) => {
-            sqlx::query("COMMIT").execute(&mut *conn).await?;
+            // A failed COMMIT (a full disk) may leave the transaction open, holding the lock.
+            if let Err(e) = sqlx::query("COMMIT").execute(&mut *conn).await {
+                sqlx::query("ROLLBACK").execute(&mut *conn).await.ok();
+                return Err(e.into());
+            }
             Ok(v)
         }
         Err(e) => {
@@ -441,8 +451,13 @@ fn spill(db: &Path, backlog: &mut Backlog, health: &SharedHealth) -> Result<Opti
             .append(true)
             .open(&path)
             .and_then(|mut f| {
-                f.write_all(line.as_bytes())?;
-                f.sync_data()
+                let before = f.metadata()?.len();
+                let r = f.write_all(line.as_bytes()).and_then(|()| f.sync_data());
+                if r.is_err() {
+                    // No torn line for the next spill to be glued to.
+                    let _ = f.set_len(before);
+                }
+                r
             });
         match written {
             Ok(()) => {
