@@ -285,29 +285,51 @@ async fn release(store: &Store, run_id: i64) -> Result<()> {
 /// Records how far the metrics are pushed: `cursor` is accepted remotely, `inflight` (the last
 /// row of a batch posted and not answered yet) may or may not be.
 async fn set_cursor(store: &Store, run_id: i64, cursor: i64, inflight: Option<i64>) -> Result<()> {
-    store
+    fenced_update(
+        store,
+        run_id,
+        "metric_cursor = ?, inflight_upto = ?",
+        vec![Arg::Int(Some(cursor)), Arg::Int(inflight)],
+    )
+    .await
+}
+
+/// A value bound into [`fenced_update`]'s SET clause.
+enum Arg {
+    Int(Option<i64>),
+    Real(f64),
+    Text(String),
+}
+
+/// Updates run `run_id`'s `tracker_runs` row with `set` (a SET clause whose `?` take `args`)
+/// only while this process holds the run's push lease. When nothing changed, another process
+/// (or a resume's rewind) took the lease, and this push must stop before it writes anything
+/// else.
+async fn fenced_update(
+    store: &Store,
+    run_id: i64,
+    set: &'static str,
+    args: Vec<Arg>,
+) -> Result<()> {
+    let changed = store
         .write(move |c| {
             Box::pin(async move {
-                let r = sqlx::query(
-                    "UPDATE tracker_runs SET metric_cursor = ?, inflight_upto = ? \
-                     WHERE run_id = ? AND sync_owner = ?",
-                )
-                .bind(cursor)
-                .bind(inflight)
-                .bind(run_id)
-                .bind(owner())
-                .execute(&mut *c)
-                .await?;
+                // `set` is one of this file's constant clauses.
+                let sql =
+                    format!("UPDATE tracker_runs SET {set} WHERE run_id = ? AND sync_owner = ?");
+                let mut q = sqlx::query(sqlx::AssertSqlSafe(sql));
+                for a in &args {
+                    q = match a {
+                        Arg::Int(v) => q.bind(*v),
+                        Arg::Real(v) => q.bind(*v),
+                        Arg::Text(v) => q.bind(v.clone()),
+                    };
+                }
+                let r = q.bind(run_id).bind(owner()).execute(&mut *c).await?;
                 Ok(r.rows_affected() as i64)
             })
         })
-        .await
-        .and_then(|n| fenced(n, run_id))
-}
-
-/// An error when a fenced update changed nothing: another process (or a resume's rewind) took
-/// the run's push lease, and this push must stop before it writes anything else.
-fn fenced(changed: i64, run_id: i64) -> Result<()> {
+        .await?;
     if changed == 0 {
         bail!("run {run_id}: another process took over its push; it stays pending");
     }
@@ -317,23 +339,13 @@ fn fenced(changed: i64, run_id: i64) -> Result<()> {
 /// Extends this process's lease on `run_id` before a remote call, or fails if it was lost.
 async fn renew(store: &Store, run_id: i64, timeout: Duration) -> Result<()> {
     let until = now() + (timeout * 3).as_secs_f64() + 5.0;
-    let changed = store
-        .write(move |c| {
-            Box::pin(async move {
-                let r = sqlx::query(
-                    "UPDATE tracker_runs SET sync_until = MAX(COALESCE(sync_until, 0), ?) \
-                     WHERE run_id = ? AND sync_owner = ?",
-                )
-                .bind(until)
-                .bind(run_id)
-                .bind(owner())
-                .execute(&mut *c)
-                .await?;
-                Ok(r.rows_affected() as i64)
-            })
-        })
-        .await?;
-    fenced(changed, run_id)
+    fenced_update(
+        store,
+        run_id,
+        "sync_until = MAX(COALESCE(sync_until, 0), ?)",
+        vec![Arg::Real(until)],
+    )
+    .await
 }
 
 /// A metric's wall time as MLflow's timestamp (ms).
@@ -592,29 +604,17 @@ async fn push_create(
 }
 
 async fn record_remote(store: &Store, run_id: i64, rid: &str, exp: &str) -> Result<(), CallError> {
-    let (rid2, exp2) = (rid.to_owned(), exp.to_owned());
-    store
-        .write(move |c| {
-            Box::pin(async move {
-                let r = sqlx::query(
-                    "UPDATE tracker_runs SET remote_run_id = ?, experiment_id = ? \
-                     WHERE run_id = ? AND sync_owner = ?",
-                )
-                .bind(rid2)
-                .bind(exp2)
-                .bind(run_id)
-                .bind(owner())
-                .execute(&mut *c)
-                .await?;
-                Ok(r.rows_affected() as i64)
-            })
-        })
-        .await
-        .and_then(|n| fenced(n, run_id))
-        .map_err(|e| CallError {
-            permanent: false,
-            message: format!("recording the remote run id: {e:#}"),
-        })
+    fenced_update(
+        store,
+        run_id,
+        "remote_run_id = ?, experiment_id = ?",
+        vec![Arg::Text(rid.to_owned()), Arg::Text(exp.to_owned())],
+    )
+    .await
+    .map_err(|e| CallError {
+        permanent: false,
+        message: format!("recording the remote run id: {e:#}"),
+    })
 }
 
 /// Sends the params the remote run does not have yet; a param it has with another value is a
