@@ -851,44 +851,8 @@ fn finish(
         Ok(Outcome::Killed) => ("killed", None),
         Err(e) => ("failed", Some(crate::one_line(e))),
     };
-    let err2 = error.clone();
-    let recorded = rt.block_on(store.write(move |c| {
-        Box::pin(async move {
-            let t = now();
-            sqlx::query(
-                "UPDATE runs SET status = ?, ended = ?, heartbeat = ?, error = ? WHERE id = ?",
-            )
-            .bind(status)
-            .bind(t)
-            .bind(t)
-            .bind(&err2)
-            .bind(id)
-            .execute(&mut *c)
-            .await?;
-            if let Some(e) = &err2 {
-                sqlx::query(
-                    "INSERT INTO events (run_id, time, kind, message) VALUES (?, ?, 'error', ?)",
-                )
-                .bind(id)
-                .bind(t)
-                .bind(e)
-                .execute(&mut *c)
-                .await?;
-            }
-            tracker::enqueue_status(c, id, status, Some(t)).await?;
-            Ok(0)
-        })
-    }));
-    if let Err(e) = recorded {
-        tracing::error!("recording the end of run {id}: {e:#}");
-        // Owed like a metric: retried, and kept in a spill file if the store still refuses.
-        let kept = store
-            .end_owed(id, status, error.clone())
-            .and_then(|()| rt.block_on(store.flush()));
-        if let Err(e) = kept {
-            tracing::error!("run {id}: {e:#}");
-        }
-    }
+    let event = error.clone().map(|e| ("error", e));
+    rt.block_on(record_end(store, id, status, error, event));
     if cfg.trainer.tracker.kind != config::TrackerKind::None {
         let budget = Duration::from_secs_f64(cfg.trainer.tracker.flush_timeout_s);
         rt.block_on(tracker::flush_run(store, id, &cfg.trainer.tracker, budget));
@@ -984,7 +948,16 @@ pub(crate) fn stop_on_signal(
             // A store that hangs must not hold the exit up: a few seconds, then go anyway.
             let recorded = tokio::time::timeout(
                 Duration::from_secs(5),
-                record_stopped_at_once(store, *run, name),
+                record_end(
+                    store,
+                    *run,
+                    "killed",
+                    None,
+                    Some((
+                        "signal",
+                        format!("stopped at once by a second {name}, in the middle of a step"),
+                    )),
+                ),
             )
             .await;
             if recorded.is_err() {
@@ -995,37 +968,51 @@ pub(crate) fn stop_on_signal(
     })
 }
 
-/// Records run `run` as killed by a second signal, before the process exits mid-step.
-async fn record_stopped_at_once(store: &Store, run: i64, name: &'static str) {
-    let recorded =
-        store
-            .write(move |c| {
-                Box::pin(async move {
-                    let t = now();
-                    sqlx::query(
-                        "UPDATE runs SET status = 'killed', ended = ?, heartbeat = ? WHERE id = ?",
-                    )
-                    .bind(t)
-                    .bind(t)
-                    .bind(run)
-                    .execute(&mut *c)
-                    .await?;
-                    sqlx::query(
-                    "INSERT INTO events (run_id, time, kind, message) VALUES (?, ?, 'signal', ?)",
+/// Records how run `run` ended (status, error, an event, the tracker's status) in one
+/// transaction; if the store refuses it, the end is owed like a metric (retried, spilled).
+async fn record_end(
+    store: &Store,
+    run: i64,
+    status: &'static str,
+    error: Option<String>,
+    event: Option<(&'static str, String)>,
+) {
+    let err2 = error.clone();
+    let recorded = store
+        .write(move |c| {
+            Box::pin(async move {
+                let t = now();
+                sqlx::query(
+                    "UPDATE runs SET status = ?, ended = ?, heartbeat = ?, error = ? WHERE id = ?",
                 )
-                .bind(run)
+                .bind(status)
                 .bind(t)
-                .bind(format!("stopped at once by a second {name}, in the middle of a step"))
+                .bind(t)
+                .bind(&err2)
+                .bind(run)
                 .execute(&mut *c)
                 .await?;
-                    tracker::enqueue_status(c, run, "killed", Some(t)).await?;
-                    Ok(0)
-                })
+                if let Some((kind, message)) = &event {
+                    sqlx::query(
+                        "INSERT INTO events (run_id, time, kind, message) VALUES (?, ?, ?, ?)",
+                    )
+                    .bind(run)
+                    .bind(t)
+                    .bind(kind)
+                    .bind(message)
+                    .execute(&mut *c)
+                    .await?;
+                }
+                tracker::enqueue_status(c, run, status, Some(t)).await?;
+                Ok(0)
             })
-            .await;
+        })
+        .await;
     if let Err(e) = recorded {
-        tracing::error!("recording that run {run} stopped: {e:#}");
-        let _ = store.end_owed(run, "killed", None);
+        tracing::error!("recording the end of run {run}: {e:#}");
+        if let Err(e) = store.end_owed(run, status, error) {
+            tracing::error!("run {run}: {e:#}");
+        }
     }
     if let Err(e) = store.flush().await {
         tracing::error!("run {run}: {e:#}");
