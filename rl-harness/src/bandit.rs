@@ -40,6 +40,12 @@ pub struct BanditConfig {
     /// Milliseconds to sleep inside each step (tests use it to interrupt a run mid-step).
     /// Default 0.
     pub step_delay_ms: u64,
+    /// Milliseconds to sleep inside each validation (tests use it to stop a run before its
+    /// first step). Default 0.
+    pub val_delay_ms: u64,
+    /// Fault injection for tests: from this step on (1-based) the weights are NaN before the
+    /// step, as in a diverged run. 0 (the default) never.
+    pub diverge_at_step: u64,
 }
 
 impl Default for BanditConfig {
@@ -56,6 +62,8 @@ impl Default for BanditConfig {
             steps_per_epoch: 50,
             val_size: 256,
             step_delay_ms: 0,
+            val_delay_ms: 0,
+            diverge_at_step: 0,
         }
     }
 }
@@ -243,6 +251,11 @@ impl Trainer for BanditTrainer {
         if self.cfg.step_delay_ms > 0 {
             std::thread::sleep(std::time::Duration::from_millis(self.cfg.step_delay_ms));
         }
+        if self.cfg.diverge_at_step > 0 && self.step + 1 >= self.cfg.diverge_at_step {
+            tch::no_grad(|| {
+                let _ = self.w.fill_(f64::NAN);
+            });
+        }
         let (b, f, a) = (self.cfg.batch_size, self.cfg.features, self.cfg.arms);
         let x = Tensor::from_slice(&normals(&mut self.rng, (b * f) as usize))
             .view([b, f])
@@ -310,6 +323,9 @@ impl Trainer for BanditTrainer {
     }
 
     fn validate(&mut self) -> rl_core::Result<(StepMetrics, Vec<Sample>)> {
+        if self.cfg.val_delay_ms > 0 {
+            std::thread::sleep(std::time::Duration::from_millis(self.cfg.val_delay_ms));
+        }
         let greedy = tch::no_grad(|| self.val_x.mm(&self.w).argmax(-1, false));
         let best = self.val_x.mm(&self.truth).argmax(-1, false);
         let score = greedy

@@ -69,6 +69,26 @@ impl TrainedModel {
         }
     }
 
+    /// The name of the first weight (in name order) holding a NaN or an infinity, if any.
+    pub fn first_non_finite(&self) -> Result<Option<String>> {
+        let poisoned = || anyhow!("the {}'s lock is poisoned", self.name());
+        let vars = match self {
+            TrainedModel::Policy(p) => p.lock().map_err(|_| poisoned())?.var_store().variables(),
+            TrainedModel::RewardModel(m) => {
+                m.lock().map_err(|_| poisoned())?.var_store().variables()
+            }
+        };
+        let mut names: Vec<&String> = vars.keys().collect();
+        names.sort();
+        Ok(names
+            .into_iter()
+            .find(|n| {
+                let t = &vars[*n];
+                t.is_floating_point() && t.isfinite().all().int64_value(&[]) == 0
+            })
+            .cloned())
+    }
+
     /// Writes `config.json` and the weights into `out`.
     fn save_pretrained(&self, out: &Path) -> Result<()> {
         let poisoned = || anyhow!("the {}'s lock is poisoned", self.name());
@@ -906,6 +926,13 @@ pub fn export_policy(policy: &SharedPolicy, source_dir: &Path, out: &Path) -> Re
 /// (a reward model's with its one-label `score` head), the tokenizer files copied from
 /// `source_dir`.
 pub fn export_model(model: &TrainedModel, source_dir: &Path, out: &Path) -> Result<()> {
+    if let Some(name) = model.first_non_finite()? {
+        bail!(
+            "not exporting the {} to {}: weight `{name}` holds NaN or infinite values",
+            model.name(),
+            out.display()
+        );
+    }
     model.save_pretrained(out)?;
     for name in [
         "tokenizer.json",
@@ -1337,4 +1364,41 @@ pub fn build_spin_in(
         Some(g) => trainer.with_group(g.clone(), cfg.sft.train_batch_size)?,
         None => trainer,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 18, item 13: a model holding a NaN weight is never exported.
+    #[test]
+    fn a_model_with_a_nan_weight_is_not_exported() {
+        let lm = CausalLm::new(&tiny_llama_config(32), Device::Cpu, Kind::Float).unwrap();
+        let model = TrainedModel::Policy(Arc::new(Mutex::new(lm)));
+        let dir = tempfile::tempdir().unwrap();
+        assert_eq!(model.first_non_finite().unwrap(), None);
+        export_model(&model, dir.path(), &dir.path().join("ok")).unwrap();
+        assert!(dir.path().join("ok/model.safetensors").is_file());
+        let TrainedModel::Policy(p) = &model else {
+            unreachable!()
+        };
+        let name = {
+            let lm = p.lock().unwrap();
+            let vars = lm.var_store().variables();
+            let mut names: Vec<String> = vars.keys().cloned().collect();
+            names.sort();
+            let name = names.last().unwrap().clone();
+            tch::no_grad(|| {
+                let _ = vars[&name].get(0).fill_(f64::NAN);
+            });
+            name
+        };
+        let err = export_model(&model, dir.path(), &dir.path().join("bad")).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains(&format!("weight `{name}` holds NaN or infinite values")),
+            "{err:#}"
+        );
+        assert!(!dir.path().join("bad/model.safetensors").exists());
+    }
 }

@@ -167,6 +167,10 @@ pub struct HarnessConfig {
     /// disk) before the run fails; until then the rows wait and are retried, never dropped.
     /// Default 300.
     pub store_patience_s: f64,
+    /// Consecutive steps whose loss (any metric named `*loss`) is NaN or infinite after which
+    /// the run stops with an error naming the step it diverged at; no checkpoint is taken of a
+    /// step with a non-finite loss. 0 turns the guard off. Default 3.
+    pub max_nonfinite_steps: u64,
     /// The remote tracker.
     pub tracker: TrackerConfig,
 }
@@ -193,6 +197,7 @@ impl Default for HarnessConfig {
             db: None,
             heartbeat_s: 5.0,
             store_patience_s: 300.0,
+            max_nonfinite_steps: 3,
             tracker: TrackerConfig::default(),
         }
     }
@@ -247,11 +252,14 @@ pub const RESUME_SAFE_KEYS: &[&str] = &[
     "trainer.max_ckpt_to_keep",
     "trainer.heartbeat_s",
     "trainer.store_patience_s",
+    "trainer.max_nonfinite_steps",
     "trainer.experiment_name",
     "trainer.tracker.",
     "trainer.log_val_generations",
     "trainer.export_dir",
     "bandit.step_delay_ms",
+    "bandit.val_delay_ms",
+    "bandit.diverge_at_step",
 ];
 
 /// Whether `key` may change on resume.

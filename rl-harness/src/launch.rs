@@ -37,6 +37,14 @@ pub const RUN_ID_ENV: &str = "HARNESS_RUN_ID";
 /// checkpoint folder it rewound the run to.
 pub const RESUME_CHECKPOINT_ENV: &str = "HARNESS_RESUME_CHECKPOINT";
 
+/// Set by the launcher on its ranks: their standard input is a pipe the launcher holds open, and
+/// a rank stops at once when it closes (the launcher died, even by SIGKILL), so no rank trains
+/// on unsupervised while a `resume` of its run may start.
+pub const LAUNCHER_PIPE_ENV: &str = "HARNESS_LAUNCHER_PIPE";
+
+/// The exit status of a rank whose launcher died.
+pub const ORPHANED_EXIT: i32 = 75;
+
 /// The exit status of a rank 0 whose rendezvous port was taken (EADDRINUSE's number on
 /// Linux): the launcher that chose the port tries another.
 pub const PORT_TAKEN_EXIT: i32 = 98;
@@ -138,6 +146,9 @@ pub fn rank_from_env(timeout: Duration) -> Result<Option<Rank>> {
     if std::env::var_os("WORLD_SIZE").is_none() {
         return Ok(None);
     }
+    if std::env::var_os(LAUNCHER_PIPE_ENV).is_some() {
+        die_with_launcher();
+    }
     if let Ok(v) = std::env::var("OMP_NUM_THREADS") {
         let n: i32 = v
             .trim()
@@ -183,6 +194,32 @@ pub fn rank_from_env(timeout: Duration) -> Result<Option<Rank>> {
         world,
         run_id,
     }))
+}
+
+/// The launcher's pid, when this process is a rank it started.
+static LAUNCHER: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+
+/// `the launcher (pid P) died` when this process is a rank whose launcher is gone (it was
+/// reparented): the cause to record for a rank 0 whose group broke because of it.
+pub fn launcher_gone() -> Option<String> {
+    let launcher = *LAUNCHER.get()?;
+    (std::os::unix::process::parent_id() != launcher)
+        .then(|| format!("the launcher (pid {launcher}) died"))
+}
+
+/// Watches standard input, the launcher's pipe: at its end (the launcher is gone, however it
+/// died) this rank exits at once with [`ORPHANED_EXIT`].
+fn die_with_launcher() {
+    let _ = LAUNCHER.set(std::os::unix::process::parent_id());
+    std::thread::spawn(|| {
+        let mut stdin = std::io::stdin();
+        let mut buf = [0u8; 64];
+        // the launcher never writes: a read returns only at the pipe's end or on an error
+        while matches!(stdin.read(&mut buf), Ok(n) if n > 0) {}
+        let rank = std::env::var("RANK").unwrap_or_default();
+        note!("harness: rank {rank}: the launcher is gone; stopping");
+        std::process::exit(ORPHANED_EXIT);
+    });
 }
 
 /// Kills (SIGKILL) the process group of every child still running when dropped and reaps it,
@@ -333,7 +370,17 @@ pub fn launch_resume(
     supervise(
         rt, &store, r.id, &r.run_dir, nproc, timeout, child_args, &env,
     )
-    .inspect_err(|e| fail_if_running(rt, &store, r.id, e))?;
+    .inspect_err(|e| {
+        // ranks that failed before rank 0 rewound the run leave it as it was
+        match train::restore_claim(rt, &store, &r, &crate::one_line(e)) {
+            Ok(true) => note!("harness: run {} is left as it was before this resume", r.id),
+            Ok(false) => fail_if_running(rt, &store, r.id, e),
+            Err(why) => {
+                note!("harness: run {}: putting it back as it was: {why:#}", r.id);
+                fail_if_running(rt, &store, r.id, e);
+            }
+        }
+    })?;
     Ok(r.id)
 }
 
@@ -385,12 +432,17 @@ fn wait_ranks(
     timeout: Duration,
     stop: &AtomicBool,
     mut spawn: impl FnMut(usize) -> Result<Child>,
+    started: &dyn Fn(&[u32]),
 ) -> Result<Ended> {
     let mut children = Children(Vec::with_capacity(nproc));
     let mut forwarders = Vec::new();
+    // the write ends of the ranks' stdin: held until the ranks end, closed by the kernel
+    // however this process dies (see LAUNCHER_PIPE_ENV)
+    let mut lifelines = Vec::with_capacity(nproc);
     for rank in 0..nproc {
         let mut child = spawn(rank)?;
         note!("harness: run {id}: rank {rank} is pid {}", child.id());
+        lifelines.extend(child.stdin.take());
         if let Some(out) = child.stdout.take() {
             forwarders.push(forward(rank, out, false));
         }
@@ -399,6 +451,7 @@ fn wait_ranks(
         }
         children.0.push(child);
     }
+    started(&children.0.iter().map(Child::id).collect::<Vec<_>>());
     let mut exits: Vec<Option<ExitStatus>> = vec![None; nproc];
     // the first rank to fail (a signal beats an exit code seen in the same poll) and how
     let mut lost: Option<(usize, ExitStatus)> = None;
@@ -461,6 +514,7 @@ fn wait_ranks(
         }
         std::thread::sleep(Duration::from_millis(50));
     }
+    drop(lifelines);
     join_forwarders(forwarders, Instant::now() + Duration::from_secs(5));
     let port_taken = exits[0].is_some_and(|s| s.code() == Some(PORT_TAKEN_EXIT));
     Ok(Ended {
@@ -504,7 +558,8 @@ fn supervise(
             .env("OMP_NUM_THREADS", &threads)
             .env(RUN_ID_ENV, id.to_string())
             .envs(extra_env.iter().map(|(k, v)| (k, v)))
-            .stdin(Stdio::null())
+            .env(LAUNCHER_PIPE_ENV, "stdin")
+            .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .process_group(0)
@@ -530,7 +585,19 @@ fn supervise(
             "harness: run {id}: starting {nproc} ranks on 127.0.0.1:{port} ({threads} thread(s) \
              each)"
         );
-        let ended = match wait_ranks(id, nproc, timeout, &stop, |rank| spawn(rank, port)) {
+        let record_pids = |pids: &[u32]| {
+            if let Err(e) = rt.block_on(store.set_rank_pids(id, pids)) {
+                note!("harness: run {id}: {e:#} (liveness then rests on this launcher alone)");
+            }
+        };
+        let ended = match wait_ranks(
+            id,
+            nproc,
+            timeout,
+            &stop,
+            |rank| spawn(rank, port),
+            &record_pids,
+        ) {
             Ok(e) => e,
             Err(e) => {
                 signals.abort();
@@ -570,14 +637,14 @@ fn supervise(
             others.join(", ")
         );
         train::mark_failed(rt, store, id, msg.clone())?;
-        crate::train::remove_partial_checkpoints(run_dir);
+        crate::checkpoint::remove_partial(run_dir);
         bail!("run {id} failed: {msg}");
     }
     if stop.load(Ordering::SeqCst) {
         // rank 0 records `killed` after its last checkpoint; this covers a rank 0 that the
         // signal reached before it could
         train::mark_ended(rt, store, id, "killed", None)?;
-        crate::train::remove_partial_checkpoints(run_dir);
+        crate::checkpoint::remove_partial(run_dir);
         bail!("run {id} stopped by a signal; `harness resume {id}` continues it");
     }
     if !killed.is_empty() {

@@ -14,6 +14,7 @@
 #[macro_use]
 pub mod console;
 pub mod bandit;
+pub mod checkpoint;
 mod cli;
 pub mod compare;
 pub mod compose;

@@ -43,6 +43,7 @@ pub struct Store {
     path: PathBuf,
     health: SharedHealth,
     read_only: bool,
+    id: String,
 }
 
 /// What [`Store::summaries`] finds for one metric of one run.
@@ -101,6 +102,8 @@ pub struct RunRow {
     pub resumed_from: Option<i64>,
     /// The one-line cause of a failure.
     pub error: Option<String>,
+    /// The pids of a `--nproc-per-node` run's ranks (`pid` is the launcher's).
+    pub rank_pids: Vec<i64>,
 }
 
 impl RunRow {
@@ -126,6 +129,12 @@ impl RunRow {
             trial_id: r.get("trial_id"),
             resumed_from: r.get("resumed_from"),
             error: r.get("error"),
+            rank_pids: r
+                .get::<Option<String>, _>("rank_pids")
+                .unwrap_or_default()
+                .split_whitespace()
+                .filter_map(|p| p.parse().ok())
+                .collect(),
         }
     }
 
@@ -148,9 +157,11 @@ impl RunRow {
         if self.status != "running" {
             return &self.status;
         }
+        // the launcher and its ranks: alive while any of them is
         if self.host == hostname()
             && let Some(pid) = self.pid
             && !pid_alive(pid)
+            && !self.rank_pids.iter().any(|&p| pid_alive(p))
         {
             return "dead";
         }
@@ -192,6 +203,9 @@ pub struct CheckpointRow {
     pub path: String,
     /// When recorded.
     pub created: f64,
+    /// The checksums of its files (JSON), as its `harness.json` holds them; `None` for a
+    /// checkpoint from before checksums.
+    pub manifest: Option<String>,
 }
 
 /// One event.
@@ -246,6 +260,7 @@ impl Store {
                 path.display()
             ),
         }
+        let id = store_id(&pool, path).await?;
         let (tx, rx) = mpsc::unbounded_channel();
         let health = SharedHealth::default();
         tokio::spawn(writer::writer(conn, rx, path.to_path_buf(), health.clone()));
@@ -255,6 +270,7 @@ impl Store {
             path: path.to_path_buf(),
             health,
             read_only: false,
+            id,
         })
     }
 
@@ -293,6 +309,7 @@ impl Store {
                 .await
                 .with_context(|| format!("opening the run store {} to read", path.display()))?,
         };
+        let id = store_id(&pool, path).await?;
         // No writer: a write is an error naming the store.
         let (tx, _) = mpsc::unbounded_channel();
         Ok(Store {
@@ -301,12 +318,42 @@ impl Store {
             path: path.to_path_buf(),
             health: SharedHealth::default(),
             read_only: true,
+            id,
         })
     }
 
     /// The database file.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// The store's identity (random, made with the store): run folders and checkpoints name
+    /// it, so a checkpoint of another store's run is never taken for one of this store's.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// Records the pids of a `--nproc-per-node` run's ranks, so that the run counts as alive
+    /// while any of them is (see [`RunRow::effective_status`]).
+    pub async fn set_rank_pids(&self, run: i64, pids: &[u32]) -> Result<()> {
+        let pids = pids
+            .iter()
+            .map(u32::to_string)
+            .collect::<Vec<_>>()
+            .join(" ");
+        self.write(move |c| {
+            Box::pin(async move {
+                sqlx::query("UPDATE runs SET rank_pids = ? WHERE id = ?")
+                    .bind(&pids)
+                    .bind(run)
+                    .execute(&mut *c)
+                    .await?;
+                Ok(0)
+            })
+        })
+        .await
+        .with_context(|| format!("recording the ranks of run {run}"))
+        .map(drop)
     }
 
     /// The read pool.
@@ -589,7 +636,7 @@ impl Store {
     /// The recorded checkpoints of a run, by step.
     pub async fn checkpoints(&self, run: i64) -> Result<Vec<CheckpointRow>> {
         let rows = sqlx::query(
-            "SELECT step, path, created FROM checkpoints WHERE run_id = ? ORDER BY step",
+            "SELECT step, path, created, manifest FROM checkpoints WHERE run_id = ? ORDER BY step",
         )
         .bind(run)
         .fetch_all(&self.pool)
@@ -600,6 +647,7 @@ impl Store {
                 step: r.get(0),
                 path: r.get(1),
                 created: r.get(2),
+                manifest: r.get(3),
             })
             .collect())
     }
@@ -620,6 +668,14 @@ impl Store {
             })
             .collect())
     }
+}
+
+/// The store's identity from `store_meta`.
+async fn store_id(pool: &SqlitePool, path: &Path) -> Result<String> {
+    sqlx::query_scalar("SELECT value FROM store_meta WHERE key = 'store_id'")
+        .fetch_one(pool)
+        .await
+        .with_context(|| format!("reading the identity of the run store {}", path.display()))
 }
 
 /// The migrations this harness knows.

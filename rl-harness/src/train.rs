@@ -8,16 +8,15 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
+use rl_core::StepMetrics;
 use rl_core::dist::{self, SharedCollective};
-use rl_core::{StepMetrics, Trainer};
 use rl_workers::roles::ProgressHook;
-use serde::{Deserialize, Serialize};
 use tokio::runtime::Runtime;
 
 use crate::compose::{self, Built};
 use crate::config::{self, ExperimentConfig, Override, TrainerKind};
 use crate::store::{self, Store, now};
-use crate::{logging, tracker};
+use crate::{checkpoint, logging, tracker};
 
 /// Where a run belongs when a sweep starts it.
 #[derive(Debug, Clone, Default)]
@@ -26,19 +25,6 @@ pub struct Membership {
     pub sweep_id: Option<String>,
     /// The trial's id.
     pub trial_id: Option<String>,
-}
-
-/// What the harness writes next to the trainer's state in a checkpoint (`harness.json`).
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct CheckpointMeta {
-    /// The run.
-    pub run_id: i64,
-    /// The step the checkpoint was taken after.
-    pub step: u64,
-    /// Unix seconds.
-    pub created: f64,
-    /// The trainer kind.
-    pub algorithm: TrainerKind,
 }
 
 /// How a drive ended.
@@ -281,7 +267,7 @@ pub fn create_run(
             .bind(member.trial_id)
             .fetch_one(&mut *c)
             .await?;
-            let dir = runs_dir.join(format!("{id}-{}", sanitize(&name)));
+            let dir = new_run_dir(&runs_dir, id, &name)?;
             sqlx::query("UPDATE runs SET run_dir = ? WHERE id = ?")
                 .bind(dir.display().to_string())
                 .bind(id)
@@ -300,6 +286,32 @@ pub fn create_run(
     std::fs::write(run_dir.join("config.toml"), config::to_toml(cfg)?)
         .with_context(|| format!("writing {}/config.toml", run_dir.display()))?;
     Ok((run_id, run_dir))
+}
+
+/// Makes run `id`'s folder in `runs_dir`: `<id>-<name>`, or, when that is taken (another store
+/// sharing the runs folder has a run with that id), `<id>-<name>-2`, `-3`, ...: made with
+/// `mkdir`, which fails on an existing folder, so no two runs ever share one.
+fn new_run_dir(runs_dir: &Path, id: i64, name: &str) -> Result<PathBuf> {
+    std::fs::create_dir_all(runs_dir)
+        .with_context(|| format!("creating the runs folder {}", runs_dir.display()))?;
+    let base = format!("{id}-{}", sanitize(name));
+    for n in 1..=1000 {
+        let dir = match n {
+            1 => runs_dir.join(&base),
+            n => runs_dir.join(format!("{base}-{n}")),
+        };
+        match std::fs::create_dir(&dir) {
+            Ok(()) => return Ok(dir),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            Err(e) => {
+                return Err(e).with_context(|| format!("creating run folder {}", dir.display()));
+            }
+        }
+    }
+    bail!(
+        "{}: a thousand folders named {base}-N exist already; clean the runs folder",
+        runs_dir.display()
+    )
 }
 
 /// The directory recorded for run `run_id`.
@@ -328,7 +340,7 @@ fn train_created(
         run_dir.display()
     );
     let result = build_drive_export(rt, store, group, run_id, run_dir, cfg, None);
-    finish(rt, store, run_id, cfg, result)
+    finish(rt, store, run_id, cfg, result, None)
 }
 
 /// This process's place in a data-parallel job (`docs/distributed.md`).
@@ -479,7 +491,8 @@ pub fn resume(
     resume_prepared(rt, &store, &r, None)
 }
 
-/// A run made ready to continue: the store rewound to its checkpoint and marked running.
+/// A run claimed to continue from a checkpoint: marked running under this process, nothing
+/// else changed yet ([`commit_resume`] rewinds it once the checkpoint is loaded).
 #[derive(Debug, Clone)]
 pub struct Resumed {
     /// The run.
@@ -492,12 +505,72 @@ pub struct Resumed {
     pub run_dir: PathBuf,
     /// The config it continues with (the checkpoint's, with the overrides).
     pub cfg: ExperimentConfig,
+    /// What the overrides change (`key: old -> new`).
+    pub changes: Vec<String>,
+    /// How the run stood before the claim, to put back if the resume fails before it
+    /// rewinds the run; `None` where another process claimed it (the launcher's ranks).
+    pub prior: Option<Prior>,
 }
 
-/// Picks the checkpoint of `spec` (its latest complete one, or the one at `from_step`), checks
-/// the overrides are resume-safe, drops the metrics and checkpoints past it and marks the run
-/// running again; nothing is trained yet. `check` sees the config first, before anything is
-/// written.
+/// How a run stood before a resume claimed it.
+#[derive(Debug, Clone)]
+pub struct Prior {
+    status: String,
+    pid: Option<i64>,
+    host: String,
+    started: Option<f64>,
+    heartbeat: Option<f64>,
+    ended: Option<f64>,
+    error: Option<String>,
+}
+
+impl Prior {
+    fn of(run: &store::RunRow) -> Prior {
+        Prior {
+            status: run.status.clone(),
+            pid: run.pid,
+            host: run.host.clone(),
+            started: run.started,
+            heartbeat: run.heartbeat,
+            ended: run.ended,
+            error: run.error.clone(),
+        }
+    }
+}
+
+/// The config a resume from checkpoint folder `ckpt_dir` continues with (the stored one with
+/// `overrides`) and what the overrides change; an error naming the first key that may not
+/// change on resume.
+fn resume_config(
+    id: i64,
+    ckpt_dir: &Path,
+    overrides: &[Override],
+) -> Result<(ExperimentConfig, Vec<String>)> {
+    let stored = std::fs::read_to_string(ckpt_dir.join("config.json"))
+        .with_context(|| format!("reading {}/config.json", ckpt_dir.display()))?;
+    let old = config::from_stored(&stored, &[])
+        .with_context(|| format!("the config stored in {}", ckpt_dir.display()))?;
+    let cfg = config::from_stored(&stored, overrides)?;
+    let changes = config::diff(&old, &cfg);
+    if let Some((key, a, b)) = changes.iter().find(|(k, _, _)| !config::resume_safe(k)) {
+        bail!(
+            "resuming run {id}: config key `{key}` cannot change on resume ({a} -> {b}); \
+             keys that may: {}",
+            config::RESUME_SAFE_KEYS.join(", ")
+        );
+    }
+    let changes = changes
+        .iter()
+        .map(|(k, a, b)| format!("{k}: {a} -> {b}"))
+        .collect();
+    Ok((cfg, changes))
+}
+
+/// Picks the checkpoint of `spec` (its latest one, or the one at `from_step`) and checks it is
+/// whole and this run's ([`checkpoint::pick`]), checks the overrides are resume-safe, and claims
+/// the run: marks it running under this process, in the transaction that checks nobody else
+/// has. Nothing is dropped yet: a resume that fails before [`commit_resume`] puts the run back
+/// as it was. `check` sees the config first, before anything is written.
 pub fn prepare_resume(
     rt: &Runtime,
     store: &Store,
@@ -512,56 +585,66 @@ pub fn prepare_resume(
         bail!("{why}");
     }
     let ckpts = rt.block_on(store.checkpoints(id))?;
-    let chosen = ckpts
-        .iter()
-        .rev()
-        .filter(|c| from_step.is_none_or(|s| c.step as u64 == s))
-        .find(|c| Path::new(&c.path).join("harness.json").is_file())
-        .cloned();
-    let Some(ckpt) = chosen else {
-        match from_step {
-            Some(s) => bail!(
-                "run {id} has no complete checkpoint at step {s} (recorded: {:?})",
-                ckpts.iter().map(|c| c.step).collect::<Vec<_>>()
-            ),
-            None => bail!("run {id} has no complete checkpoint to resume from"),
-        }
-    };
+    let (ckpt, _) = checkpoint::pick(&ckpts, id, store.id(), spec, from_step)?;
     let ckpt_dir = PathBuf::from(&ckpt.path);
-    let stored = std::fs::read_to_string(ckpt_dir.join("config.json"))
-        .with_context(|| format!("reading {}/config.json", ckpt_dir.display()))?;
-    let old = config::from_stored(&stored, &[])
-        .with_context(|| format!("the config stored in {}", ckpt_dir.display()))?;
-    let cfg = config::from_stored(&stored, overrides)?;
-    let changes = config::diff(&old, &cfg);
-    if let Some((key, a, b)) = changes.iter().find(|(k, _, _)| !config::resume_safe(k)) {
-        bail!(
-            "resuming run {id}: config key `{key}` cannot change on resume ({a} -> {b}); \
-             keys that may: {}",
-            config::RESUME_SAFE_KEYS.join(", ")
-        );
-    }
+    let (cfg, changes) = resume_config(id, &ckpt_dir, overrides)?;
     check(&cfg)?;
-    let step = ckpt.step;
-    let config_json = config::to_json(&cfg)?;
-    let change_msgs: Vec<String> = changes
-        .iter()
-        .map(|(k, a, b)| format!("{k}: {a} -> {b}"))
-        .collect();
-    let removed: Vec<String> = ckpts
-        .iter()
+    let prior = Prior::of(&run);
+    let seen = prior.clone();
+    rt.block_on(store.write(move |c| {
+        Box::pin(async move {
+            // The claim: checked and taken in one transaction, so of two resumes at once the
+            // second sees the first's pid and refuses.
+            let now_row = Store::run_on(c, id)
+                .await?
+                .with_context(|| format!("run {id} vanished from the store"))?;
+            if let Some(why) = now_row.still_running() {
+                bail!("{why}");
+            }
+            if now_row.status != seen.status || now_row.ended != seen.ended {
+                bail!("run {id} changed while this resume read it; try again");
+            }
+            sqlx::query(
+                "UPDATE runs SET status = 'running', pid = ?, host = ?, heartbeat = ? WHERE id = ?",
+            )
+            .bind(i64::from(std::process::id()))
+            .bind(store::hostname())
+            .bind(now())
+            .bind(id)
+            .execute(&mut *c)
+            .await?;
+            Ok(0)
+        })
+    }))
+    .with_context(|| format!("claiming run {id} to resume it"))?;
+    Ok(Resumed {
+        id,
+        step: ckpt.step as u64,
+        ckpt_dir,
+        run_dir: PathBuf::from(&run.run_dir),
+        cfg,
+        changes,
+        prior: Some(prior),
+    })
+}
+
+/// Rewinds a claimed run to its checkpoint, once the checkpoint is loaded: drops the metrics and
+/// checkpoints past it (and their folders), records the resume and the config changes, and
+/// rewinds the tracker's copy. From here on a failure is the run's, recorded as such.
+fn commit_resume(rt: &Runtime, store: &Store, r: &Resumed) -> Result<()> {
+    let (id, step) = (r.id, r.step as i64);
+    let change_msgs = r.changes.clone();
+    let removed: Vec<String> = rt
+        .block_on(store.checkpoints(id))?
+        .into_iter()
         .filter(|c| c.step > step)
-        .map(|c| c.path.clone())
+        .map(|c| c.path)
         .collect();
-    let tracked = cfg.clone();
+    let config_json = config::to_json(&r.cfg)?;
+    let tracked = r.cfg.clone();
     let dropped = rt
         .block_on(store.write(move |c| {
             Box::pin(async move {
-                // The claim: checked and taken in one transaction, so of two resumes at once
-                // the second sees the first's pid and refuses.
-                if let Some(why) = Store::run_on(c, id).await?.and_then(|r| r.still_running()) {
-                    bail!("{why}");
-                }
                 let t = now();
                 let dropped = sqlx::query("DELETE FROM metrics WHERE run_id = ? AND step > ?")
                     .bind(id)
@@ -575,11 +658,9 @@ pub fn prepare_resume(
                     .execute(&mut *c)
                     .await?;
                 sqlx::query(
-                    "UPDATE runs SET status = 'running', pid = ?, host = ?, started = ?, heartbeat = ?, \
-                     ended = NULL, error = NULL, resumed_from = ?, config = ? WHERE id = ?",
+                    "UPDATE runs SET status = 'running', started = ?, heartbeat = ?, ended = NULL, \
+                     error = NULL, resumed_from = ?, config = ? WHERE id = ?",
                 )
-                .bind(i64::from(std::process::id()))
-                .bind(store::hostname())
                 .bind(t)
                 .bind(t)
                 .bind(step)
@@ -628,26 +709,52 @@ pub fn prepare_resume(
         dropped,
         "metric rows past the checkpoint dropped"
     );
-    Ok(Resumed {
-        id,
-        step: step as u64,
-        ckpt_dir,
-        run_dir: PathBuf::from(&run.run_dir),
-        cfg,
-    })
+    Ok(())
 }
 
-/// Removes the `.tmp-*` folders a process killed while saving a checkpoint left in `<run
-/// dir>/checkpoints` (never recorded in the store, so never resumed from; this only tidies).
-pub(crate) fn remove_partial_checkpoints(run_dir: &Path) {
-    let Ok(entries) = std::fs::read_dir(run_dir.join("checkpoints")) else {
-        return;
+/// Puts a claimed run back as it stood before the claim, when the resume failed before
+/// [`commit_resume`] (which sets `started`, so a committed run is never put back); records why
+/// in an event. Returns whether it did.
+pub fn restore_claim(rt: &Runtime, store: &Store, r: &Resumed, error: &str) -> Result<bool> {
+    let Some(p) = r.prior.clone() else {
+        return Ok(false);
     };
-    for e in entries.flatten() {
-        if e.file_name().to_string_lossy().starts_with(".tmp-") {
-            let _ = std::fs::remove_dir_all(e.path());
-        }
-    }
+    let (id, step) = (r.id, r.step);
+    let message = format!(
+        "resume from step {step} failed before training: {error}; the run is left {} as it was",
+        p.status
+    );
+    let restored = rt.block_on(store.write(move |c| {
+        Box::pin(async move {
+            let n = sqlx::query(
+                "UPDATE runs SET status = ?, pid = ?, host = ?, heartbeat = ?, ended = ?, \
+                 error = ? WHERE id = ? AND started IS ?",
+            )
+            .bind(&p.status)
+            .bind(p.pid)
+            .bind(&p.host)
+            .bind(p.heartbeat)
+            .bind(p.ended)
+            .bind(&p.error)
+            .bind(id)
+            .bind(p.started)
+            .execute(&mut *c)
+            .await?
+            .rows_affected();
+            if n > 0 {
+                sqlx::query(
+                    "INSERT INTO events (run_id, time, kind, message) VALUES (?, ?, 'resume_failed', ?)",
+                )
+                .bind(id)
+                .bind(now())
+                .bind(&message)
+                .execute(&mut *c)
+                .await?;
+            }
+            Ok(n as i64)
+        })
+    }))?;
+    Ok(restored > 0)
 }
 
 /// Trains a prepared run from its checkpoint to the end (on rank 0 of `group` when there is
@@ -663,9 +770,9 @@ fn resume_prepared(
     tracing::info!(run = id, step, "resuming from {}", ckpt_dir.display());
     note!("harness: resuming run {id} from {}", ckpt_dir.display());
     // What a process killed while saving left behind; this resume owns the run now.
-    remove_partial_checkpoints(run_dir);
+    checkpoint::remove_partial(run_dir);
     let result = build_drive_export(rt, store, group, id, run_dir, cfg, Some(r));
-    finish(rt, store, id, cfg, result)
+    finish(rt, store, id, cfg, result, Some(r))
 }
 
 /// Builds the trainer (loading the checkpoint of `resumed`, if any), drives it to the end and
@@ -683,6 +790,8 @@ fn build_drive_export(
     let mut built = build_trainer_in(cfg, Some(bars.generation_hook()), group)?;
     if let Some(r) = resumed {
         load_resumed(&mut built, r)?;
+        // loaded: only now is the run rewound (a resume that failed so far left it as it was)
+        commit_resume(rt, store, r)?;
     }
     let place = Place {
         store: Some(store),
@@ -820,14 +929,8 @@ fn resumed_from_dir(
 
 /// [`resumed_from_dir`] without the store (the ranks other than 0; `run_dir` is left empty).
 fn resumed_from_dir_readonly(id: i64, dir: &Path, overrides: &[Override]) -> Result<Resumed> {
-    let meta: CheckpointMeta = serde_json::from_slice(
-        &std::fs::read(dir.join("harness.json"))
-            .with_context(|| format!("reading {}/harness.json", dir.display()))?,
-    )
-    .with_context(|| format!("parsing {}/harness.json", dir.display()))?;
-    let stored = std::fs::read_to_string(dir.join("config.json"))
-        .with_context(|| format!("reading {}/config.json", dir.display()))?;
-    let cfg = config::from_stored(&stored, overrides)
+    let meta = checkpoint::read_meta(dir)?;
+    let (cfg, changes) = resume_config(id, dir, overrides)
         .with_context(|| format!("the config stored in {}", dir.display()))?;
     Ok(Resumed {
         id,
@@ -835,6 +938,8 @@ fn resumed_from_dir_readonly(id: i64, dir: &Path, overrides: &[Override]) -> Res
         ckpt_dir: dir.to_path_buf(),
         run_dir: PathBuf::new(),
         cfg,
+        changes,
+        prior: None,
     })
 }
 
@@ -845,14 +950,33 @@ fn finish(
     id: i64,
     cfg: &ExperimentConfig,
     result: Result<Outcome>,
+    resumed: Option<&Resumed>,
 ) -> Result<i64> {
     let (status, error) = match &result {
         Ok(Outcome::Finished) => ("finished", None),
         Ok(Outcome::Killed) => ("killed", None),
-        Err(e) => ("failed", Some(crate::one_line(e))),
+        Err(e) => {
+            let e = crate::one_line(e);
+            match crate::launch::launcher_gone() {
+                Some(why) => ("failed", Some(format!("{why}, so its ranks stopped ({e})"))),
+                None => ("failed", Some(e)),
+            }
+        }
     };
-    let event = error.clone().map(|e| ("error", e));
-    rt.block_on(record_end(store, id, status, error, event));
+    // A resume that failed before it rewound the run leaves the run as it was.
+    let restored = match (resumed, &error) {
+        (Some(r), Some(e)) => restore_claim(rt, store, r, e).unwrap_or_else(|why| {
+            tracing::error!("run {id}: putting it back as it was: {why:#}");
+            false
+        }),
+        _ => false,
+    };
+    if restored {
+        note!("harness: run {id} is left as it was before this resume");
+    } else {
+        let event = error.clone().map(|e| ("error", e));
+        rt.block_on(record_end(store, id, status, error, event));
+    }
     if cfg.trainer.tracker.kind != config::TrackerKind::None {
         let budget = Duration::from_secs_f64(cfg.trainer.tracker.flush_timeout_s);
         rt.block_on(tracker::flush_run(store, id, &cfg.trainer.tracker, budget));
@@ -879,6 +1003,58 @@ fn finish(
 
 fn is_due(freq: i64, step: u64, total: u64) -> bool {
     freq > 0 && (step.is_multiple_of(freq as u64) || step == total)
+}
+
+/// The non-finite-loss guard of `trainer.max_nonfinite_steps`: counts consecutive steps whose
+/// loss (any metric named `*loss`) is NaN or infinite.
+struct Divergence {
+    patience: u64,
+    /// The first step of the current run of non-finite steps, and the metric that showed it.
+    since: Option<(u64, String, f64)>,
+    streak: u64,
+}
+
+impl Divergence {
+    fn new(patience: u64) -> Self {
+        Divergence {
+            patience,
+            since: None,
+            streak: 0,
+        }
+    }
+
+    /// Takes step `step`'s metrics; whether its loss is finite.
+    fn observe(&mut self, step: u64, m: &StepMetrics) -> bool {
+        let bad = m.iter().find(|(k, v)| {
+            k.rsplit('/').next().is_some_and(|l| l.ends_with("loss")) && !v.is_finite()
+        });
+        match bad {
+            None => {
+                self.since = None;
+                self.streak = 0;
+                true
+            }
+            Some((k, v)) => {
+                self.streak += 1;
+                self.since.get_or_insert((step, k.clone(), *v));
+                false
+            }
+        }
+    }
+
+    /// The error that stops the run: `patience` non-finite steps in a row, or a last step
+    /// (`last`) with a non-finite loss (a run never ends `finished` with a diverged model).
+    fn verdict(&self, last: bool) -> Option<String> {
+        let (since, key, value) = self.since.as_ref()?;
+        if self.patience == 0 || (self.streak < self.patience && !last) {
+            return None;
+        }
+        Some(format!(
+            "training diverged at step {since}: {key} = {value} and the loss stayed non-finite \
+             for {} step(s) (trainer.max_nonfinite_steps = {})",
+            self.streak, self.patience
+        ))
+    }
 }
 
 /// Where a drive writes: the store (rank 0 or a plain process; `None` on the other ranks,
@@ -1069,13 +1245,17 @@ fn drive(
             }
             tracing::info!(step = trainer.global_step(), ?m, "validation");
         }
-        let mut last_ckpt = trainer.global_step();
+        // the step of the newest checkpoint; a fresh run has none yet
+        let mut last_ckpt = (!fresh).then(|| trainer.global_step());
+        let mut diverged = Divergence::new(t.max_nonfinite_steps);
         while trainer.global_step() < total {
             if agreed_stop(place.group, stop.load(Ordering::SeqCst))? {
                 let step = trainer.global_step();
                 if let Some(store) = store {
-                    if step > last_ckpt {
-                        save_checkpoint(rt, store, run_id, run_dir, cfg, trainer.as_ref())?;
+                    // a stop before the first step checkpoints step 0, so that the resume the
+                    // message offers has something to continue from
+                    if last_ckpt.is_none_or(|c| step > c) && diverged.since.is_none() {
+                        checkpoint::save(rt, store, run_id, run_dir, cfg, trainer.as_ref())?;
                     }
                     store.event(
                         Some(run_id),
@@ -1092,6 +1272,7 @@ fn drive(
                 .with_context(|| format!("training step {}", before + 1))?;
             let step = trainer.global_step();
             m.insert("timing_s/step".into(), started.elapsed().as_secs_f64());
+            let healthy = diverged.observe(step, &m);
             let mut stopped_early = None;
             if is_due(t.test_freq, step, total) {
                 let (v, _) = trainer
@@ -1109,11 +1290,28 @@ fn drive(
                 // Rows it refuses wait and are retried; a store that refuses for too long
                 // fails the run instead of letting it train on unrecorded.
                 store.check(t.store_patience_s)?;
-                if is_due(t.save_freq, step, total) || (stopped_early.is_some() && step > last_ckpt)
-                {
-                    save_checkpoint(rt, store, run_id, run_dir, cfg, trainer.as_ref())?;
-                    last_ckpt = step;
+                let due = is_due(t.save_freq, step, total)
+                    || (stopped_early.is_some() && last_ckpt.is_none_or(|c| step > c));
+                if due && !healthy {
+                    store.event(
+                        Some(run_id),
+                        "nonfinite",
+                        format!("no checkpoint of step {step}: its loss is not finite"),
+                    )?;
+                } else if due {
+                    checkpoint::save(rt, store, run_id, run_dir, cfg, trainer.as_ref())?;
+                    last_ckpt = Some(step);
                 }
+            }
+            if let Some(why) = diverged.verdict(step == total) {
+                let resume = match last_ckpt {
+                    Some(c) => format!(
+                        "; its newest checkpoint, step {c}, was taken before that: `harness resume \
+                         {run_id} --from-step {c}` with a lower learning rate continues from it"
+                    ),
+                    None => "; it has no checkpoint from before that".into(),
+                };
+                bail!("{why}{resume}");
             }
             if let Some(why) = stopped_early {
                 tracing::info!(step, "trainer.stop_when: {why}; training ends here");
@@ -1147,103 +1345,6 @@ fn drive(
         p.stop(rt);
     }
     result
-}
-
-/// Writes a checkpoint: temp dir → trainer state + resolved config + harness state → fsync →
-/// rename → record in the store → prune beyond `max_ckpt_to_keep`.
-fn save_checkpoint(
-    rt: &Runtime,
-    store: &Store,
-    run_id: i64,
-    run_dir: &Path,
-    cfg: &ExperimentConfig,
-    trainer: &dyn Trainer,
-) -> Result<()> {
-    let step = trainer.global_step();
-    let ckpts = run_dir.join("checkpoints");
-    let final_dir = ckpts.join(format!("global_step_{step}"));
-    let tmp = ckpts.join(format!(".tmp-global_step_{step}-{}", std::process::id()));
-    let ctx = || format!("writing checkpoint {} of run {run_id}", final_dir.display());
-    if tmp.exists() {
-        std::fs::remove_dir_all(&tmp).with_context(ctx)?;
-    }
-    std::fs::create_dir_all(tmp.join("trainer")).with_context(ctx)?;
-    trainer
-        .save_checkpoint(&tmp.join("trainer"))
-        .with_context(ctx)?;
-    std::fs::write(tmp.join("config.json"), config::to_json(cfg)?).with_context(ctx)?;
-    std::fs::write(tmp.join("config.toml"), config::to_toml(cfg)?).with_context(ctx)?;
-    let meta = CheckpointMeta {
-        run_id,
-        step,
-        created: now(),
-        algorithm: cfg.trainer.algorithm,
-    };
-    // harness.json is written last: its presence marks a complete checkpoint.
-    std::fs::write(tmp.join("harness.json"), serde_json::to_vec_pretty(&meta)?)
-        .with_context(ctx)?;
-    fsync_tree(&tmp).with_context(ctx)?;
-    if final_dir.exists() {
-        std::fs::remove_dir_all(&final_dir).with_context(ctx)?;
-    }
-    std::fs::rename(&tmp, &final_dir).with_context(ctx)?;
-    fsync_dir(&ckpts).with_context(ctx)?;
-    let path = final_dir.display().to_string();
-    let keep = cfg.trainer.max_ckpt_to_keep;
-    rt.block_on(store.write(move |c| {
-            Box::pin(async move {
-                sqlx::query("INSERT OR REPLACE INTO checkpoints (run_id, step, path, created) VALUES (?, ?, ?, ?)")
-                    .bind(run_id)
-                    .bind(step as i64)
-                    .bind(&path)
-                    .bind(now())
-                    .execute(&mut *c)
-                    .await?;
-                Ok(0)
-            })
-        }))
-        .with_context(ctx)?;
-    if let Some(keep) = keep {
-        let all = rt.block_on(store.checkpoints(run_id))?;
-        if all.len() as u64 > keep {
-            let old: Vec<store::CheckpointRow> = all[..all.len() - keep as usize].to_vec();
-            let steps: Vec<i64> = old.iter().map(|c| c.step).collect();
-            rt.block_on(store.write(move |c| {
-                Box::pin(async move {
-                    for s in steps {
-                        sqlx::query("DELETE FROM checkpoints WHERE run_id = ? AND step = ?")
-                            .bind(run_id)
-                            .bind(s)
-                            .execute(&mut *c)
-                            .await?;
-                    }
-                    Ok(0)
-                })
-            }))?;
-            for c in old {
-                std::fs::remove_dir_all(&c.path).ok();
-            }
-        }
-    }
-    tracing::info!(run = run_id, step, "checkpoint {}", final_dir.display());
-    Ok(())
-}
-
-fn fsync_tree(dir: &Path) -> std::io::Result<()> {
-    for entry in std::fs::read_dir(dir)? {
-        let entry = entry?;
-        let path = entry.path();
-        if entry.file_type()?.is_dir() {
-            fsync_tree(&path)?;
-        } else {
-            std::fs::File::open(&path)?.sync_all()?;
-        }
-    }
-    fsync_dir(dir)
-}
-
-fn fsync_dir(dir: &Path) -> std::io::Result<()> {
-    std::fs::File::open(dir)?.sync_all()
 }
 
 #[cfg(test)]

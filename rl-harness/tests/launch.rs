@@ -498,6 +498,122 @@ fn a_rank_killed_mid_run_fails_the_run_naming_it_and_leaves_no_partial_checkpoin
     assert!(left.is_empty(), "{left:?}");
 }
 
+/// Issue 18, item 7: the ranks die with a launcher killed by SIGKILL (their stdin is its pipe),
+/// so no rank trains on unsupervised; until they are gone the run counts as alive (its ranks'
+/// pids are recorded), and once they are, it is dead and resumes.
+#[test]
+fn ranks_die_with_a_launcher_killed_by_sigkill_and_the_run_then_resumes() {
+    let env = setup();
+    let file = experiment("quickstart");
+    let mut args = vec!["train", file.as_str()];
+    args.extend_from_slice(GRPO);
+    args.extend([
+        "trainer.total_training_steps=10000",
+        "--nproc-per-node",
+        "2",
+        "--dist-timeout-s",
+        "30",
+    ]);
+    let mut launcher = long_launcher(&env, &args);
+    let stderr = collect(launcher.child.stderr.take().unwrap());
+    let (rt, store) = env.store();
+    wait_for("step 2's metrics", Duration::from_secs(120), || {
+        rt.block_on(store.all_metrics(1))
+            .map(|m| m.iter().any(|(s, _, _, _)| *s >= 2))
+            .unwrap_or(false)
+    });
+    let run = rt.block_on(store.run(1)).unwrap().unwrap();
+    assert_eq!(run.rank_pids.len(), 2, "{run:?}");
+    assert_eq!(run.pid, Some(i64::from(launcher.child.id())));
+    assert_eq!(run.effective_status(), "running");
+    // the launcher alone is killed: nothing can run in it, so the ranks must see it go
+    launcher.child.kill().unwrap();
+    launcher.child.wait().unwrap();
+    let start = Instant::now();
+    wait_for("the ranks to die", Duration::from_secs(20), || {
+        run.rank_pids.iter().all(|&p| !rl_harness::pid_alive(p))
+    });
+    let gone = start.elapsed();
+    std::thread::sleep(Duration::from_millis(300));
+    let text = stderr.lock().unwrap().clone();
+    assert!(gone < Duration::from_secs(10), "{gone:?}\n{text}");
+    // rank 0 records the cause when it gets there before its own end; dead otherwise
+    let run = rt.block_on(store.run(1)).unwrap().unwrap();
+    let cause = run.error.clone().unwrap_or_default();
+    let launcher = format!("the launcher (pid {}) died", launcher.child.id());
+    assert!(
+        run.effective_status() == "dead"
+            || (run.status == "failed" && cause.starts_with(&launcher)),
+        "{run:?}\n{text}"
+    );
+    let steps = |rt: &tokio::runtime::Runtime| {
+        rt.block_on(store.all_metrics(1))
+            .unwrap()
+            .iter()
+            .map(|m| m.0)
+            .max()
+            .unwrap()
+    };
+    let last = steps(&rt);
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(
+        steps(&rt),
+        last,
+        "the ranks trained on after their launcher died"
+    );
+    let ckpt = rt
+        .block_on(store.checkpoints(1))
+        .unwrap()
+        .last()
+        .unwrap()
+        .step;
+    let until = format!("trainer.total_training_steps={}", ckpt + 1);
+    ok(&env, &["resume", "1", &until]);
+    let run = rt.block_on(store.run(1)).unwrap().unwrap();
+    assert_eq!(run.status, "finished");
+}
+
+/// A run stored as running whose launcher is gone lives while one of its ranks does.
+#[test]
+fn a_run_lives_while_any_of_its_ranks_does() {
+    let mut gone = std::process::Command::new("true").spawn().unwrap();
+    gone.wait().unwrap();
+    let mut rank = std::process::Command::new("sleep")
+        .arg("30")
+        .spawn()
+        .unwrap();
+    let mut row = rl_harness::RunRow {
+        id: 1,
+        name: "x".into(),
+        project: "p".into(),
+        status: "running".into(),
+        config: String::new(),
+        git_commit: None,
+        git_dirty: None,
+        host: rl_harness::hostname(),
+        pid: Some(i64::from(gone.id())),
+        seed: 1,
+        run_dir: String::new(),
+        created: rl_harness::now(),
+        started: Some(rl_harness::now()),
+        ended: None,
+        heartbeat: Some(rl_harness::now()),
+        heartbeat_s: 5.0,
+        sweep_id: None,
+        trial_id: None,
+        resumed_from: None,
+        error: None,
+        rank_pids: vec![i64::from(rank.id())],
+    };
+    assert_eq!(row.effective_status(), "running");
+    assert!(row.still_running().is_some());
+    rank.kill().unwrap();
+    rank.wait().unwrap();
+    assert_eq!(row.effective_status(), "dead");
+    row.rank_pids.clear();
+    assert_eq!(row.effective_status(), "dead");
+}
+
 #[test]
 fn sigterm_to_the_launcher_stops_every_rank_after_the_same_step_with_a_checkpoint() {
     let env = setup();
