@@ -19,6 +19,21 @@ fn ckpt(rt: &tokio::runtime::Runtime, store: &rl_harness::Store, id: i64, step: 
     PathBuf::from(&c.path)
 }
 
+/// A finished 20-step bandit run (run 1, checkpoints every 5 steps) and its store.
+fn trained() -> (Env, tokio::runtime::Runtime, rl_harness::Store) {
+    let env = Env::new();
+    let cfg = env.file("exp.toml", BANDIT);
+    env.ok(&["train", cfg.to_str().unwrap()]);
+    let (rt, store) = env.store();
+    (env, rt, store)
+}
+
+/// The steps of run `id`'s recorded checkpoints.
+fn steps(rt: &tokio::runtime::Runtime, store: &rl_harness::Store, id: i64) -> Vec<i64> {
+    let c = rt.block_on(store.checkpoints(id)).unwrap();
+    c.iter().map(|c| c.step).collect()
+}
+
 /// Flips one bit in the middle of `file`, keeping its size.
 fn flip_a_bit(file: &Path) {
     let mut bytes = std::fs::read(file).unwrap();
@@ -29,10 +44,7 @@ fn flip_a_bit(file: &Path) {
 
 #[test]
 fn a_corrupt_checkpoint_is_refused_naming_the_file_and_the_previous_intact_one() {
-    let env = Env::new();
-    let cfg = env.file("exp.toml", BANDIT);
-    env.ok(&["train", cfg.to_str().unwrap()]);
-    let (rt, store) = env.store();
+    let (env, rt, store) = trained();
     let before = metrics_of(&rt, &store, 1);
     let run_before = rt.block_on(store.run(1)).unwrap().unwrap();
     // bit rot in the newest checkpoint's weights: same size, other bytes
@@ -81,10 +93,7 @@ fn a_corrupt_checkpoint_is_refused_naming_the_file_and_the_previous_intact_one()
 /// metric and leaves the run finished, as it was, with an event saying what happened.
 #[test]
 fn a_resume_that_fails_to_load_leaves_the_run_as_it_was() {
-    let env = Env::new();
-    let cfg = env.file("exp.toml", BANDIT);
-    env.ok(&["train", cfg.to_str().unwrap()]);
-    let (rt, store) = env.store();
+    let (env, rt, store) = trained();
     let before = metrics_of(&rt, &store, 1);
     let run_before = rt.block_on(store.run(1)).unwrap().unwrap();
     let c10 = ckpt(&rt, &store, 1, 10);
@@ -119,13 +128,8 @@ fn a_resume_that_fails_to_load_leaves_the_run_as_it_was() {
         (run_before.ended, None, run_before.pid, run_before.started)
     );
     assert_eq!(metrics_of(&rt, &store, 1), before, "no metric dropped");
-    let steps: Vec<i64> = rt
-        .block_on(store.checkpoints(1))
-        .unwrap()
-        .iter()
-        .map(|c| c.step)
-        .collect();
-    assert_eq!(steps, vec![5, 10, 15, 20], "no checkpoint dropped");
+    let got = steps(&rt, &store, 1);
+    assert_eq!(got, vec![5, 10, 15, 20], "no checkpoint dropped");
     assert!(ckpt(&rt, &store, 1, 20).join("harness.json").is_file());
     let events = rt.block_on(store.events(1)).unwrap();
     assert!(
@@ -225,13 +229,8 @@ fn a_stop_before_the_first_step_checkpoints_step_0_and_the_run_resumes() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{err}");
     assert!(err.contains("`harness resume 1` continues it"), "{err}");
-    let steps: Vec<i64> = rt
-        .block_on(store.checkpoints(1))
-        .unwrap()
-        .iter()
-        .map(|c| c.step)
-        .collect();
-    assert_eq!(steps, vec![0], "{err}");
+    let got = steps(&rt, &store, 1);
+    assert_eq!(got, vec![0], "{err}");
     assert_eq!(rt.block_on(store.run(1)).unwrap().unwrap().status, "killed");
     env.ok(&["resume", "1", "bandit.val_delay_ms=0"]);
     env.ok(&[
@@ -264,17 +263,8 @@ fn a_diverged_run_stops_naming_the_step_and_checkpoints_no_nan() {
     let (rt, store) = env.store();
     let run = rt.block_on(store.run(1)).unwrap().unwrap();
     assert_eq!(run.status, "failed");
-    let steps: Vec<i64> = rt
-        .block_on(store.checkpoints(1))
-        .unwrap()
-        .iter()
-        .map(|c| c.step)
-        .collect();
-    assert_eq!(
-        steps,
-        vec![5],
-        "no checkpoint of step 10, whose loss was NaN"
-    );
+    let got = steps(&rt, &store, 1);
+    assert_eq!(got, vec![5], "no checkpoint of step 10, whose loss was NaN");
     let events = rt.block_on(store.events(1)).unwrap();
     assert!(
         events
@@ -299,4 +289,36 @@ fn a_diverged_run_stops_naming_the_step_and_checkpoints_no_nan() {
     let loss = rt.block_on(store.series(2, "actor/pg_loss")).unwrap();
     assert_eq!(loss.len(), 20);
     assert!(loss.last().unwrap().1.is_nan());
+}
+
+/// `scripts/chaos` for a few seconds (its kill/resume round, the concurrent writers, resumes
+/// and sweeps): everything it compares is equal, nothing missing or doubled.
+#[test]
+fn the_chaos_experiments_lose_double_and_change_nothing() {
+    let harness = Path::new(env!("CARGO_BIN_EXE_harness"));
+    let chaos = harness.parent().unwrap().join("examples/chaos");
+    assert!(chaos.is_file(), "cargo test builds {}", chaos.display());
+    let out = std::process::Command::new(&chaos)
+        .args(["--seconds", "5", "--seed", "3", "--harness"])
+        .arg(harness)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains("pairs differing 0, rows missing 0, rows doubled 0"),
+        "{text}"
+    );
+    let compared: u64 = text
+        .split("pairs compared ")
+        .nth(1)
+        .and_then(|t| t.split(',').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap();
+    // the reference has 40 steps of 7 metrics and 5 validations; 12 runs are compared
+    assert!(compared > 12 * 280, "{text}");
 }

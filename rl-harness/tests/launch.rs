@@ -1,7 +1,9 @@
 //! `harness train --nproc-per-node 2` (issue 11): the launcher starts two ranks of the binary
-//! over Gloo on 127.0.0.1, and the run they make is the 1-rank run: the same weights at every
-//! step (up to rounding) and the same metrics, for GRPO (the quickstart), DAPO with dynamic
-//! sampling, SFT, offline and online DPO and SPIN. A rank killed mid-run fails the run, naming
+//! over Gloo on 127.0.0.1, and over three steps the run they make is the 1-rank run: the same
+//! weights at every step (up to rounding) and the same metrics, for GRPO (the quickstart), DAPO
+//! with dynamic sampling, SFT, offline and online DPO and SPIN. Longer runs drift apart as the
+//! rounding compounds (docs/distributed.md, "How closely 2 ranks follow 1"; measured by
+//! scripts/rank-drift), so the claim is made, and tested, over three steps. A rank killed mid-run fails the run, naming
 //! the rank, with no partial checkpoint recorded; SIGTERM stops every rank after the same step;
 //! a 2-rank checkpoint resumes on one or two ranks; configs that cannot run data-parallel are
 //! refused before any rank starts, naming the key.
@@ -123,7 +125,8 @@ fn metrics(env: &Env, run: i64) -> BTreeMap<(i64, String), f64> {
 /// eps), which for a weight whose gradient cancels to the level of rounding noise (~eps =
 /// 1e-8) turns that noise into a move of up to ~lr, differently in the two runs (3.8e-6 at
 /// lr 5e-4 for one weight of online DPO on an AMD EPYC; the others within 2e-7). Such weights
-/// are a handful among ~1e5, so the bar is on the L2 norm: the runs' difference must stay
+/// are few among ~1e5 over three steps (their number grows with the steps: 532 of 113,216
+/// past 1e-5 after 5 quickstart steps, 32,146 after 40), so the bar is on the L2 norm: the runs' difference must stay
 /// below 1% of how far the 1-rank run moved from its first checkpoint to its last (a few
 /// weights off by lr weigh ~1e-3 of it), while a rank that trained on other rows or skipped
 /// a mini-batch changes the whole update (a difference of order 1). The metrics are means
@@ -194,13 +197,13 @@ fn two_ranks_follow_one(
 }
 
 #[test]
-fn two_ranks_of_the_quickstart_grpo_follow_one_rank_step_for_step() {
+fn two_ranks_of_the_quickstart_grpo_follow_one_rank_over_three_steps() {
     let d = assert_two_ranks_follow_one(&setup_warm(), "quickstart", GRPO);
     eprintln!("grpo: worst weight difference {d:e}");
 }
 
 #[test]
-fn two_ranks_of_sft_offline_dpo_and_spin_follow_one_rank_step_for_step() {
+fn two_ranks_of_sft_offline_dpo_and_spin_follow_one_rank_over_three_steps() {
     let env = setup();
     let sft = assert_two_ranks_follow_one(
         &env,
@@ -244,7 +247,7 @@ fn two_ranks_of_sft_offline_dpo_and_spin_follow_one_rank_step_for_step() {
 }
 
 #[test]
-fn two_ranks_of_online_dpo_follow_one_rank_step_for_step() {
+fn two_ranks_of_online_dpo_follow_one_rank_over_three_steps() {
     // Pairs at every step, whatever the CPU: the policy is the untrained tiny Llama, and the
     // reward verl's gsm8k score with its last-number rule (1 for the sum, 0.5 for any other
     // number, 0 for none). A random policy's near-uniform 4-token samples hold a number 30-50%
@@ -290,7 +293,7 @@ fn two_ranks_of_online_dpo_follow_one_rank_step_for_step() {
 }
 
 #[test]
-fn two_ranks_of_dapo_with_dynamic_sampling_follow_one_rank_step_for_step() {
+fn two_ranks_of_dapo_with_dynamic_sampling_follow_one_rank_over_three_steps() {
     // warmed up, so some groups score the same on every response and are dropped while others
     // are kept: each rank keeps a different number of groups per generation batch, the kept
     // count is global and the kept groups are shared out again
@@ -410,21 +413,37 @@ fn long_launcher(env: &Env, args: &[&str]) -> Tied {
     )
 }
 
-#[test]
-fn a_rank_killed_mid_run_fails_the_run_naming_it_and_leaves_no_partial_checkpoint() {
-    let env = setup();
+/// The quickstart's GRPO ([`GRPO`], with `extra`) for 10000 steps on 2 ranks, through
+/// [`long_launcher`], and its stderr as it comes.
+fn long_grpo(env: &Env, extra: &[&str]) -> (Tied, Arc<Mutex<String>>) {
     let file = experiment("quickstart");
     let mut args = vec!["train", file.as_str()];
     args.extend_from_slice(GRPO);
-    args.extend([
-        "trainer.total_training_steps=10000",
-        "--nproc-per-node",
-        "2",
-        "--dist-timeout-s",
-        "30",
-    ]);
-    let mut launcher = long_launcher(&env, &args);
+    args.push("trainer.total_training_steps=10000");
+    args.extend_from_slice(extra);
+    args.extend(["--nproc-per-node", "2", "--dist-timeout-s", "30"]);
+    let mut launcher = long_launcher(env, &args);
     let stderr = collect(launcher.child.stderr.take().unwrap());
+    (launcher, stderr)
+}
+
+/// Waits until run 1 has recorded metrics of step `step`.
+fn wait_for_step(rt: &tokio::runtime::Runtime, store: &rl_harness::Store, step: i64) {
+    wait_for(
+        &format!("step {step}'s metrics"),
+        Duration::from_secs(120),
+        || {
+            rt.block_on(store.all_metrics(1))
+                .map(|m| m.iter().any(|(s, _, _, _)| *s >= step))
+                .unwrap_or(false)
+        },
+    );
+}
+
+#[test]
+fn a_rank_killed_mid_run_fails_the_run_naming_it_and_leaves_no_partial_checkpoint() {
+    let env = setup();
+    let (mut launcher, stderr) = long_grpo(&env, &[]);
     let pid_of = |rank: usize| {
         let text = stderr.lock().unwrap();
         let tag = format!("rank {rank} is pid ");
@@ -438,11 +457,7 @@ fn a_rank_killed_mid_run_fails_the_run_naming_it_and_leaves_no_partial_checkpoin
     });
     let (rt, store) = env.store();
     // a few steps in, with checkpoints being written every step
-    wait_for("step 2's metrics", Duration::from_secs(120), || {
-        rt.block_on(store.all_metrics(1))
-            .map(|m| m.iter().any(|(s, _, _, _)| *s >= 2))
-            .unwrap_or(false)
-    });
+    wait_for_step(&rt, &store, 2);
     let victim = pid_of(1).unwrap();
     let killed = std::process::Command::new("kill")
         .args(["-KILL", &victim.to_string()])
@@ -504,24 +519,9 @@ fn a_rank_killed_mid_run_fails_the_run_naming_it_and_leaves_no_partial_checkpoin
 #[test]
 fn ranks_die_with_a_launcher_killed_by_sigkill_and_the_run_then_resumes() {
     let env = setup();
-    let file = experiment("quickstart");
-    let mut args = vec!["train", file.as_str()];
-    args.extend_from_slice(GRPO);
-    args.extend([
-        "trainer.total_training_steps=10000",
-        "--nproc-per-node",
-        "2",
-        "--dist-timeout-s",
-        "30",
-    ]);
-    let mut launcher = long_launcher(&env, &args);
-    let stderr = collect(launcher.child.stderr.take().unwrap());
+    let (mut launcher, stderr) = long_grpo(&env, &[]);
     let (rt, store) = env.store();
-    wait_for("step 2's metrics", Duration::from_secs(120), || {
-        rt.block_on(store.all_metrics(1))
-            .map(|m| m.iter().any(|(s, _, _, _)| *s >= 2))
-            .unwrap_or(false)
-    });
+    wait_for_step(&rt, &store, 2);
     let run = rt.block_on(store.run(1)).unwrap().unwrap();
     assert_eq!(run.rank_pids.len(), 2, "{run:?}");
     assert_eq!(run.pid, Some(i64::from(launcher.child.id())));
@@ -617,25 +617,9 @@ fn a_run_lives_while_any_of_its_ranks_does() {
 #[test]
 fn sigterm_to_the_launcher_stops_every_rank_after_the_same_step_with_a_checkpoint() {
     let env = setup();
-    let file = experiment("quickstart");
-    let mut args = vec!["train", file.as_str()];
-    args.extend_from_slice(GRPO);
-    args.extend([
-        "trainer.total_training_steps=10000",
-        "trainer.save_freq=1000",
-        "--nproc-per-node",
-        "2",
-        "--dist-timeout-s",
-        "30",
-    ]);
-    let mut launcher = long_launcher(&env, &args);
-    let stderr = collect(launcher.child.stderr.take().unwrap());
+    let (mut launcher, stderr) = long_grpo(&env, &["trainer.save_freq=1000"]);
     let (rt, store) = env.store();
-    wait_for("step 2's metrics", Duration::from_secs(120), || {
-        rt.block_on(store.all_metrics(1))
-            .map(|m| m.iter().any(|(s, _, _, _)| *s >= 2))
-            .unwrap_or(false)
-    });
+    wait_for_step(&rt, &store, 2);
     let sent = std::process::Command::new("kill")
         .args(["-TERM", &launcher.child.id().to_string()])
         .status()
