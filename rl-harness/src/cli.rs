@@ -68,14 +68,26 @@ pub enum Command {
         /// `algorithm.adv_estimator = 'grpo' and val/test_score > 0.5`.
         #[arg(long)]
         filter: Option<String>,
-        /// Only this sweep's runs.
+        /// Only this sweep's runs (its id, or its name for the latest sweep of that name).
         #[arg(long)]
         sweep: Option<String>,
+        /// Only this project's runs (`trainer.project_name`).
+        #[arg(long)]
+        project: Option<String>,
+        /// Only the newest N runs (after the other selections).
+        #[arg(long)]
+        limit: Option<usize>,
+        /// Also the runs that failed before their first step (bad inputs), hidden otherwise.
+        #[arg(long)]
+        all: bool,
     },
     /// Show one run: status, config, final metrics, checkpoints, events.
     Show {
         /// Run id or name.
         run: String,
+        /// Also print the validation generations it recorded (`trainer.log_val_generations`).
+        #[arg(long)]
+        generations: bool,
     },
     /// Compare runs (metrics table, config differences, plots), or rank a sweep's trials.
     Compare(CompareArgs),
@@ -339,10 +351,10 @@ pub(crate) fn run(cli: Cli) -> Result<()> {
         Command::Train(a) => {
             let mut overrides = parse_overrides(&a.overrides)?;
             if let Some(d) = &cli.db {
-                overrides.push(Override {
-                    key: "trainer.db".into(),
-                    value: toml::Value::String(d.display().to_string()),
-                });
+                overrides.push(Override::set(
+                    "trainer.db",
+                    toml::Value::String(d.display().to_string()),
+                ));
             }
             let cfg = config::load(&Sources {
                 file: Some(a.config.clone()),
@@ -434,10 +446,23 @@ pub(crate) fn run(cli: Cli) -> Result<()> {
                 );
             }
         }
-        Command::Runs { filter, sweep } => {
-            rt.block_on(list_runs(&db, filter.as_deref(), sweep.as_deref()))?
-        }
-        Command::Show { run } => rt.block_on(show(&db, &run))?,
+        Command::Runs {
+            filter,
+            sweep,
+            project,
+            limit,
+            all,
+        } => rt.block_on(list_runs(
+            &db,
+            &RunsQuery {
+                filter: filter.as_deref(),
+                sweep: sweep.as_deref(),
+                project: project.as_deref(),
+                limit,
+                all,
+            },
+        ))?,
+        Command::Show { run, generations } => rt.block_on(show(&db, &run, generations))?,
         Command::Compare(a) => rt.block_on(compare_cmd(&db, a))?,
         Command::Export { run, format, out } => {
             rt.block_on(export(&db, &run, format, out.as_deref()))?
@@ -695,18 +720,84 @@ async fn lookup_table(
     Ok(m)
 }
 
-async fn list_runs(db: &Path, filter: Option<&str>, sweep: Option<&str>) -> Result<()> {
-    let expr = filter.map(filter::parse).transpose()?;
+/// What `harness runs` lists.
+struct RunsQuery<'a> {
+    filter: Option<&'a str>,
+    sweep: Option<&'a str>,
+    project: Option<&'a str>,
+    limit: Option<usize>,
+    all: bool,
+}
+
+/// A run's main validation metric: the first `val/test_score/*` (by name), else
+/// `val/test_score`, else `val/loss`; its key and final value.
+fn main_metric(table: &std::collections::BTreeMap<String, Value>) -> Option<(String, f64)> {
+    let pick = |k: &String| table.get(k).and_then(Value::as_f64).map(|v| (k.clone(), v));
+    table
+        .keys()
+        .filter(|k| k.starts_with("val/test_score/"))
+        .find_map(pick)
+        .or_else(|| pick(&"val/test_score".to_string()))
+        .or_else(|| pick(&"val/loss".to_string()))
+}
+
+/// `1h02m`, `3m05s`, `12s`.
+fn fmt_duration(seconds: f64) -> String {
+    let s = seconds.max(0.0).round() as u64;
+    match s {
+        0..60 => format!("{s}s"),
+        60..3600 => format!("{}m{:02}s", s / 60, s % 60),
+        _ => format!("{}h{:02}m", s / 3600, (s % 3600) / 60),
+    }
+}
+
+async fn list_runs(db: &Path, q: &RunsQuery<'_>) -> Result<()> {
+    let expr = q.filter.map(filter::parse).transpose()?;
     let store = open_existing(db).await?;
-    let runs = store.runs(sweep).await?;
-    let mut out = crate::console::stdout();
-    writeln!(
-        out,
-        "{:>5}  {:<24} {:<9} {:>7}  {:<19}  {:<16} score",
-        "id", "name", "status", "step", "created", "sweep"
-    )?;
+    let sweep = match q.sweep {
+        Some(s) => Some(store.resolve_sweep(s).await?),
+        None => None,
+    };
+    let runs = store.runs(sweep.as_deref()).await?;
+    if let Some(p) = q.project
+        && !runs.iter().any(|r| r.project == p)
+    {
+        let projects: Vec<String> = runs.iter().map(|r| r.project.clone()).collect();
+        let hint = config::nearest_key(p, &projects)
+            .map(|n| format!("; did you mean `{n}`?"))
+            .unwrap_or_default();
+        bail!(
+            "no run of project {p:?} in {}{hint}",
+            store.path().display()
+        );
+    }
+    // each run's lookup table, and every key any run has (to catch a typo in --filter)
+    let mut rows = Vec::new();
+    let mut keys = std::collections::BTreeSet::new();
     for r in runs {
+        if q.project.is_some_and(|p| r.project != p) {
+            continue;
+        }
         let table = lookup_table(&store, &r).await?;
+        keys.extend(table.keys().cloned());
+        rows.push((r, table));
+    }
+    if let Some(e) = &expr {
+        let known: Vec<String> = keys.iter().cloned().collect();
+        for (key, _) in e.comparisons() {
+            if !keys.contains(key) && !rows.is_empty() {
+                let hint = config::nearest_key(key, &known)
+                    .map(|n| format!("; did you mean `{n}`?"))
+                    .unwrap_or_default();
+                bail!(
+                    "--filter: no run has `{key}` (a config key, final metric or run field){hint}"
+                );
+            }
+        }
+    }
+    let mut hidden = 0;
+    let mut shown = Vec::new();
+    for (r, table) in rows {
         if let Some(e) = &expr
             && !e.eval(&|k| table.get(k).cloned())
         {
@@ -717,28 +808,66 @@ async fn list_runs(db: &Path, filter: Option<&str>, sweep: Option<&str>) -> Resu
             .await?
             .values()
             .map(|(s, _)| *s)
-            .max()
-            .unwrap_or(0);
-        let score = table
-            .get("val/test_score")
-            .and_then(Value::as_f64)
-            .map(|v| format!("{v:.4}"))
+            .max();
+        // a bad input fails a run before its first step: clutter, unless asked for
+        if !q.all && r.status == "failed" && step.is_none() {
+            hidden += 1;
+            continue;
+        }
+        shown.push((r, table, step.unwrap_or(0)));
+    }
+    if let Some(n) = q.limit {
+        let skip = shown.len().saturating_sub(n);
+        shown.drain(..skip);
+    }
+    let mut out = crate::console::stdout();
+    writeln!(
+        out,
+        "{:>5}  {:<24} {:<14} {:<9} {:>7}  {:<19} {:>8}  {:<16} main metric",
+        "id", "name", "project", "status", "step", "created", "took", "sweep"
+    )?;
+    for (r, table, step) in &shown {
+        let took = r
+            .started
+            .map(|s| fmt_duration(r.ended.or(r.heartbeat).unwrap_or(s) - s))
+            .unwrap_or_else(|| "-".into());
+        let metric = main_metric(table)
+            .map(|(k, v)| format!("{v:.4} {k}"))
             .unwrap_or_else(|| "-".into());
         writeln!(
             out,
-            "{:>5}  {:<24} {:<9} {:>7}  {:<19}  {:<16} {score}",
+            "{:>5}  {:<24} {:<14} {:<9} {:>7}  {:<19} {:>8}  {:<16} {metric}",
             r.id,
             r.name,
+            r.project,
             r.effective_status(),
             step,
             fmt_time(Some(r.created)),
+            took,
             r.sweep_id.as_deref().unwrap_or("-"),
+        )?;
+    }
+    if shown.is_empty() {
+        writeln!(
+            out,
+            "(no runs{})",
+            if expr.is_some() {
+                " match the filter"
+            } else {
+                ""
+            }
+        )?;
+    }
+    if hidden > 0 {
+        writeln!(
+            out,
+            "({hidden} run(s) that failed before their first step not shown; --all lists them)"
         )?;
     }
     Ok(())
 }
 
-async fn show(db: &Path, spec: &str) -> Result<()> {
+async fn show(db: &Path, spec: &str, generations: bool) -> Result<()> {
     let store = open_existing(db).await?;
     let r = store.resolve_run(spec).await?;
     let mut out = String::new();
@@ -791,6 +920,34 @@ async fn show(db: &Path, spec: &str) -> Result<()> {
     let _ = writeln!(out, "\ncheckpoints:");
     for c in store.checkpoints(r.id).await? {
         let _ = writeln!(out, "  step {:>6}  {}", c.step, c.path);
+    }
+    if generations {
+        let rows = store.generations(r.id).await?;
+        let _ = writeln!(out, "\nvalidation generations:");
+        if rows.is_empty() {
+            let _ = writeln!(
+                out,
+                "  none recorded (trainer.log_val_generations = 0, or no validation ran)"
+            );
+        }
+        let mut last = None;
+        for g in rows {
+            if last != Some(g.step) {
+                let _ = writeln!(out, "  step {}:", g.step);
+                last = Some(g.step);
+            }
+            let _ = writeln!(out, "    [{}] score {}", g.data_source, g.score);
+            let _ = writeln!(
+                out,
+                "      prompt:   {}",
+                g.prompt.replace('\n', "\n                ")
+            );
+            let _ = writeln!(
+                out,
+                "      response: {}",
+                g.response.replace('\n', "\n                ")
+            );
+        }
     }
     let events = store.events(r.id).await?;
     if !events.is_empty() {

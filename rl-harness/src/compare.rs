@@ -193,12 +193,7 @@ pub fn config_differences(runs: &[RunRow]) -> Result<BTreeMap<String, Vec<Option
 /// A sweep's trials ranked by `metric` (best value under the mode), with their parameters.
 pub async fn rank_sweep(store: &Store, sweep: &str, metric: &str, mode: Mode) -> Result<String> {
     // a sweep's name (`[sweep] name`) stands for its latest sweep
-    let by_name: Option<String> =
-        sqlx::query_scalar("SELECT id FROM sweeps WHERE name = ? ORDER BY created DESC LIMIT 1")
-            .bind(sweep)
-            .fetch_optional(store.pool())
-            .await?;
-    let sweep = by_name.as_deref().unwrap_or(sweep);
+    let sweep = &store.resolve_sweep(sweep).await?;
     let trials = crate::sweep::trials(store, sweep).await?;
     if trials.is_empty() {
         bail!(

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, anyhow, bail};
 use figment::Figment;
-use figment::providers::{Env, Format, Serialized, Toml};
+use figment::providers::{Format, Serialized, Toml};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -171,6 +171,10 @@ pub struct HarnessConfig {
     /// the run stops with an error naming the step it diverged at; no checkpoint is taken of a
     /// step with a non-finite loss. 0 turns the guard off. Default 3.
     pub max_nonfinite_steps: u64,
+    /// Print a line of the step's key metrics (verl's console logger) every this many steps;
+    /// 0 never. Absent: every step when stderr is not a terminal (a log file, nohup, Slurm,
+    /// CI), never on a terminal, where the progress bar shows the steps.
+    pub console_every_steps: Option<u64>,
     /// The remote tracker.
     pub tracker: TrackerConfig,
 }
@@ -198,6 +202,7 @@ impl Default for HarnessConfig {
             heartbeat_s: 5.0,
             store_patience_s: 300.0,
             max_nonfinite_steps: 3,
+            console_every_steps: None,
             tracker: TrackerConfig::default(),
         }
     }
@@ -253,6 +258,7 @@ pub const RESUME_SAFE_KEYS: &[&str] = &[
     "trainer.heartbeat_s",
     "trainer.store_patience_s",
     "trainer.max_nonfinite_steps",
+    "trainer.console_every_steps",
     "trainer.experiment_name",
     "trainer.tracker.",
     "trainer.log_val_generations",
@@ -278,30 +284,49 @@ pub fn resume_safe(key: &str) -> bool {
 pub struct Override {
     /// The dotted key path.
     pub key: String,
-    /// The value, parsed as a TOML value (a bare word is a string).
-    pub value: toml::Value,
+    /// The value, parsed as a TOML value (a bare word is a string); `None` unsets an optional
+    /// key (`null`, `None`).
+    pub value: Option<toml::Value>,
 }
 
 impl Override {
-    /// Parses `key.path=value`; the value is read as TOML (`3`, `0.1`, `true`, `'grpo'`,
-    /// `[1, 2]`), and anything that is not TOML is taken as a plain string.
+    /// `key.path=value` setting `value`.
+    pub fn set(key: &str, value: toml::Value) -> Override {
+        Override {
+            key: key.into(),
+            value: Some(value),
+        }
+    }
+
+    /// Parses `key.path=value` as verl's command lines write it: the value as TOML (`3`, `0.1`,
+    /// `true`, `'grpo'`, `[1, 2]`) or in Hydra's spellings (`True`, `None`, `[a,b]`; see
+    /// [`verl::parse_value`]), anything else a plain string; Hydra's `+key` and `++key` (add a
+    /// key) are the key itself.
     pub fn parse(arg: &str) -> Result<Override> {
         let (key, raw) = arg
             .split_once('=')
             .with_context(|| format!("override `{arg}` is not of the form key.path=value"))?;
-        let key = key.trim();
+        let key = key.trim().trim_start_matches('+');
+        if key.starts_with('~') {
+            bail!(
+                "override `{arg}`: Hydra's `~key` (delete a key) has no meaning here; \
+                 `key=null` unsets an optional key"
+            );
+        }
         if key.is_empty() || key.split('.').any(str::is_empty) {
             bail!("override `{arg}`: empty key path");
         }
-        let raw = raw.trim();
-        let value = match toml::from_str::<toml::Table>(&format!("v = {raw}")) {
-            Ok(mut t) => t.remove("v").unwrap_or(toml::Value::String(raw.into())),
-            Err(_) => toml::Value::String(raw.into()),
-        };
         Ok(Override {
             key: key.into(),
-            value,
+            value: verl::parse_value(raw),
         })
+    }
+
+    /// The value as it would be written back on a command line.
+    pub fn value_text(&self) -> String {
+        self.value
+            .as_ref()
+            .map_or_else(|| "null".into(), toml::Value::to_string)
     }
 }
 
@@ -347,6 +372,7 @@ impl<P: figment::Provider> figment::Provider for Named<P> {
 /// Resolves the layers into an [`ExperimentConfig`], checked.
 pub fn load(sources: &Sources) -> Result<ExperimentConfig> {
     let mut fig = Figment::from(Serialized::defaults(ExperimentConfig::default()));
+    let mut file_notes = Vec::new();
     if let Some(file) = &sources.file {
         let text = std::fs::read_to_string(file)
             .with_context(|| format!("reading config file {}", file.display()))?;
@@ -354,23 +380,125 @@ pub fn load(sources: &Sources) -> Result<ExperimentConfig> {
         let mut table: toml::Table = toml::from_str(&text)
             .with_context(|| format!("parsing config file {}", file.display()))?;
         table.remove("sweep");
+        strip_foreign(&mut table, "", &mut file_notes)
+            .with_context(|| format!("config file {}", file.display()))?;
         fig = fig.merge(Named::new(
             Toml::string(&toml::to_string(&table)?),
             file.display().to_string(),
         ));
     }
+    let known = known_keys();
+    let mut notes = file_notes;
     if sources.env {
-        fig = fig.merge(Env::prefixed("RL_").split("__"));
+        for (name, value) in std::env::vars() {
+            let Some(rest) = name.strip_prefix("RL_") else {
+                continue;
+            };
+            let key = rest.to_lowercase().replace("__", ".");
+            if !known.contains(&key) {
+                // not ours (another tool's RL_ variable): it must not break every command
+                notes.push(format!(
+                    "environment variable {name} is not a config key (`{key}`); ignored"
+                ));
+                continue;
+            }
+            fig = fig.merge(Named::new(
+                Serialized::default(&key, verl::parse_value(&value)),
+                format!("environment variable {name}"),
+            ));
+        }
     }
     for o in &sources.overrides {
+        let Some(o) = foreign_override(o, &known, &mut notes)? else {
+            continue;
+        };
         fig = fig.merge(Named::new(
             Serialized::default(&o.key, o.value.clone()),
             format!("override {}", o.key),
         ));
     }
+    for n in notes {
+        note!("harness: note: {n}");
+    }
     let cfg: ExperimentConfig = fig.extract().map_err(explain)?;
     validate(&cfg)?;
     Ok(cfg)
+}
+
+/// Takes verl's keys that have no effect here out of a config file's table (with a note each)
+/// and maps its `trainer.logger` to the tracker, as [`foreign_override`] does for overrides.
+fn strip_foreign(table: &mut toml::Table, prefix: &str, notes: &mut Vec<String>) -> Result<()> {
+    let keys: Vec<String> = table.keys().cloned().collect();
+    for k in keys {
+        let path = if prefix.is_empty() {
+            k.clone()
+        } else {
+            format!("{prefix}.{k}")
+        };
+        if path == "trainer.logger" {
+            let value = table.remove(&k);
+            let mlflow = verl::logger(value.as_ref())?;
+            if mlflow {
+                let tracker = table
+                    .entry("tracker")
+                    .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+                if let toml::Value::Table(t) = tracker {
+                    t.entry("kind")
+                        .or_insert_with(|| toml::Value::String("mlflow".into()));
+                }
+            }
+            notes.push(format!(
+                "trainer.logger: metrics go to the run store and the console{}",
+                if mlflow { " and to MLflow" } else { "" }
+            ));
+            continue;
+        }
+        if let Some(verl::Foreign::NoEffect(why)) = verl::foreign(&path) {
+            table.remove(&k);
+            notes.push(format!("{path} has no effect here: {why}"));
+            continue;
+        }
+        if let Some(toml::Value::Table(inner)) = table.get_mut(&k) {
+            strip_foreign(inner, &path, notes)?;
+        }
+    }
+    Ok(())
+}
+
+/// An override as this harness takes it: itself, verl's `trainer.logger` mapped to the
+/// tracker, or `None` (with a note) for a verl key that has no effect here.
+fn foreign_override(
+    o: &Override,
+    known: &[String],
+    notes: &mut Vec<String>,
+) -> Result<Option<Override>> {
+    if known.contains(&o.key) {
+        return Ok(Some(o.clone()));
+    }
+    if o.key == "trainer.logger" {
+        let mlflow = verl::logger(o.value.as_ref())?;
+        let kind = if mlflow { "mlflow" } else { "none" };
+        notes.push(format!(
+            "trainer.logger={}: metrics go to the run store and the console{}",
+            o.value_text(),
+            if mlflow {
+                " and to MLflow (trainer.tracker.kind = \"mlflow\")"
+            } else {
+                ""
+            }
+        ));
+        return Ok(Some(Override::set(
+            "trainer.tracker.kind",
+            toml::Value::String(kind.into()),
+        )));
+    }
+    match verl::foreign(&o.key) {
+        Some(verl::Foreign::NoEffect(why)) => {
+            notes.push(format!("{} has no effect here: {why}", o.key));
+            Ok(None)
+        }
+        None => Ok(Some(o.clone())),
+    }
 }
 
 /// Parses a config stored with a run or a checkpoint (JSON), applying overrides.
@@ -521,13 +649,6 @@ fn explain(err: figment::Error) -> anyhow::Error {
             .as_ref()
             .map(|m| match &m.source {
                 Some(figment::Source::File(p)) => p.display().to_string(),
-                _ if m.name.contains("environment") => {
-                    format!(
-                        "environment variable {}",
-                        m.interpolate(&e.profile.clone().unwrap_or_default(), &e.path)
-                            .to_uppercase()
-                    )
-                }
                 _ => m.name.to_string(),
             })
             .unwrap_or_else(|| "config".into());
@@ -551,11 +672,27 @@ fn explain(err: figment::Error) -> anyhow::Error {
                     None => format!("unknown config key `{key}` (in {source})"),
                 }
             }
-            Kind::InvalidType(actual, expected) => {
-                format!("config key `{path}` (in {source}): expected {expected}, found {actual}")
+            Kind::InvalidType(actual, expected) | Kind::InvalidValue(actual, expected) => {
+                let actual = match actual.to_string().as_str() {
+                    // a `null` override of a key that must have a value
+                    "option" => "null".to_string(),
+                    other => other.to_string(),
+                };
+                format!(
+                    "config key `{path}` (in {source}): expected {}, found {actual}",
+                    in_words(expected)
+                )
             }
-            Kind::InvalidValue(actual, expected) => {
-                format!("config key `{path}` (in {source}): expected {expected}, found {actual}")
+            // a value of a table that two structs share (experiment::Merged), with its path
+            Kind::Message(msg) if msg.starts_with(crate::experiment::BAD_VALUE) => {
+                let rest = &msg[crate::experiment::BAD_VALUE.len()..];
+                let (inner, why) = rest.split_once("`: ").unwrap_or((rest, ""));
+                let key = if path.is_empty() {
+                    inner.to_string()
+                } else {
+                    format!("{path}.{inner}")
+                };
+                format!("config key `{key}` (in {source}): {}", serde_in_words(why))
             }
             // an unknown key inside a table that two structs share (experiment::Merged)
             Kind::Message(msg) if msg.starts_with(crate::experiment::UNKNOWN_KEY) => {
@@ -584,6 +721,31 @@ fn explain(err: figment::Error) -> anyhow::Error {
         lines.push(line);
     }
     anyhow!(lines.join("; "))
+}
+
+/// serde's name of an expected type in words (`u64` -> `a non-negative integer`).
+fn in_words(expected: &str) -> String {
+    match expected {
+        "u8" | "u16" | "u32" | "u64" | "usize" => "a non-negative integer".into(),
+        "i8" | "i16" | "i32" | "i64" | "isize" => "an integer".into(),
+        "f32" | "f64" => "a number".into(),
+        "bool" => "a boolean".into(),
+        other => other.into(),
+    }
+}
+
+/// serde_json's `invalid type: string "x", expected f64` as `expected a number, found string
+/// "x"`; other messages as they are.
+fn serde_in_words(msg: &str) -> String {
+    let msg = msg.split(" at line ").next().unwrap_or(msg);
+    for head in ["invalid type: ", "invalid value: "] {
+        if let Some(rest) = msg.strip_prefix(head)
+            && let Some((found, expected)) = rest.rsplit_once(", expected ")
+        {
+            return format!("expected {}, found {found}", in_words(expected));
+        }
+    }
+    msg.to_string()
 }
 
 /// The config flattened to `key.path -> value` (leaves only), for diffs, filters and params.
@@ -696,6 +858,8 @@ pub fn diff(old: &ExperimentConfig, new: &ExperimentConfig) -> Vec<(String, Valu
 pub fn read_file(path: &Path) -> Result<String> {
     std::fs::read_to_string(path).with_context(|| format!("reading config file {}", path.display()))
 }
+
+pub mod verl;
 
 #[cfg(test)]
 mod tests;

@@ -19,6 +19,50 @@ use rl_workers::roles::{
 };
 use rl_workers::{MultiTurnConfig, RolloutConfig};
 
+/// How [`Merged`] starts the message of a value its struct refuses: ``bad value at `PATH`: WHY``
+/// with the path below the table (the config loader adds the table's own path).
+pub const BAD_VALUE: &str = "bad value at `";
+
+/// The dotted path, below `table`, of the first value `T` refuses on its own (narrowed into
+/// nested tables as far as it goes), for an error that names the key, not the table.
+fn refused_path<T: DeserializeOwned>(table: &Map<String, Value>) -> Option<String> {
+    fn nest(path: &[String], leaf: Value) -> Value {
+        path.iter()
+            .rev()
+            .fold(leaf, |v, k| Value::Object(Map::from_iter([(k.clone(), v)])))
+    }
+    fn walk<T: DeserializeOwned>(path: &mut Vec<String>, map: &Map<String, Value>) -> bool {
+        for (k, child) in map {
+            path.push(k.clone());
+            if serde_json::from_value::<T>(nest(path, child.clone())).is_err() {
+                if let Value::Object(inner) = child {
+                    walk::<T>(path, inner);
+                }
+                return true;
+            }
+            path.pop();
+        }
+        false
+    }
+    let mut path = Vec::new();
+    walk::<T>(&mut path, table).then(|| path.join("."))
+}
+
+/// `T` from `table`, an error naming the refused key's path (see [`BAD_VALUE`]).
+fn from_table<T: DeserializeOwned, E: serde::de::Error>(table: Map<String, Value>) -> Result<T, E> {
+    serde_json::from_value(Value::Object(table.clone())).map_err(|e| {
+        let msg = e.to_string();
+        // a nested Merged has named the path already
+        if msg.starts_with(BAD_VALUE) {
+            return E::custom(msg);
+        }
+        match refused_path::<T>(&table) {
+            Some(path) => E::custom(format!("{BAD_VALUE}{path}`: {msg}")),
+            None => E::custom(msg),
+        }
+    })
+}
+
 /// How [`Merged`] starts the message of a key neither struct knows (the config loader turns
 /// it into the full key path with the nearest known key).
 pub const UNKNOWN_KEY: &str = "unknown key `";
@@ -133,9 +177,7 @@ where
                 }
             };
         }
-        let a = serde_json::from_value(Value::Object(ma)).map_err(D::Error::custom)?;
-        let b = serde_json::from_value(Value::Object(mb)).map_err(D::Error::custom)?;
-        Ok(Merged(a, b))
+        Ok(Merged(from_table(ma)?, from_table(mb)?))
     }
 }
 

@@ -32,8 +32,8 @@ pub mod train;
 
 pub use cli::{Cli, Command};
 pub use store::{
-    BoxFuture, CheckpointRow, EventRow, MetricSummary, RunRow, Store, WriteFn, hostname, now,
-    pid_alive,
+    BoxFuture, CheckpointRow, EventRow, GenerationRow, MetricSummary, RunRow, Store, WriteFn,
+    hostname, now, pid_alive,
 };
 
 /// Runs a parsed command line (installs logging first).

@@ -208,6 +208,21 @@ pub struct CheckpointRow {
     pub manifest: Option<String>,
 }
 
+/// One recorded validation generation (`trainer.log_val_generations`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenerationRow {
+    /// The validation's step.
+    pub step: i64,
+    /// The row's `data_source`.
+    pub data_source: String,
+    /// The prompt as text.
+    pub prompt: String,
+    /// The response as text.
+    pub response: String,
+    /// Its score (NaN when none).
+    pub score: f64,
+}
+
 /// One event.
 #[derive(Debug, Clone)]
 pub struct EventRow {
@@ -465,12 +480,62 @@ impl Store {
                 .await?
                 .with_context(|| format!("no run {id} in {}", self.path.display()));
         }
-        let row = sqlx::query("SELECT * FROM runs WHERE name = ? ORDER BY id DESC LIMIT 1")
+        let ids: Vec<i64> = sqlx::query_scalar("SELECT id FROM runs WHERE name = ? ORDER BY id")
             .bind(spec)
-            .fetch_optional(&self.pool)
+            .fetch_all(&self.pool)
             .await?;
-        row.map(|r| RunRow::from_row(&r))
-            .with_context(|| format!("no run with id or name {spec:?} in {}", self.path.display()))
+        let Some(&latest) = ids.last() else {
+            let names: Vec<String> = sqlx::query_scalar("SELECT DISTINCT name FROM runs")
+                .fetch_all(&self.pool)
+                .await?;
+            let hint = crate::config::nearest_key(spec, &names)
+                .map(|n| format!("; did you mean `{n}`?"))
+                .unwrap_or_default();
+            bail!(
+                "no run with id or name {spec:?} in {}{hint}",
+                self.path.display()
+            );
+        };
+        if ids.len() > 1 {
+            let others: Vec<String> = ids[..ids.len() - 1].iter().map(i64::to_string).collect();
+            note!(
+                "harness: {spec:?} names {} runs; taking the latest, run {latest} (the others: {})",
+                ids.len(),
+                others.join(", ")
+            );
+        }
+        self.run(latest)
+            .await?
+            .with_context(|| format!("run {latest} vanished from {}", self.path.display()))
+    }
+
+    /// The id of the sweep `spec` names: a sweep id, or a sweep name (`[sweep] name`) standing
+    /// for its latest sweep; an error naming the nearest sweeps when there is none.
+    pub async fn resolve_sweep(&self, spec: &str) -> Result<String> {
+        let all: Vec<(String, String)> =
+            sqlx::query_as("SELECT id, name FROM sweeps ORDER BY created DESC")
+                .fetch_all(&self.pool)
+                .await
+                .context("reading the sweeps")?;
+        if let Some((id, _)) = all.iter().find(|(id, name)| id == spec || name == spec) {
+            return Ok(id.clone());
+        }
+        let names: Vec<String> = all
+            .iter()
+            .flat_map(|(id, name)| [name.clone(), id.clone()])
+            .collect();
+        let hint = match crate::config::nearest_key(spec, &names) {
+            Some(n) => format!("; did you mean `{n}`?"),
+            None if names.is_empty() => "; it has no sweeps".into(),
+            None => format!(
+                "; its sweeps: {}",
+                all.iter()
+                    .map(|(id, _)| id.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        };
+        bail!("no sweep {spec:?} in {}{hint}", self.path.display())
     }
 
     /// One run, read on `c` (inside a write transaction, to decide on what it will change).
@@ -648,6 +713,61 @@ impl Store {
                 path: r.get(1),
                 created: r.get(2),
                 manifest: r.get(3),
+            })
+            .collect())
+    }
+
+    /// Records validation generations of run `run` at `step`.
+    pub async fn log_generations(
+        &self,
+        run: i64,
+        step: u64,
+        rows: Vec<GenerationRow>,
+    ) -> Result<()> {
+        self.write(move |c| {
+            Box::pin(async move {
+                for g in &rows {
+                    sqlx::query(
+                        "INSERT INTO generations (run_id, step, data_source, prompt, response, \
+                         score) VALUES (?, ?, ?, ?, ?, ?)",
+                    )
+                    .bind(run)
+                    .bind(step as i64)
+                    .bind(&g.data_source)
+                    .bind(&g.prompt)
+                    .bind(&g.response)
+                    .bind(g.score.is_finite().then_some(g.score))
+                    .execute(&mut *c)
+                    .await?;
+                }
+                Ok(0)
+            })
+        })
+        .await
+        .with_context(|| {
+            format!("recording the validation generations of run {run} at step {step}")
+        })
+        .map(drop)
+    }
+
+    /// The validation generations of a run, by step, in the order recorded.
+    pub async fn generations(&self, run: i64) -> Result<Vec<GenerationRow>> {
+        let rows = sqlx::query(
+            "SELECT step, data_source, prompt, response, score FROM generations \
+             WHERE run_id = ? ORDER BY step, id",
+        )
+        .bind(run)
+        .fetch_all(&self.pool)
+        .await
+        .with_context(|| format!("reading the generations of run {run}"))?;
+        Ok(rows
+            .iter()
+            .map(|r| GenerationRow {
+                step: r.get(0),
+                data_source: r.get(1),
+                prompt: r.get(2),
+                response: r.get(3),
+                score: r.get::<Option<f64>, _>(4).unwrap_or(f64::NAN),
             })
             .collect())
     }

@@ -224,8 +224,13 @@ pub fn expand(spec: &SweepSpec) -> Vec<Trial> {
 }
 
 fn to_override(key: &str, v: &Value) -> Result<Override> {
-    let value: toml::Value = serde_json::from_value(v.clone())
-        .with_context(|| format!("sweep value {v} of `{key}` is not a TOML value"))?;
+    let value: Option<toml::Value> = match v {
+        Value::Null => None,
+        v => Some(
+            serde_json::from_value(v.clone())
+                .with_context(|| format!("sweep value {v} of `{key}` is not a TOML value"))?,
+        ),
+    };
     Ok(Override {
         key: key.into(),
         value,
@@ -234,7 +239,7 @@ fn to_override(key: &str, v: &Value) -> Result<Override> {
 
 fn override_arg(key: &str, v: &Value) -> Result<String> {
     let o = to_override(key, v)?;
-    Ok(format!("{key}={}", o.value))
+    Ok(format!("{key}={}", o.value_text()))
 }
 
 /// The stored trials of a sweep, in order.
@@ -440,10 +445,7 @@ pub fn run(
 ) -> Result<SweepReport> {
     let spec = read_spec(file)?;
     let db_override: Vec<Override> = db
-        .map(|d| Override {
-            key: "trainer.db".into(),
-            value: toml::Value::String(d.display().to_string()),
-        })
+        .map(|d| Override::set("trainer.db", toml::Value::String(d.display().to_string())))
         .into_iter()
         .collect();
     let base = config::load(&Sources {

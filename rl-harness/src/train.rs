@@ -94,6 +94,15 @@ impl Bars {
         })
     }
 
+    /// Prints `line` on stderr, above the bars when they draw.
+    fn println(&self, line: &str) {
+        if self.step.is_hidden() {
+            note!("{line}");
+        } else {
+            self._multi.println(line).ok();
+        }
+    }
+
     fn finish(&self) {
         self.generation.finish_and_clear();
         self.step.finish_and_clear();
@@ -652,11 +661,15 @@ fn commit_resume(rt: &Runtime, store: &Store, r: &Resumed) -> Result<()> {
                     .execute(&mut *c)
                     .await?
                     .rows_affected();
-                sqlx::query("DELETE FROM checkpoints WHERE run_id = ? AND step > ?")
+                for table in ["checkpoints", "generations"] {
+                    sqlx::query(sqlx::AssertSqlSafe(format!(
+                        "DELETE FROM {table} WHERE run_id = ? AND step > ?"
+                    )))
                     .bind(id)
                     .bind(step)
                     .execute(&mut *c)
                     .await?;
+                }
                 sqlx::query(
                     "UPDATE runs SET status = 'running', started = ?, heartbeat = ?, ended = NULL, \
                      error = NULL, resumed_from = ?, config = ? WHERE id = ?",
@@ -1001,6 +1014,89 @@ fn finish(
     }
 }
 
+/// Records the first `trainer.log_val_generations` samples of a validation. A store that
+/// refuses them costs the samples, not the run (a warning says so).
+fn record_generations(
+    rt: &Runtime,
+    store: &Store,
+    run: i64,
+    step: u64,
+    samples: Vec<rl_core::Sample>,
+    t: &config::HarnessConfig,
+) {
+    if t.log_val_generations == 0 || samples.is_empty() {
+        return;
+    }
+    let rows = samples
+        .into_iter()
+        .take(t.log_val_generations)
+        .map(|s| store::GenerationRow {
+            step: step as i64,
+            data_source: s.data_source,
+            prompt: s.prompt,
+            response: s.response,
+            score: s.score,
+        })
+        .collect();
+    if let Err(e) = rt.block_on(store.log_generations(run, step, rows)) {
+        tracing::warn!("{e:#}");
+    }
+}
+
+/// Whether step `step` gets a console line (`trainer.console_every_steps`; absent: every step
+/// where stderr is not a terminal).
+fn console_due(every: Option<u64>, step: u64, total: u64) -> bool {
+    let every = every.unwrap_or(if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+        0
+    } else {
+        1
+    });
+    every > 0 && (step.is_multiple_of(every) || step == total)
+}
+
+/// The metrics the console line shows first, when a step has them.
+const CONSOLE_KEYS: &[&str] = &[
+    "critic/score/mean",
+    "actor/pg_loss",
+    "actor/kl_loss",
+    "actor/entropy",
+    "actor/grad_norm",
+    "actor/lr",
+    "critic/vf_loss",
+    "response_length/mean",
+    "train/loss",
+    "rewards/accuracies",
+    "rm/loss",
+    "rm/accuracy",
+    "timing_s/step",
+    "perf/throughput",
+];
+
+/// verl's console line: `step:12/40 - critic/score/mean:0.5312 - ... - val/...`, the key
+/// metrics the step has ([`CONSOLE_KEYS`]) and every validation metric.
+fn console_line(step: u64, total: u64, m: &StepMetrics) -> String {
+    let num = |v: f64| {
+        let a = v.abs();
+        if v == 0.0 || (1e-3..1e5).contains(&a) {
+            format!("{v:.4}")
+        } else {
+            format!("{v:.3e}")
+        }
+    };
+    let mut parts = vec![format!("step:{step}/{total}")];
+    parts.extend(
+        CONSOLE_KEYS
+            .iter()
+            .filter_map(|k| m.get(*k).map(|v| format!("{k}:{}", num(*v)))),
+    );
+    parts.extend(
+        m.iter()
+            .filter(|(k, _)| k.starts_with("val/"))
+            .map(|(k, v)| format!("{k}:{}", num(*v))),
+    );
+    parts.join(" - ")
+}
+
 fn is_due(freq: i64, step: u64, total: u64) -> bool {
     freq > 0 && (step.is_multiple_of(freq as u64) || step == total)
 }
@@ -1239,9 +1335,10 @@ fn drive(
     bar.set_position(trainer.global_step());
     let result = (|| -> Result<Outcome> {
         if fresh && t.val_before_train {
-            let (m, _) = trainer.validate().context("validation before training")?;
+            let (m, samples) = trainer.validate().context("validation before training")?;
             if let Some(store) = store {
                 store.log_metrics(run_id, trainer.global_step(), &m)?;
+                record_generations(rt, store, run_id, trainer.global_step(), samples, t);
             }
             tracing::info!(step = trainer.global_step(), ?m, "validation");
         }
@@ -1275,15 +1372,21 @@ fn drive(
             let healthy = diverged.observe(step, &m);
             let mut stopped_early = None;
             if is_due(t.test_freq, step, total) {
-                let (v, _) = trainer
+                let (v, samples) = trainer
                     .validate()
                     .with_context(|| format!("validation at step {step}"))?;
+                if let Some(store) = store {
+                    record_generations(rt, store, run_id, step, samples, t);
+                }
                 tracing::info!(step, ?v, "validation");
                 // every rank validates to the same (reduced) metrics, so all ranks agree
                 if let Some(cond) = &stop_when {
                     stopped_early = cond.met(&v)?;
                 }
                 m.extend(v);
+            }
+            if store.is_some() && console_due(t.console_every_steps, step, total) {
+                bars.println(&console_line(step, total, &m));
             }
             if let Some(store) = store {
                 store.log_metrics(run_id, step, &m)?;

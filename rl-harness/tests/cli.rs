@@ -487,3 +487,211 @@ fn a_gone_reader_never_stops_a_run_and_a_full_disk_is_an_error() {
         );
     }
 }
+
+/// Issue 19: an `RL_` variable that is a config key sets it, and its error names the variable
+/// as written; one that is not (another tool's `RL_HOME`) is noted and ignored, not fatal.
+#[test]
+fn rl_environment_variables_are_named_as_written_and_strays_do_not_break_commands() {
+    let env = Env::new();
+    let cfg = env.file("exp.toml", BANDIT);
+    let cfg = cfg.to_str().unwrap();
+    let out = env
+        .cmd()
+        .args(["config", "show", cfg])
+        .env("RL_HOME", "/opt/rl")
+        .env("RL_TRAINER__SAVE_FREQ", "7")
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stderr}");
+    assert!(stdout.contains("save_freq = 7"), "{stdout}");
+    assert!(
+        stderr.contains("environment variable RL_HOME is not a config key"),
+        "{stderr}"
+    );
+    let out = env
+        .cmd()
+        .args(["config", "show", cfg])
+        .env("RL_TRAINER__SAVE_FREQ", "often")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains(
+            "config key `trainer.save_freq` (in environment variable RL_TRAINER__SAVE_FREQ): \
+             expected an integer"
+        ),
+        "{stderr}"
+    );
+}
+
+/// Issue 19: with stderr not a terminal (a log file, nohup, CI), every step prints verl's
+/// console line; `trainer.console_every_steps` picks the interval (0: none).
+#[test]
+fn every_step_prints_a_metrics_line_when_stderr_is_not_a_terminal() {
+    let env = Env::new();
+    let cfg = env.file("exp.toml", BANDIT);
+    let cfg = cfg.to_str().unwrap();
+    let lines = |extra: &[&str]| -> Vec<String> {
+        let mut args = vec!["train", cfg];
+        args.extend_from_slice(extra);
+        let out = env.run(&args);
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "{err}");
+        err.lines()
+            .filter(|l| l.starts_with("step:"))
+            .map(str::to_string)
+            .collect()
+    };
+    let every = lines(&[]);
+    assert_eq!(every.len(), 20, "{every:?}");
+    assert!(
+        every[0].starts_with("step:1/20 - critic/score/mean:"),
+        "{every:?}"
+    );
+    for key in ["actor/pg_loss:", "actor/kl_loss:", "timing_s/step:"] {
+        assert!(every.iter().all(|l| l.contains(key)), "{key}: {every:?}");
+    }
+    // validations (test_freq 5) add their metrics to that step's line
+    assert!(every[4].contains("val/test_score:"), "{every:?}");
+    assert!(!every[3].contains("val/"), "{every:?}");
+    let fifth = lines(&["trainer.console_every_steps=5", "trainer.experiment_name=b"]);
+    let steps: Vec<&str> = fifth.iter().map(|l| l.split(' ').next().unwrap()).collect();
+    assert_eq!(
+        steps,
+        ["step:5/20", "step:10/20", "step:15/20", "step:20/20"]
+    );
+    assert!(lines(&["trainer.console_every_steps=0", "trainer.experiment_name=c"]).is_empty());
+}
+
+/// Issue 19: `trainer.log_val_generations` keeps that many samples of each validation in the
+/// store, `show --generations` prints them, and a resume replaces (never doubles) those past
+/// its checkpoint.
+#[test]
+fn validation_generations_are_stored_shown_and_rewound() {
+    let env = Env::new();
+    let cfg = env.file("exp.toml", BANDIT);
+    env.ok(&[
+        "train",
+        cfg.to_str().unwrap(),
+        "trainer.log_val_generations=2",
+    ]);
+    let (rt, store) = env.store();
+    let per_step = |rt: &tokio::runtime::Runtime| {
+        let mut counts = std::collections::BTreeMap::new();
+        for g in rt.block_on(store.generations(1)).unwrap() {
+            *counts.entry(g.step).or_insert(0) += 1;
+        }
+        counts
+    };
+    let counts = per_step(&rt);
+    assert_eq!(
+        counts.into_iter().collect::<Vec<_>>(),
+        vec![(0, 2), (5, 2), (10, 2), (15, 2), (20, 2)]
+    );
+    let shown = env.ok(&["show", "1", "--generations"]);
+    assert!(
+        shown.contains("validation generations:")
+            && shown.contains("step 20:")
+            && shown.contains("[bandit] score ")
+            && shown.contains("prompt:   context 0")
+            && shown.contains("response: arm "),
+        "{shown}"
+    );
+    let before = rt.block_on(store.generations(1)).unwrap();
+    env.ok(&["resume", "1", "--from-step", "10"]);
+    assert_eq!(rt.block_on(store.generations(1)).unwrap(), before);
+    // without the key, nothing is kept, and show says so
+    env.ok(&[
+        "train",
+        cfg.to_str().unwrap(),
+        "trainer.experiment_name=none",
+    ]);
+    let shown = env.ok(&["show", "2", "--generations"]);
+    assert!(shown.contains("none recorded"), "{shown}");
+}
+
+/// Issue 19: `harness runs` shows each run's project, duration and main validation metric,
+/// hides runs that failed before their first step (`--all` lists them), selects by project and
+/// count, and never answers a typo with an empty list: an unknown filter key, sweep or project
+/// is an error naming the nearest; an empty result says so; an ambiguous name says which run
+/// it took.
+#[test]
+fn runs_lists_what_matters_and_never_answers_a_typo_with_nothing() {
+    let env = Env::new();
+    let cfg = env.file("exp.toml", BANDIT);
+    let cfg = cfg.to_str().unwrap();
+    env.ok(&["train", cfg]);
+    env.ok(&[
+        "train",
+        cfg,
+        "trainer.project_name=other",
+        "trainer.experiment_name=o",
+    ]);
+    // fails before its first step: a data file that is not parquet
+    env.ok(&["model", "init-tiny", "m", "--seed", "1"]);
+    env.file("bad.parquet", "garbage");
+    let err = env.fails(&[
+        "train",
+        cfg,
+        "trainer.algorithm=sft",
+        "trainer.experiment_name=bad",
+        "data.train_files=bad.parquet",
+        "actor_rollout_ref.model.path=m",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=32",
+    ]);
+    assert!(err.contains("not a readable parquet file"), "{err}");
+    let out = env.ok(&["runs"]);
+    let lines: Vec<&str> = out.lines().collect();
+    assert!(
+        lines[0].contains("project") && lines[0].contains("main metric"),
+        "{out}"
+    );
+    assert!(
+        lines[1].contains(" base ")
+            && lines[1].contains(" test ")
+            && lines[1].contains(" val/test_score"),
+        "{out}"
+    );
+    assert!(!out.contains(" bad "), "{out}");
+    assert!(
+        out.contains("1 run(s) that failed before their first step not shown"),
+        "{out}"
+    );
+    assert!(env.ok(&["runs", "--all"]).contains(" bad "));
+    let other = env.ok(&["runs", "--project", "other"]);
+    assert!(
+        other.contains(" o ") && !other.contains(" base "),
+        "{other}"
+    );
+    let last = env.ok(&["runs", "--limit", "1"]);
+    assert!(last.contains(" o ") && !last.contains(" base "), "{last}");
+    let none = env.ok(&["runs", "--filter", "val/test_score > 2"]);
+    assert!(none.contains("(no runs match the filter)"), "{none}");
+    let err = env.fails(&["runs", "--filter", "val/test_scor > 0"]);
+    assert!(
+        err.contains("no run has `val/test_scor`") && err.contains("did you mean `val/test_score`"),
+        "{err}"
+    );
+    let err = env.fails(&["runs", "--project", "othr"]);
+    assert!(err.contains("did you mean `other`"), "{err}");
+    let err = env.fails(&["runs", "--sweep", "lr"]);
+    assert!(
+        err.contains("no sweep \"lr\"") && err.contains("it has no sweeps"),
+        "{err}"
+    );
+    // a name two runs share
+    env.ok(&["train", cfg]);
+    let out = env.run(&["show", "base"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("\"base\" names 2 runs; taking the latest, run 4 (the others: 1)"),
+        "{err}"
+    );
+    let err = env.fails(&["show", "bse"]);
+    assert!(err.contains("did you mean `base`"), "{err}");
+}
