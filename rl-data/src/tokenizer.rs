@@ -406,6 +406,8 @@ pub struct Tokenizer {
     /// Byte-level BPE without the tokenizers crate's pipeline, for ASCII pieces between added
     /// tokens (only with a segmenter).
     fast: Option<fast::AsciiByteLevel>,
+    /// The `tokenizer_config.json` read, or where it was looked for (`None` beside it: absent).
+    config_file: (PathBuf, bool),
 }
 
 /// What one encoding call (or one thread of a batch) has already encoded: pieces between added
@@ -562,6 +564,10 @@ impl Tokenizer {
             pad_id: None,
             segmenter: None,
             fast: None,
+            config_file: match config {
+                Some(cp) => (cp.to_path_buf(), true),
+                None => (tj.with_file_name("tokenizer_config.json"), false),
+            },
         };
         tok.segmenter = Segmenter::new(&tok.inner);
         if tok.segmenter.is_some() {
@@ -698,9 +704,18 @@ impl Tokenizer {
     /// The id used to pad batches: `pad_token_id`, or `eos_token_id` when there is no pad token
     /// (verl's `hf_tokenizer` sets `pad_token = eos_token` in that case), or an error.
     pub fn pad_id_or_eos(&self) -> Result<u32> {
-        self.pad_id.or(self.eos_id).ok_or_else(|| Error::Tokenizer {
-            path: PathBuf::from("tokenizer_config.json"),
-            message: "neither pad_token nor eos_token is set; cannot pad".into(),
+        self.pad_id.or(self.eos_id).ok_or_else(|| {
+            let (path, found) = &self.config_file;
+            Error::Tokenizer {
+                path: path.clone(),
+                message: if *found {
+                    "neither pad_token nor eos_token is set; cannot pad".into()
+                } else {
+                    "the file is missing (it names the pad and eos tokens), so batches cannot \
+                     be padded"
+                        .into()
+                },
+            }
         })
     }
 

@@ -423,6 +423,7 @@ pub(crate) fn run(cli: Cli) -> Result<()> {
                 train::resume(&rt, &db, &run, from_step, &parsed)?
             };
             outln!("run {id} finished");
+            rt.block_on(print_validation_summary(&db, id))?;
         }
         Command::Sweep {
             file,
@@ -995,16 +996,46 @@ async fn compare_cmd(db: &Path, a: CompareArgs) -> Result<()> {
     }
     if runs.is_empty() {
         if let Some(s) = &a.sweep {
-            runs = store.runs(Some(s)).await?;
+            let id = store.resolve_sweep(s).await?;
+            runs = store.runs(Some(&id)).await?;
+            if runs.is_empty() {
+                bail!("sweep {id} has no runs yet");
+            }
         } else {
             bail!("name at least one run to compare (or --sweep ID)");
         }
     }
+    let common = compare::common_metrics(&store, &runs).await?;
     let metrics = if a.metrics.is_empty() {
-        compare::common_metrics(&store, &runs).await?
+        let main = compare::primary_metrics(&common);
+        if main.len() < common.len() {
+            note!(
+                "harness: comparing {} of the {} metrics the runs share; --metric KEY picks others",
+                main.len(),
+                common.len()
+            );
+        }
+        main
     } else {
+        // a metric no run recorded is a typo, not an empty table or plot
+        let mut every = std::collections::BTreeSet::new();
+        for r in &runs {
+            every.extend(store.metric_keys(r.id).await?);
+        }
+        let every: Vec<String> = every.into_iter().collect();
+        for m in &a.metrics {
+            if !every.contains(m) {
+                let hint = config::nearest_key(m, &every)
+                    .map(|n| format!("; did you mean `{n}`?"))
+                    .unwrap_or_default();
+                bail!("--metric {m}: no run compared recorded it{hint}");
+            }
+        }
         a.metrics.clone()
     };
+    if metrics.is_empty() {
+        bail!("the runs compared share no metric (name one with --metric)");
+    }
     out!(
         "{}",
         compare::report(&store, &runs, &metrics, a.mode, a.at_step).await?

@@ -17,7 +17,8 @@ pub type Curves = [(String, Vec<(String, Vec<(i64, f64)>)>)];
 /// Whether larger values of a metric are better.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Mode {
-    /// Losses, KL, entropy and timings are minimised; everything else maximised.
+    /// Losses, KL, gradient norms and timings are minimised; everything else (scores,
+    /// accuracies, entropy) maximised.
     Auto,
     /// Larger is better.
     Max,
@@ -210,7 +211,7 @@ pub async fn rank_sweep(store: &Store, sweep: &str, metric: &str, mode: Mode) ->
             }
             None => None,
         };
-        let params: Vec<String> = t.params.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        let params = vec![crate::sweep::params_text(&t.params, " ")];
         rows.push((
             value,
             format!(
@@ -299,7 +300,45 @@ fn register_font() -> Result<()> {
     .map_err(anyhow::Error::msg)
 }
 
-/// Plots each metric's curves across runs (one panel per metric) to `file`: `.svg` or `.png`.
+/// (columns, rows) of the plot's panels: one column up to 2 metrics, then 2, then 3.
+fn grid(n: usize) -> (u32, u32) {
+    let n = n.max(1) as u32;
+    let cols = match n {
+        1..=2 => 1,
+        3..=4 => 2,
+        _ => 3,
+    };
+    (cols, n.div_ceil(cols))
+}
+
+/// The metrics a comparison shows when none is named: every validation metric the runs share
+/// and the main training figures, else the first few shared metrics.
+pub fn primary_metrics(common: &[String]) -> Vec<String> {
+    const MAIN: &[&str] = &[
+        "critic/score/mean",
+        "actor/pg_loss",
+        "train/loss",
+        "rm/accuracy",
+        "rewards/accuracies",
+    ];
+    let mut out: Vec<String> = common
+        .iter()
+        .filter(|k| k.starts_with("val/"))
+        .cloned()
+        .collect();
+    out.extend(
+        MAIN.iter()
+            .filter(|k| common.iter().any(|c| c == *k))
+            .map(|k| k.to_string()),
+    );
+    if out.is_empty() {
+        out = common.iter().take(6).cloned().collect();
+    }
+    out
+}
+
+/// Plots each metric's curves across runs (one panel per metric, in a grid of up to three
+/// columns) to `file`: `.svg` or `.png`.
 pub fn plot(file: &Path, curves: &Curves, smoothing: f64) -> Result<()> {
     use plotters::prelude::*;
     register_font()?;
@@ -308,7 +347,14 @@ pub fn plot(file: &Path, curves: &Curves, smoothing: f64) -> Result<()> {
         .and_then(|e| e.to_str())
         .unwrap_or("")
         .to_ascii_lowercase();
-    let size = (900u32, 320 * curves.len().max(1) as u32);
+    let (cols, rows) = grid(curves.len());
+    let size = (if cols == 1 { 900 } else { 600 * cols }, 320 * rows);
+    if let Some(dir) = file.parent()
+        && !dir.as_os_str().is_empty()
+    {
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("creating the plot's folder {}", dir.display()))?;
+    }
     match ext.as_str() {
         "svg" => draw(
             SVGBackend::new(file, size).into_drawing_area(),
@@ -334,9 +380,10 @@ where
     DB::ErrorType: 'static,
 {
     use plotters::prelude::*;
-    let e = |e: DrawingAreaErrorKind<DB::ErrorType>| anyhow::anyhow!("{e:?}");
+    let e = |e: DrawingAreaErrorKind<DB::ErrorType>| anyhow::anyhow!("{e}");
     root.fill(&WHITE).map_err(e)?;
-    let panels = root.split_evenly((curves.len().max(1), 1));
+    let (cols, rows) = grid(curves.len());
+    let panels = root.split_evenly((rows as usize, cols as usize));
     for ((metric, runs), area) in curves.iter().zip(panels.iter()) {
         let points: Vec<(i64, f64)> = runs
             .iter()

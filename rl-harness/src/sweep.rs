@@ -107,6 +107,25 @@ pub fn fnv64(bytes: &[u8]) -> u64 {
     })
 }
 
+/// A trial's parameters as `key=value` words joined by `sep`, values as written on a
+/// command line (`bandit.lr=0.02`, `algorithm.adv_estimator=grpo`).
+pub fn params_text(params: &BTreeMap<String, Value>, sep: &str) -> String {
+    params
+        .iter()
+        .map(|(k, v)| match v {
+            Value::String(s) => format!("{k}={s}"),
+            v => format!("{k}={v}"),
+        })
+        .collect::<Vec<_>>()
+        .join(sep)
+}
+
+/// The run name of a trial of sweep `name`: `<name>/<its parameters>`, so that lists and plot
+/// legends tell the trials apart.
+pub fn trial_name(name: &str, params: &BTreeMap<String, Value>) -> String {
+    format!("{name}/{}", params_text(params, ","))
+}
+
 /// The trial id of a parameter set (canonical JSON: keys sorted).
 pub fn trial_id(params: &BTreeMap<String, Value>) -> String {
     let text = serde_json::to_string(params).unwrap_or_default();
@@ -645,6 +664,11 @@ async fn schedule(
                     for (k, v) in &t.params {
                         cmd.arg(override_arg(k, v)?);
                     }
+                    let name = sweep.rsplit_once('-').map_or(sweep, |(n, _)| n);
+                    cmd.arg(format!(
+                        "trainer.experiment_name='{}'",
+                        trial_name(name, &t.params).replace('\'', "")
+                    ));
                     cmd.arg("--sweep-id")
                         .arg(sweep)
                         .arg("--trial-id")
@@ -659,14 +683,14 @@ async fn schedule(
                 .kill_on_drop(false);
             set_trial(store, sweep, &t.id, "running", resume_id, None).await?;
             note!(
-                "harness: sweep {sweep}: trial {} {} {:?}",
+                "harness: sweep {sweep}: trial {} {} {}",
                 t.id,
                 if resume_id.is_some() {
                     "resumes"
                 } else {
                     "starts"
                 },
-                t.params
+                params_text(&t.params, " ")
             );
             let child = cmd
                 .spawn()

@@ -603,8 +603,13 @@ fn validation_generations_are_stored_shown_and_rewound() {
         "{shown}"
     );
     let before = rt.block_on(store.generations(1)).unwrap();
-    env.ok(&["resume", "1", "--from-step", "10"]);
+    let resumed = env.ok(&["resume", "1", "--from-step", "10"]);
     assert_eq!(rt.block_on(store.generations(1)).unwrap(), before);
+    // resume ends with the summary train prints
+    assert!(
+        resumed.contains("run 1 finished") && resumed.contains("val/test_score: "),
+        "{resumed}"
+    );
     // without the key, nothing is kept, and show says so
     env.ok(&[
         "train",
@@ -694,4 +699,97 @@ fn runs_lists_what_matters_and_never_answers_a_typo_with_nothing() {
     );
     let err = env.fails(&["show", "bse"]);
     assert!(err.contains("did you mean `base`"), "{err}");
+}
+
+/// Issue 19: `compare` never writes an empty answer: a metric no run recorded is an error
+/// naming the nearest, a sweep named by its name compares its trials, no `--metric` compares
+/// the main metrics (not every one), and many metrics lay out as a grid, not a strip.
+#[test]
+fn compare_answers_a_typo_with_an_error_and_defaults_to_the_main_metrics() {
+    let env = Env::new();
+    let sweep = env.file(
+        "sweep.toml",
+        &format!(
+            "{BANDIT}\n[sweep]\nname = \"lr\"\nstrategy = \"grid\"\nmetric = \"val/test_score\"\n\
+             [sweep.grid]\n\"bandit.lr\" = [0.02, 0.1]\n"
+        ),
+    );
+    let out = env.run(&["sweep", sweep.to_str().unwrap()]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains(" starts bandit.lr=0.02"),
+        "params as values: {stderr}"
+    );
+    // trials are named by their parameters
+    let runs = env.ok(&["runs"]);
+    assert!(
+        runs.contains("lr/bandit.lr=0.02") && runs.contains("lr/bandit.lr=0.1"),
+        "{runs}"
+    );
+    let err = env.fails(&[
+        "compare",
+        "1",
+        "2",
+        "--metric",
+        "val/test_scor",
+        "--plot",
+        "x.svg",
+    ]);
+    assert!(
+        err.contains("--metric val/test_scor: no run compared recorded it")
+            && err.contains("did you mean `val/test_score`"),
+        "{err}"
+    );
+    assert!(!env.path().join("x.svg").exists());
+    // the sweep by its name: ranked, then its trials compared and plotted
+    let out = env.ok(&["compare", "--sweep", "lr", "--plot", "sweep.svg"]);
+    assert!(
+        out.contains("trials ranked by best val/test_score"),
+        "{out}"
+    );
+    assert!(out.contains("bandit.lr=0.02"), "{out}");
+    let svg = std::fs::read_to_string(env.path().join("sweep.svg")).unwrap();
+    assert!(svg.matches("<polyline").count() >= 2, "an empty plot");
+    assert!(
+        svg.contains("lr/bandit.lr=0.1"),
+        "the legend names the trial"
+    );
+    let err = env.fails(&["compare", "--sweep", "kl_coef", "--plot", "y.svg"]);
+    assert!(err.contains("no sweep \"kl_coef\""), "{err}");
+    // no --metric: the validation metrics and the main training figures
+    let out = env.run(&["compare", "1", "2", "--plot", "main.svg"]);
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stdout.contains("val/test_score") && stdout.contains("critic/score/mean"),
+        "{stdout}"
+    );
+    assert!(!stdout.contains("actor/entropy"), "{stdout}");
+    assert!(stderr.contains("--metric KEY picks others"), "{stderr}");
+    // six metrics: two rows of three panels
+    let mut args = vec!["compare", "1", "2", "--plot", "grid.svg"];
+    for m in [
+        "val/test_score",
+        "critic/score/mean",
+        "actor/pg_loss",
+        "actor/kl_loss",
+        "actor/entropy",
+        "actor/grad_norm",
+    ] {
+        args.extend(["--metric", m]);
+    }
+    env.ok(&args);
+    let svg = std::fs::read_to_string(env.path().join("grid.svg")).unwrap();
+    // a plot into a folder that does not exist yet makes it
+    env.ok(&["compare", "1", "--plot", "plots/new/one.svg"]);
+    assert!(env.path().join("plots/new/one.svg").is_file());
+    assert!(
+        svg.contains("width=\"1800\" height=\"640\""),
+        "{}",
+        &svg[..200]
+    );
 }

@@ -470,3 +470,21 @@ fn batched_prompts_equal_the_tokenizers_crate_over_many_rows() {
         }
     }
 }
+
+/// Issue 19: a tokenizer folder without `tokenizer_config.json` says that file is missing (with
+/// its path) when it comes to padding, not that its tokens are unset.
+#[test]
+fn a_missing_tokenizer_config_is_named_when_padding_needs_it() {
+    let dir = tempfile::tempdir().unwrap();
+    crate::tasks::tiny_vocab::write_tiny_tokenizer(dir.path()).unwrap();
+    let with = Tokenizer::from_dir(dir.path()).unwrap();
+    assert!(with.pad_id_or_eos().is_ok());
+    std::fs::remove_file(dir.path().join("tokenizer_config.json")).unwrap();
+    let without = Tokenizer::from_dir(dir.path()).unwrap();
+    let err = without.pad_id_or_eos().unwrap_err().to_string();
+    let path = dir.path().join("tokenizer_config.json");
+    assert!(
+        err.contains(&path.display().to_string()) && err.contains("the file is missing"),
+        "{err}"
+    );
+}
