@@ -211,7 +211,7 @@ pub async fn rank_sweep(store: &Store, sweep: &str, metric: &str, mode: Mode) ->
             }
             None => None,
         };
-        let params = vec![crate::sweep::params_text(&t.params, " ")];
+        let params = crate::sweep::params_text(&t.params, " ");
         rows.push((
             value,
             format!(
@@ -222,7 +222,7 @@ pub async fn rank_sweep(store: &Store, sweep: &str, metric: &str, mode: Mode) ->
                     .map(|i| i.to_string())
                     .unwrap_or_else(|| "-".into()),
                 value.map(fmt).unwrap_or_else(|| "-".into()),
-                params.join(" ")
+                params
             ),
         ));
     }
