@@ -34,6 +34,9 @@ pub struct Cli {
 pub enum Command {
     /// Start a run: `harness train experiments/quickstart.toml trainer.total_training_steps=20`.
     Train(TrainArgs),
+    /// Validate a model and record the scores as a run (`train` with
+    /// `trainer.total_training_steps=0 trainer.val_before_train=true`).
+    Eval(TrainArgs),
     /// Continue a run from its latest complete checkpoint (or from `--from-step`).
     Resume {
         /// Run id or name.
@@ -347,8 +350,19 @@ pub(crate) fn run(cli: Cli) -> Result<()> {
         .build()
         .context("starting the async runtime")?;
     let db = default_db(&cli.db);
-    match cli.command {
-        Command::Train(a) => {
+    let command = match cli.command {
+        Command::Eval(mut a) => {
+            a.overrides.extend([
+                "trainer.total_training_steps=0".to_string(),
+                "trainer.val_before_train=true".to_string(),
+            ]);
+            Command::Train(a)
+        }
+        other => other,
+    };
+    match command {
+        // an eval is a train by now (see above)
+        Command::Train(a) | Command::Eval(a) => {
             let mut overrides = parse_overrides(&a.overrides)?;
             if let Some(d) = &cli.db {
                 overrides.push(Override::set(

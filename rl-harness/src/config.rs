@@ -126,7 +126,8 @@ pub struct HarnessConfig {
     pub project_name: String,
     /// The run's name. Default `default`.
     pub experiment_name: String,
-    /// Training steps; absent means `total_epochs` epochs of the data.
+    /// Training steps; absent means `total_epochs` epochs of the data; 0 only validates the
+    /// model (with `val_before_train`; `harness eval`).
     pub total_training_steps: Option<u64>,
     /// Epochs over the training data when `total_training_steps` is absent (>= 1). Default 1.
     pub total_epochs: u64,
@@ -520,13 +521,33 @@ pub fn from_stored(json: &str, overrides: &[Override]) -> Result<ExperimentConfi
     Ok(cfg)
 }
 
+/// Whether `cfg` only validates its model (`trainer.total_training_steps = 0`, `harness eval`).
+pub fn eval_only(cfg: &ExperimentConfig) -> bool {
+    cfg.trainer.total_training_steps == Some(0)
+}
+
+/// The config the trainers are checked and built with: an evaluation's plans one step (the
+/// trainers refuse zero), which the harness's drive never takes.
+pub fn as_planned(cfg: &ExperimentConfig) -> std::borrow::Cow<'_, ExperimentConfig> {
+    if eval_only(cfg) {
+        let mut one = cfg.clone();
+        one.trainer.total_training_steps = Some(1);
+        std::borrow::Cow::Owned(one)
+    } else {
+        std::borrow::Cow::Borrowed(cfg)
+    }
+}
+
 /// Cross-field and range checks of every group.
 pub fn validate(cfg: &ExperimentConfig) -> Result<()> {
     rl_data::reward::RewardRegistry::with_config(&cfg.reward)
         .map_err(|e| anyhow!("config group `reward`: {e}"))?;
     let t = &cfg.trainer;
-    if t.total_training_steps == Some(0) {
-        bail!("config key `trainer.total_training_steps`: must be at least 1 (or absent)");
+    if t.total_training_steps == Some(0) && !t.val_before_train {
+        bail!(
+            "config key `trainer.total_training_steps`: must be at least 1 (or absent), or 0 \
+             with trainer.val_before_train = true to only validate (`harness eval`)"
+        );
     }
     if t.total_epochs == 0 {
         bail!("config key `trainer.total_epochs`: must be at least 1");
@@ -579,7 +600,7 @@ pub fn validate(cfg: &ExperimentConfig) -> Result<()> {
         .validate()
         .map_err(|e| anyhow!("config group `algorithm`: {e}"))?;
     cfg.bandit.validate()?;
-    crate::compose::check(cfg)?;
+    crate::compose::check(&as_planned(cfg))?;
     Ok(())
 }
 

@@ -132,6 +132,10 @@ pub fn build_trainer_in(
     progress: Option<ProgressHook>,
     group: Option<&SharedCollective>,
 ) -> Result<Built> {
+    if config::eval_only(cfg) {
+        // the trainers plan at least one step; the drive takes none
+        return build_trainer_in(&config::as_planned(cfg), progress, group);
+    }
     let device = match (group, cfg.trainer.device.as_str()) {
         // torch DDP's convention: each rank of a host on its own GPU, cuda:LOCAL_RANK
         (Some(_), "cuda") => {
@@ -812,7 +816,8 @@ fn build_drive_export(
     };
     let fresh = resumed.is_none();
     let outcome = drive(rt, place, run_id, run_dir, cfg, (&mut built, &bars), fresh)?;
-    if matches!(outcome, Outcome::Finished) {
+    // an evaluation trained nothing to export
+    if matches!(outcome, Outcome::Finished) && !config::eval_only(cfg) {
         export(&built, run_dir, cfg)?;
     }
     Ok(outcome)
@@ -1303,7 +1308,11 @@ fn drive(
 ) -> Result<Outcome> {
     let trainer = &mut built.trainer;
     let t = &cfg.trainer;
-    let total = trainer.total_steps();
+    let total = if config::eval_only(cfg) {
+        0
+    } else {
+        trainer.total_steps()
+    };
     let stop = Arc::new(AtomicBool::new(false));
     let _guard = rt.enter();
     let store = place.store;

@@ -15,6 +15,7 @@ fn every_command_has_help() {
     for args in [
         vec!["--help"],
         vec!["train", "--help"],
+        vec!["eval", "--help"],
         vec!["resume", "--help"],
         vec!["sweep", "--help"],
         vec!["runs", "--help"],
@@ -791,5 +792,36 @@ fn compare_answers_a_typo_with_an_error_and_defaults_to_the_main_metrics() {
         svg.contains("width=\"1800\" height=\"640\""),
         "{}",
         &svg[..200]
+    );
+}
+
+/// Issue 19: `harness eval` validates and records the scores as a finished run of no steps;
+/// `total_training_steps = 0` without a validation before training is refused, saying why.
+#[test]
+fn eval_validates_and_records_a_run_of_no_steps() {
+    let env = Env::new();
+    let cfg = env.file("exp.toml", BANDIT);
+    let cfg = cfg.to_str().unwrap();
+    let out = env.ok(&["eval", cfg]);
+    assert!(out.contains("val/test_score: "), "{out}");
+    let (rt, store) = env.store();
+    let run = rt.block_on(store.run(1)).unwrap().unwrap();
+    assert_eq!(run.status, "finished");
+    let m = rt.block_on(store.all_metrics(1)).unwrap();
+    assert!(
+        !m.is_empty()
+            && m.iter()
+                .all(|(s, k, _, _)| *s == 0 && k.starts_with("val/")),
+        "{m:?}"
+    );
+    let err = env.fails(&[
+        "train",
+        cfg,
+        "trainer.total_training_steps=0",
+        "trainer.val_before_train=false",
+    ]);
+    assert!(
+        err.contains("or 0 with trainer.val_before_train = true"),
+        "{err}"
     );
 }

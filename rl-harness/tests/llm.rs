@@ -71,6 +71,27 @@ fn the_quickstart_path_sft_then_grpo_runs_through_the_cli() {
         "{}",
         run.config
     );
+    // Issue 19: `harness eval` validates the exported model and records the scores as a run:
+    // the held-out score the GRPO run saw before its first step, nothing trained or exported.
+    let out = env.ok(&[
+        "eval",
+        grpo.to_str().unwrap(),
+        "trainer.experiment_name=eval-sft",
+    ]);
+    assert!(out.contains("val/test_score/arithmetic:"), "{out}");
+    let eval = rt.block_on(store.resolve_run("eval-sft")).unwrap();
+    assert_eq!(eval.status, "finished");
+    let em = rt.block_on(store.all_metrics(eval.id)).unwrap();
+    assert!(em.iter().all(|(s, _, _, _)| *s == 0), "only step 0: {em:?}");
+    let score = |m: &[(i64, String, f64, f64)]| {
+        m.iter()
+            .find(|(s, k, _, _)| *s == 0 && k == "val/test_score/arithmetic")
+            .map(|r| r.2)
+            .unwrap()
+    };
+    assert_eq!(score(&em), score(&m), "the same model, the same validation");
+    assert!(rt.block_on(store.checkpoints(eval.id)).unwrap().is_empty());
+    assert!(!std::path::Path::new(&eval.run_dir).join("model").exists());
 }
 
 #[test]
