@@ -176,6 +176,12 @@ pub struct HarnessConfig {
     /// 0 never. Absent: every step when stderr is not a terminal (a log file, nohup, Slurm,
     /// CI), never on a terminal, where the progress bar shows the steps.
     pub console_every_steps: Option<u64>,
+    /// Also write each step's metrics as TensorBoard event files (verl's logger
+    /// `tensorboard`). Default false.
+    pub tensorboard: bool,
+    /// Where the event files go; absent: `$TENSORBOARD_DIR` when set (as verl), else
+    /// `<run dir>/tensorboard`.
+    pub tensorboard_dir: Option<PathBuf>,
     /// The remote tracker.
     pub tracker: TrackerConfig,
 }
@@ -204,6 +210,8 @@ impl Default for HarnessConfig {
             store_patience_s: 300.0,
             max_nonfinite_steps: 3,
             console_every_steps: None,
+            tensorboard: false,
+            tensorboard_dir: None,
             tracker: TrackerConfig::default(),
         }
     }
@@ -260,6 +268,8 @@ pub const RESUME_SAFE_KEYS: &[&str] = &[
     "trainer.store_patience_s",
     "trainer.max_nonfinite_steps",
     "trainer.console_every_steps",
+    "trainer.tensorboard",
+    "trainer.tensorboard_dir",
     "trainer.experiment_name",
     "trainer.tracker.",
     "trainer.log_val_generations",
@@ -409,14 +419,13 @@ pub fn load(sources: &Sources) -> Result<ExperimentConfig> {
             ));
         }
     }
-    for o in &sources.overrides {
-        let Some(o) = foreign_override(o, &known, &mut notes)? else {
-            continue;
-        };
-        fig = fig.merge(Named::new(
-            Serialized::default(&o.key, o.value.clone()),
-            format!("override {}", o.key),
-        ));
+    for given in &sources.overrides {
+        for o in foreign_override(given, &known, &mut notes)? {
+            fig = fig.merge(Named::new(
+                Serialized::default(&o.key, o.value.clone()),
+                format!("override {}", given.key),
+            ));
+        }
     }
     for n in notes {
         note!("harness: note: {n}");
@@ -438,8 +447,8 @@ fn strip_foreign(table: &mut toml::Table, prefix: &str, notes: &mut Vec<String>)
         };
         if path == "trainer.logger" {
             let value = table.remove(&k);
-            let mlflow = verl::logger(value.as_ref())?;
-            if mlflow {
+            let sinks = verl::logger(value.as_ref())?;
+            if sinks.mlflow {
                 let tracker = table
                     .entry("tracker")
                     .or_insert_with(|| toml::Value::Table(toml::Table::new()));
@@ -448,9 +457,14 @@ fn strip_foreign(table: &mut toml::Table, prefix: &str, notes: &mut Vec<String>)
                         .or_insert_with(|| toml::Value::String("mlflow".into()));
                 }
             }
+            if sinks.tensorboard {
+                table
+                    .entry("tensorboard")
+                    .or_insert(toml::Value::Boolean(true));
+            }
             notes.push(format!(
-                "trainer.logger: metrics go to the run store and the console{}",
-                if mlflow { " and to MLflow" } else { "" }
+                "trainer.logger: metrics go to {}",
+                sinks.describe()
             ));
             continue;
         }
@@ -467,38 +481,38 @@ fn strip_foreign(table: &mut toml::Table, prefix: &str, notes: &mut Vec<String>)
 }
 
 /// An override as this harness takes it: itself, verl's `trainer.logger` mapped to the
-/// tracker, or `None` (with a note) for a verl key that has no effect here.
+/// tracker and TensorBoard keys, or nothing (with a note) for a verl key that has no effect
+/// here.
 fn foreign_override(
     o: &Override,
     known: &[String],
     notes: &mut Vec<String>,
-) -> Result<Option<Override>> {
+) -> Result<Vec<Override>> {
     if known.contains(&o.key) {
-        return Ok(Some(o.clone()));
+        return Ok(vec![o.clone()]);
     }
     if o.key == "trainer.logger" {
-        let mlflow = verl::logger(o.value.as_ref())?;
-        let kind = if mlflow { "mlflow" } else { "none" };
+        let sinks = verl::logger(o.value.as_ref())?;
         notes.push(format!(
-            "trainer.logger={}: metrics go to the run store and the console{}",
+            "trainer.logger={}: metrics go to {}",
             o.value_text(),
-            if mlflow {
-                " and to MLflow (trainer.tracker.kind = \"mlflow\")"
-            } else {
-                ""
-            }
+            sinks.describe()
         ));
-        return Ok(Some(Override::set(
-            "trainer.tracker.kind",
-            toml::Value::String(kind.into()),
-        )));
+        let kind = if sinks.mlflow { "mlflow" } else { "none" };
+        return Ok(vec![
+            Override::set("trainer.tracker.kind", toml::Value::String(kind.into())),
+            Override::set(
+                "trainer.tensorboard",
+                toml::Value::Boolean(sinks.tensorboard),
+            ),
+        ]);
     }
     match verl::foreign(&o.key) {
         Some(verl::Foreign::NoEffect(why)) => {
             notes.push(format!("{} has no effect here: {why}", o.key));
-            Ok(None)
+            Ok(Vec::new())
         }
-        None => Ok(Some(o.clone())),
+        None => Ok(vec![o.clone()]),
     }
 }
 

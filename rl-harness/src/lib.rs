@@ -27,6 +27,7 @@ mod logging;
 mod retriever;
 mod store;
 pub mod sweep;
+pub mod tensorboard;
 pub mod tracker;
 pub mod train;
 

@@ -1019,6 +1019,39 @@ fn finish(
     }
 }
 
+/// The TensorBoard event file of `trainer.tensorboard` (rank 0 only).
+struct Board;
+
+impl Board {
+    /// A new event file in `trainer.tensorboard_dir`, else `$TENSORBOARD_DIR` (verl's), else
+    /// `<run dir>/tensorboard`.
+    fn open(
+        t: &config::HarnessConfig,
+        run_dir: &Path,
+        first_step: u64,
+    ) -> Result<crate::tensorboard::EventWriter> {
+        let dir = t
+            .tensorboard_dir
+            .clone()
+            .or_else(|| std::env::var_os("TENSORBOARD_DIR").map(PathBuf::from))
+            .unwrap_or_else(|| run_dir.join("tensorboard"));
+        let w = crate::tensorboard::EventWriter::create(&dir, first_step)?;
+        tracing::info!("TensorBoard events in {}", w.path().display());
+        Ok(w)
+    }
+
+    /// Writes a step's metrics; a file that cannot be written is given up with a warning (the
+    /// store keeps every metric).
+    fn write(board: &mut Option<crate::tensorboard::EventWriter>, step: u64, m: &StepMetrics) {
+        if let Some(w) = board
+            && let Err(e) = w.scalars(step, m)
+        {
+            note!("harness: warning: {e:#}; no more TensorBoard events for this run");
+            *board = None;
+        }
+    }
+}
+
 /// Records the first `trainer.log_val_generations` samples of a validation. A store that
 /// refuses them costs the samples, not the run (a warning says so).
 fn record_generations(
@@ -1339,12 +1372,22 @@ fn drive(
         .map(crate::filter::StopWhen::parse)
         .transpose()
         .context("config key `trainer.stop_when`")?;
+    let mut board = match store.filter(|_| t.tensorboard) {
+        // a resume writes from the step after its checkpoint on
+        Some(_) => Some(Board::open(
+            t,
+            run_dir,
+            trainer.global_step() + u64::from(!fresh),
+        )?),
+        None => None,
+    };
     let bar = &bars.step;
     bar.set_length(total);
     bar.set_position(trainer.global_step());
     let result = (|| -> Result<Outcome> {
         if fresh && t.val_before_train {
             let (m, samples) = trainer.validate().context("validation before training")?;
+            Board::write(&mut board, trainer.global_step(), &m);
             if let Some(store) = store {
                 store.log_metrics(run_id, trainer.global_step(), &m)?;
                 record_generations(rt, store, run_id, trainer.global_step(), samples, t);
@@ -1397,6 +1440,7 @@ fn drive(
             if store.is_some() && console_due(t.console_every_steps, step, total) {
                 bars.println(&console_line(step, total, &m));
             }
+            Board::write(&mut board, step, &m);
             if let Some(store) = store {
                 store.log_metrics(run_id, step, &m)?;
                 // Rows it refuses wait and are retried; a store that refuses for too long

@@ -224,11 +224,12 @@ fn verls_grpo_and_ppo_command_lines_load() {
         "critic.ppo_micro_batch_size_per_gpu=32",
         "critic.model.fsdp_config.param_offload=False",
         "critic.model.fsdp_config.optimizer_offload=False",
-        "trainer.logger=console",
+        "trainer.logger=[console,tensorboard]",
         "trainer.default_local_dir=/tmp/ckpts",
     ];
     let cfg = load_with(&ppo).unwrap();
     assert_eq!(cfg.trainer.tracker.kind, TrackerKind::None);
+    assert!(cfg.trainer.tensorboard);
     // a sink this harness does not write is refused, naming what it writes
     let err = format!(
         "{:#}",

@@ -285,9 +285,32 @@ pub fn foreign_keys() -> impl Iterator<Item = &'static str> {
     FOREIGN.iter().map(|(k, _)| *k)
 }
 
-/// verl's `trainer.logger` (`["console", "mlflow"]`, or one name): the tracker it maps to
-/// (`Some(true)` for MLflow) or an error naming the sinks this harness does not write.
-pub fn logger(value: Option<&toml::Value>) -> Result<bool> {
+/// The sinks verl's `trainer.logger` names, beside the run store and the console.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Sinks {
+    /// `mlflow`: `trainer.tracker.kind = "mlflow"`.
+    pub mlflow: bool,
+    /// `tensorboard`: `trainer.tensorboard = true`.
+    pub tensorboard: bool,
+}
+
+impl Sinks {
+    /// `the run store, the console and MLflow`.
+    pub fn describe(&self) -> String {
+        let mut s = vec!["the run store", "the console"];
+        if self.mlflow {
+            s.push("MLflow (trainer.tracker)");
+        }
+        if self.tensorboard {
+            s.push("TensorBoard event files (trainer.tensorboard)");
+        }
+        s.join(", ")
+    }
+}
+
+/// verl's `trainer.logger` (`["console", "mlflow", "tensorboard"]`, or one name): the sinks it
+/// maps to, or an error naming the sinks this harness does not write.
+pub fn logger(value: Option<&toml::Value>) -> Result<Sinks> {
     let names: Vec<String> = match value {
         None => Vec::new(),
         Some(toml::Value::String(s)) => vec![s.clone()],
@@ -302,17 +325,19 @@ pub fn logger(value: Option<&toml::Value>) -> Result<bool> {
             bail!("config key `trainer.logger`: expected a list of names, found {other}")
         }
     };
-    let mut mlflow = false;
+    let mut sinks = Sinks::default();
     for n in &names {
         match n.as_str() {
             "console" => {}
-            "mlflow" => mlflow = true,
+            "mlflow" => sinks.mlflow = true,
+            "tensorboard" => sinks.tensorboard = true,
             other => bail!(
                 "config key `trainer.logger`: `{other}` is not written by this harness; it \
-                 writes `console` and `mlflow` (trainer.tracker, an MLflow server at \
-                 trainer.tracker.uri), and the run store keeps every metric either way"
+                 writes `console`, `mlflow` (trainer.tracker, an MLflow server at \
+                 trainer.tracker.uri) and `tensorboard` (event files), and the run store \
+                 keeps every metric either way"
             ),
         }
     }
-    Ok(mlflow)
+    Ok(sinks)
 }
