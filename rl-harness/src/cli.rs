@@ -224,6 +224,17 @@ pub enum ConfigCommand {
     },
     /// Print every config key with its default, as Markdown (docs/config.md).
     Reference,
+    /// Turn a verl run into this harness's TOML: a `python3 -m verl.trainer.main_ppo key=value
+    /// ...` command line (or a script running one), or verl's resolved YAML config (.yaml).
+    /// Says what it mapped, what has no effect here and what it refused; refused keys make
+    /// the exit status 1 (the TOML is written without them).
+    FromVerl {
+        /// The script or command-line file, or the .yaml config; `-` reads standard input.
+        input: PathBuf,
+        /// Write the TOML here instead of standard output.
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
 }
 
 /// Split sizes and seed of a generator.
@@ -515,6 +526,9 @@ pub(crate) fn run(cli: Cli) -> Result<()> {
             out!("{}", config::to_toml(&cfg)?);
         }
         Command::Config(ConfigCommand::Reference) => out!("{}", config::reference_markdown()),
+        Command::Config(ConfigCommand::FromVerl { input, out }) => {
+            from_verl(&input, out.as_deref())?
+        }
         Command::Data(d) => data(d)?,
         Command::Retriever(c) => crate::retriever::run(c)?,
         Command::Model(ModelCommand::InitTiny {
@@ -671,6 +685,63 @@ async fn print_validation_summary(db: &Path, id: i64) -> Result<()> {
     }
     for (key, ((s0, v0), (s1, v1))) in seen {
         outln!("  {key}: {v0:.4} -> {v1:.4} (step {s0} -> {s1})");
+    }
+    Ok(())
+}
+
+/// `harness config from-verl`.
+fn from_verl(input: &Path, out: Option<&Path>) -> Result<()> {
+    let text = if input == Path::new("-") {
+        let mut s = String::new();
+        std::io::Read::read_to_string(&mut std::io::stdin(), &mut s)
+            .context("reading standard input")?;
+        s
+    } else {
+        std::fs::read_to_string(input).with_context(|| format!("reading {}", input.display()))?
+    };
+    let yaml = input.extension().is_some_and(|e| e == "yaml" || e == "yml");
+    let t = config::from_verl::translate(&text, yaml)
+        .with_context(|| format!("translating {}", input.display()))?;
+    let header = format!(
+        "# From verl: {}\n# `harness config from-verl` mapped {} keys; {} have no effect here, {} \
+         were refused (see its output).\n\n",
+        input.display(),
+        t.mapped.len(),
+        t.ignored.len(),
+        t.refused.len()
+    );
+    let toml = format!("{header}{}", t.toml);
+    match out {
+        Some(path) => {
+            std::fs::write(path, &toml).with_context(|| format!("writing {}", path.display()))?
+        }
+        None => out!("{toml}"),
+    }
+    note!(
+        "from-verl: {} keys mapped, {} with no effect here, {} refused{}",
+        t.mapped.len(),
+        t.ignored.len(),
+        t.refused.len(),
+        out.map(|p| format!("; written to {}", p.display()))
+            .unwrap_or_default()
+    );
+    for m in &t.mapped {
+        note!("  mapped      {m}");
+    }
+    for i in &t.ignored {
+        note!("  no effect   {i}");
+    }
+    for r in &t.refused {
+        note!("  refused     {r}");
+    }
+    if let Some(why) = &t.unchecked {
+        note!("from-verl: the result does not check yet, to edit before training: {why}");
+    }
+    if !t.refused.is_empty() {
+        bail!(
+            "{} verl key(s) refused (listed above); the TOML leaves them out",
+            t.refused.len()
+        );
     }
     Ok(())
 }

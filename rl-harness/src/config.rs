@@ -382,6 +382,13 @@ impl<P: figment::Provider> figment::Provider for Named<P> {
 
 /// Resolves the layers into an [`ExperimentConfig`], checked.
 pub fn load(sources: &Sources) -> Result<ExperimentConfig> {
+    let cfg = layered(sources)?;
+    validate(&cfg)?;
+    Ok(cfg)
+}
+
+/// The layers resolved and type-checked, without [`validate`]'s cross-key checks.
+fn layered(sources: &Sources) -> Result<ExperimentConfig> {
     let mut fig = Figment::from(Serialized::defaults(ExperimentConfig::default()));
     let mut file_notes = Vec::new();
     if let Some(file) = &sources.file {
@@ -406,7 +413,7 @@ pub fn load(sources: &Sources) -> Result<ExperimentConfig> {
                 continue;
             };
             let key = rest.to_lowercase().replace("__", ".");
-            if !known.contains(&key) {
+            if !is_config_key(&key, &known) {
                 // not ours (another tool's RL_ variable): it must not break every command
                 notes.push(format!(
                     "environment variable {name} is not a config key (`{key}`); ignored"
@@ -430,9 +437,7 @@ pub fn load(sources: &Sources) -> Result<ExperimentConfig> {
     for n in notes {
         note!("harness: note: {n}");
     }
-    let cfg: ExperimentConfig = fig.extract().map_err(explain)?;
-    validate(&cfg)?;
-    Ok(cfg)
+    fig.extract().map_err(explain)
 }
 
 /// Takes verl's keys that have no effect here out of a config file's table (with a note each)
@@ -480,6 +485,24 @@ fn strip_foreign(table: &mut toml::Table, prefix: &str, notes: &mut Vec<String>)
     Ok(())
 }
 
+/// Whether `key` is one of this harness's config keys: a known key, or a key inside an optional
+/// group that is unset by default (`algorithm.filter_groups.enable`), whose keys
+/// [`known_keys`] cannot list.
+pub fn is_config_key(key: &str, known: &[String]) -> bool {
+    if known.iter().any(|k| k == key) {
+        return true;
+    }
+    let mut prefix = key;
+    while let Some((parent, _)) = prefix.rsplit_once('.') {
+        if known.iter().any(|k| k == parent) {
+            let dotted = format!("{parent}.");
+            return !known.iter().any(|k| k.starts_with(&dotted));
+        }
+        prefix = parent;
+    }
+    false
+}
+
 /// An override as this harness takes it: itself, verl's `trainer.logger` mapped to the
 /// tracker and TensorBoard keys, or nothing (with a note) for a verl key that has no effect
 /// here.
@@ -488,7 +511,7 @@ fn foreign_override(
     known: &[String],
     notes: &mut Vec<String>,
 ) -> Result<Vec<Override>> {
-    if known.contains(&o.key) {
+    if is_config_key(&o.key, known) {
         return Ok(vec![o.clone()]);
     }
     if o.key == "trainer.logger" {
@@ -894,6 +917,7 @@ pub fn read_file(path: &Path) -> Result<String> {
     std::fs::read_to_string(path).with_context(|| format!("reading config file {}", path.display()))
 }
 
+pub mod from_verl;
 pub mod verl;
 
 #[cfg(test)]

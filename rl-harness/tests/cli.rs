@@ -24,6 +24,7 @@ fn every_command_has_help() {
         vec!["export", "--help"],
         vec!["sync", "--help"],
         vec!["config", "show", "--help"],
+        vec!["config", "from-verl", "--help"],
         vec!["data", "--help"],
         vec!["data", "arithmetic", "--help"],
         vec!["data", "gsm8k", "--help"],

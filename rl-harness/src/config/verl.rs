@@ -79,6 +79,8 @@ const NO_FSDP: &str = "there is no FSDP here: each rank holds the whole model (p
 const NO_VLLM: &str = "rollout runs on the built-in engine inside the trainer's process, not \
                        on vLLM or SGLang";
 const NO_SP: &str = "there is no sequence parallelism here";
+const REF_MB: &str = "the reference computes log-probabilities in micro-batches of \
+                      `actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu`";
 const LOG_PROB_MB: &str = "log-probabilities are computed in micro-batches of the actor's \
                            `ppo_micro_batch_size_per_gpu`";
 
@@ -134,6 +136,14 @@ const FOREIGN: &[(&str, Foreign)] = &[
     (
         "actor_rollout_ref.ref.fsdp_config.",
         Foreign::NoEffect(NO_FSDP),
+    ),
+    (
+        "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+        Foreign::NoEffect(REF_MB),
+    ),
+    (
+        "actor_rollout_ref.ref.log_prob_use_dynamic_bsz",
+        Foreign::NoEffect(REF_MB),
     ),
     ("actor_rollout_ref.ref.strategy", Foreign::NoEffect(NO_FSDP)),
     (
@@ -223,6 +233,12 @@ const FOREIGN: &[(&str, Foreign)] = &[
         Foreign::NoEffect(NO_SP),
     ),
     (
+        "data.gen_batch_size",
+        Foreign::NoEffect(
+            "dynamic sampling (algorithm.filter_groups) generates batches of data.train_batch_size prompts until enough groups are kept",
+        ),
+    ),
+    (
         "ray_init.",
         Foreign::NoEffect(
             "there is no Ray: ranks are processes started by `--nproc-per-node` or torchrun",
@@ -231,6 +247,12 @@ const FOREIGN: &[(&str, Foreign)] = &[
     (
         "reward_model.model.fsdp_config.",
         Foreign::NoEffect(NO_FSDP),
+    ),
+    (
+        "reward_model.reward_manager",
+        Foreign::NoEffect(
+            "the reward is the rule reward of each row's data_source (with reward_model.overlong_buffer, DAPO's manager) or the reward model; there are no reward managers to pick",
+        ),
     ),
     ("reward_model.strategy", Foreign::NoEffect(NO_FSDP)),
     (

@@ -1,0 +1,263 @@
+//! `harness config from-verl`: a verl run (a `main_ppo` command line, a script that runs one,
+//! or verl's resolved YAML config) as this harness's TOML, saying what it mapped, what has no
+//! effect here and what it refused.
+
+use std::collections::BTreeMap;
+
+use anyhow::{Context, Result, bail};
+
+use super::{Override, Sources, known_keys, layered, load, nearest_key, verl};
+
+/// What became of each verl key.
+#[derive(Debug, Default)]
+pub struct Translation {
+    /// The TOML: every mapped key (and `trainer.algorithm` from the entry point).
+    pub toml: String,
+    /// `key = value` set here as given (or mapped: `trainer.logger`).
+    pub mapped: Vec<String>,
+    /// `key: why` for verl keys with no effect here, left out.
+    pub ignored: Vec<String>,
+    /// `key: why` for keys this harness does not have, left out.
+    pub refused: Vec<String>,
+    /// What the full checks say of the result (a model named by its hub id, not a local
+    /// folder; batch sizes that do not divide), if anything.
+    pub unchecked: Option<String>,
+}
+
+/// Keys verl's config fills in from others when a command line leaves them out.
+const INTERPOLATED: &[(&str, &str)] = &[
+    (
+        "critic.ppo_mini_batch_size",
+        "actor_rollout_ref.actor.ppo_mini_batch_size",
+    ),
+    ("critic.ppo_epochs", "actor_rollout_ref.actor.ppo_epochs"),
+    (
+        "critic.use_dynamic_bsz",
+        "actor_rollout_ref.actor.use_dynamic_bsz",
+    ),
+];
+
+/// verl's entry points and the trainer each maps to.
+const ENTRY_POINTS: &[(&str, &str)] = &[
+    ("verl.trainer.main_ppo", "on_policy"),
+    ("recipe.dapo.main_dapo", "on_policy"),
+    ("verl.trainer.fsdp_sft_trainer", "sft"),
+    ("recipe.spin.main_spin", "spin"),
+];
+
+/// Translates `text`: verl's resolved YAML config when `yaml`, else a command line or script.
+pub fn translate(text: &str, yaml: bool) -> Result<Translation> {
+    let (entry, pairs) = if yaml {
+        (None, yaml_pairs(text)?)
+    } else {
+        command_line_pairs(text)?
+    };
+    let known = known_keys();
+    let mut t = Translation::default();
+    let mut overrides: Vec<Override> = Vec::new();
+    if let Some(kind) = entry
+        && !pairs.iter().any(|(k, _)| k == "trainer.algorithm")
+    {
+        overrides.push(Override::set(
+            "trainer.algorithm",
+            toml::Value::String(kind.into()),
+        ));
+        t.mapped
+            .push(format!("trainer.algorithm = \"{kind}\" (the entry point)"));
+    }
+    for (key, raw) in pairs {
+        let o = Override::parse(&format!("{key}={raw}"))?;
+        if raw.contains('$') {
+            t.refused.push(format!(
+                "{}: `{raw}` holds a shell variable; set it in the TOML by hand",
+                o.key
+            ));
+            continue;
+        }
+        if super::is_config_key(&o.key, &known) || o.key == "trainer.logger" {
+            // each on its own, so that one bad value names itself
+            let mut notes = Vec::new();
+            let checked = super::foreign_override(&o, &known, &mut notes).and_then(|os| {
+                layered(&Sources {
+                    file: None,
+                    env: false,
+                    overrides: overrides.iter().chain(&os).cloned().collect(),
+                })
+                .map(|_| os)
+            });
+            match checked {
+                Ok(os) => {
+                    t.mapped.push(format!("{} = {}", o.key, o.value_text()));
+                    overrides.extend(os);
+                }
+                Err(e) => t
+                    .refused
+                    .push(format!("{}: {}", o.key, crate::one_line(&e))),
+            }
+            continue;
+        }
+        match verl::foreign(&o.key) {
+            Some(verl::Foreign::NoEffect(why)) => t.ignored.push(format!("{}: {why}", o.key)),
+            None => {
+                let hint = nearest_key(&o.key, &known)
+                    .map(|n| format!(" (the nearest key here: `{n}`)"))
+                    .unwrap_or_default();
+                t.refused
+                    .push(format!("{}: not a key of this harness{hint}", o.key));
+            }
+        }
+    }
+    // what verl's config fills in from other keys (`${oc.select:...}`) when not given
+    for (key, from) in INTERPOLATED {
+        if overrides.iter().any(|o| o.key == *key) {
+            continue;
+        }
+        if let Some(v) = overrides.iter().rev().find(|o| o.key == *from).cloned() {
+            t.mapped.push(format!(
+                "{key} = {} (from {from}, as verl's config fills it)",
+                v.value_text()
+            ));
+            overrides.push(Override {
+                key: key.to_string(),
+                value: v.value,
+            });
+        }
+    }
+    t.unchecked = load(&Sources {
+        file: None,
+        env: false,
+        overrides: overrides.clone(),
+    })
+    .err()
+    .map(|e| crate::one_line(&e));
+    t.toml = to_toml(&overrides)?;
+    Ok(t)
+}
+
+/// The overrides as a nested TOML document (the later of two settings of a key wins).
+fn to_toml(overrides: &[Override]) -> Result<String> {
+    let mut root = toml::Table::new();
+    for o in overrides {
+        let Some(value) = &o.value else { continue };
+        let mut parts: Vec<&str> = o.key.split('.').collect();
+        let leaf = parts.pop().context("an empty key")?;
+        let mut table = &mut root;
+        for p in parts {
+            let entry = table
+                .entry(p)
+                .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+            table = match entry {
+                toml::Value::Table(t) => t,
+                _ => bail!("`{}` is both a value and a group", o.key),
+            };
+        }
+        table.insert(leaf.to_string(), value.clone());
+    }
+    Ok(toml::to_string(&root)?)
+}
+
+/// The `key=value` words of a verl command line or script, after its entry point (backslash
+/// continuations joined, comments dropped, quotes removed), and the trainer the entry point
+/// maps to.
+fn command_line_pairs(text: &str) -> Result<(Option<&'static str>, Vec<(String, String)>)> {
+    let joined = text.replace("\\\r\n", " ").replace("\\\n", " ");
+    let mut words = Vec::new();
+    for line in joined.lines() {
+        let line = line.trim_start();
+        if line.starts_with('#') {
+            continue;
+        }
+        words.extend(shell_words(line)?);
+    }
+    let start = words
+        .iter()
+        .position(|w| ENTRY_POINTS.iter().any(|(e, _)| w == e) || w.ends_with("main_ppo.py"));
+    let Some(start) = start else {
+        bail!(
+            "no verl entry point in it (looked for {}); give a `python3 -m \
+             verl.trainer.main_ppo key=value ...` command line, or its resolved YAML config \
+             (.yaml)",
+            ENTRY_POINTS
+                .iter()
+                .map(|(e, _)| *e)
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    };
+    let entry = ENTRY_POINTS
+        .iter()
+        .find(|(e, _)| *e == words[start])
+        .map_or("on_policy", |(_, k)| *k);
+    let pairs = words[start + 1..]
+        .iter()
+        .filter_map(|w| {
+            let (k, v) = w.split_once('=')?;
+            let k = k.trim_start_matches('+');
+            (k.contains('.') || k.starts_with("trainer")).then(|| (k.to_string(), v.to_string()))
+        })
+        .collect();
+    Ok((Some(entry), pairs))
+}
+
+/// One line split as a shell does for plain words and '…'/"…" quotes (no expansion).
+fn shell_words(line: &str) -> Result<Vec<String>> {
+    let mut words = Vec::new();
+    let mut cur = String::new();
+    let mut quote: Option<char> = None;
+    let mut any = false;
+    for ch in line.chars() {
+        match (quote, ch) {
+            (Some(q), c) if c == q => quote = None,
+            (Some(_), c) => cur.push(c),
+            (None, '\'' | '"') => {
+                quote = Some(ch);
+                any = true;
+            }
+            (None, c) if c.is_whitespace() => {
+                if any || !cur.is_empty() {
+                    words.push(std::mem::take(&mut cur));
+                    any = false;
+                }
+            }
+            (None, '#') if cur.is_empty() && !any => break,
+            (None, c) => cur.push(c),
+        }
+    }
+    if quote.is_some() {
+        bail!("an unclosed quote in: {line}");
+    }
+    if any || !cur.is_empty() {
+        words.push(cur);
+    }
+    Ok(words)
+}
+
+/// verl's resolved YAML config flattened to `key.path` -> the value as a command line writes it.
+fn yaml_pairs(text: &str) -> Result<Vec<(String, String)>> {
+    let doc: serde_json::Value = serde_norway::from_str(text).context("parsing the YAML config")?;
+    let mut out = BTreeMap::new();
+    fn walk(prefix: &str, v: &serde_json::Value, out: &mut BTreeMap<String, String>) {
+        match v {
+            serde_json::Value::Object(map) => {
+                for (k, child) in map {
+                    let path = if prefix.is_empty() {
+                        k.clone()
+                    } else {
+                        format!("{prefix}.{k}")
+                    };
+                    walk(&path, child, out);
+                }
+            }
+            // unset in verl: this harness's default stands
+            serde_json::Value::Null => {}
+            serde_json::Value::String(s) => {
+                out.insert(prefix.to_string(), format!("'{}'", s.replace('\'', "")));
+            }
+            other => {
+                out.insert(prefix.to_string(), other.to_string());
+            }
+        }
+    }
+    walk("", &doc, &mut out);
+    Ok(out.into_iter().collect())
+}

@@ -1,0 +1,147 @@
+//! `harness config from-verl` (issue 19) on the command lines of verl's own example scripts
+//! (`tests/fixtures/verl/`, written by hand from verl's docs): what it maps, what it notes as
+//! having no effect here, what it refuses, and that the TOML it writes trains here.
+
+mod common;
+
+use std::path::PathBuf;
+
+use common::{Env, tiny_llm};
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/verl")
+        .join(name)
+}
+
+/// `config from-verl FIXTURE --out OUT`: (success, stderr).
+fn convert(env: &Env, name: &str, out: &str) -> (bool, String) {
+    let o = env.run(&[
+        "config",
+        "from-verl",
+        fixture(name).to_str().unwrap(),
+        "--out",
+        out,
+    ]);
+    (
+        o.status.success(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn verls_example_command_lines_convert_and_train() {
+    let env = Env::new();
+    tiny_llm(&env, 32, 8);
+    for (name, out) in [
+        ("grpo_gsm8k.sh", "grpo.toml"),
+        ("ppo_gsm8k.sh", "ppo.toml"),
+        ("dapo.sh", "dapo.toml"),
+    ] {
+        let (ok, err) = convert(&env, name, out);
+        assert!(ok, "{name}: {err}");
+        assert!(err.contains(", 0 refused;"), "{name}: {err}");
+        for line in [
+            "mapped      trainer.algorithm = \"on_policy\" (the entry point)",
+            "no effect   trainer.nnodes: a multi-node run starts its ranks under torchrun",
+            "no effect   actor_rollout_ref.actor.fsdp_config.param_offload: there is no FSDP here",
+        ] {
+            assert!(err.contains(line), "{name} lacks {line:?}: {err}");
+        }
+    }
+    let grpo = std::fs::read_to_string(env.path().join("grpo.toml")).unwrap();
+    for line in [
+        "adv_estimator = \"grpo\"",
+        "use_kl_loss = true",
+        "kl_loss_type = \"low_var_kl\"",
+        "filter_overlong_prompts = true",
+        "tensorboard = true",
+    ] {
+        assert!(grpo.contains(line), "grpo.toml lacks {line:?}:\n{grpo}");
+    }
+    let dapo = std::fs::read_to_string(env.path().join("dapo.toml")).unwrap();
+    for line in [
+        "clip_ratio_high = 0.28",
+        "loss_agg_mode = \"token-mean\"",
+        "[algorithm.filter_groups]",
+        "[reward_model.overlong_buffer]",
+    ] {
+        assert!(dapo.contains(line), "dapo.toml lacks {line:?}:\n{dapo}");
+    }
+    // verl fills the critic's mini-batch from the actor's; so does the conversion
+    let (_, err) = convert(&env, "ppo_gsm8k.sh", "ppo.toml");
+    assert!(
+        err.contains(
+            "critic.ppo_mini_batch_size = 8 (from actor_rollout_ref.actor.ppo_mini_batch_size"
+        ),
+        "{err}"
+    );
+    // the GRPO and PPO conversions train here, a step each, on the tiny task
+    for toml in ["grpo.toml", "ppo.toml"] {
+        env.ok(&[
+            "train",
+            toml,
+            "trainer.total_training_steps=1",
+            "trainer.val_before_train=false",
+        ]);
+    }
+    env.ok(&["config", "show", "dapo.toml"]);
+}
+
+#[test]
+fn a_key_from_verl_that_does_not_exist_here_is_refused_and_the_exit_status_says_so() {
+    let env = Env::new();
+    let script = env.file(
+        "run.sh",
+        "python3 -m verl.trainer.main_ppo \\\n    data.train_batch_size=8 \\\n    \
+         actor_rollout_ref.actor.optim.lrr=1e-6 \\\n    data.val_files=$HOME/test.parquet \\\n    \
+         actor_rollout_ref.actor.use_kl_loss=maybe\n",
+    );
+    let out = env.run(&[
+        "config",
+        "from-verl",
+        script.to_str().unwrap(),
+        "--out",
+        "x.toml",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("refused     actor_rollout_ref.actor.optim.lrr")
+            && err.contains(
+                "refused     data.val_files: `$HOME/test.parquet` holds a shell variable"
+            )
+            && err.contains("refused     actor_rollout_ref.actor.use_kl_loss")
+            && err.contains("3 verl key(s) refused"),
+        "{err}"
+    );
+    // what could be mapped was written
+    let toml = std::fs::read_to_string(env.path().join("x.toml")).unwrap();
+    assert!(toml.contains("train_batch_size = 8"), "{toml}");
+    // verl's resolved YAML config (a few of its keys): nested tables, unset keys left out
+    let yaml = env.file(
+        "config.yaml",
+        "actor_rollout_ref:\n  actor:\n    optim:\n      lr: 1.0e-06\n  rollout:\n    name: vllm\n\
+         trainer:\n  nnodes: 1\n  total_epochs: 2\n  resume_from_path: null\n  logger:\n  - console\n",
+    );
+    let out = env.run(&["config", "from-verl", yaml.to_str().unwrap()]);
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stdout.contains("lr = 0.000001") && stdout.contains("total_epochs = 2"),
+        "{stdout}"
+    );
+    assert!(
+        stderr.contains("no effect   actor_rollout_ref.rollout.name")
+            && stderr.contains("no effect   trainer.nnodes")
+            && !stderr.contains("resume_from_path"),
+        "{stderr}"
+    );
+    // something that is not a verl command line at all
+    let other = env.file("other.sh", "echo hello\n");
+    let err = env.fails(&["config", "from-verl", other.to_str().unwrap()]);
+    assert!(err.contains("no verl entry point in it"), "{err}");
+}
