@@ -45,6 +45,9 @@ const ENTRY_POINTS: &[(&str, &str)] = &[
     ("recipe.spin.main_spin", "spin"),
 ];
 
+/// `key.path` -> the value as written.
+type Pairs = Vec<(String, String)>;
+
 /// Translates `text`: verl's resolved YAML config when `yaml`, else a command line or script.
 pub fn translate(text: &str, yaml: bool) -> Result<Translation> {
     let (entry, pairs) = if yaml {
@@ -159,7 +162,7 @@ fn to_toml(overrides: &[Override]) -> Result<String> {
 /// The `key=value` words of a verl command line or script, after its entry point (backslash
 /// continuations joined, comments dropped, quotes removed), and the trainer the entry point
 /// maps to.
-fn command_line_pairs(text: &str) -> Result<(Option<&'static str>, Vec<(String, String)>)> {
+fn command_line_pairs(text: &str) -> Result<(Option<&'static str>, Pairs)> {
     let joined = text.replace("\\\r\n", " ").replace("\\\n", " ");
     let mut words = Vec::new();
     for line in joined.lines() {
@@ -233,7 +236,7 @@ fn shell_words(line: &str) -> Result<Vec<String>> {
 }
 
 /// verl's resolved YAML config flattened to `key.path` -> the value as a command line writes it.
-fn yaml_pairs(text: &str) -> Result<Vec<(String, String)>> {
+fn yaml_pairs(text: &str) -> Result<Pairs> {
     let doc: serde_json::Value = serde_norway::from_str(text).context("parsing the YAML config")?;
     let mut out = BTreeMap::new();
     fn walk(prefix: &str, v: &serde_json::Value, out: &mut BTreeMap<String, String>) {
