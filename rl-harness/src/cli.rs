@@ -91,6 +91,9 @@ pub enum Command {
         /// Also print the validation generations it recorded (`trainer.log_val_generations`).
         #[arg(long)]
         generations: bool,
+        /// Print every config group, also those left at their defaults.
+        #[arg(long)]
+        full: bool,
     },
     /// Compare runs (metrics table, config differences, plots), or rank a sweep's trials.
     Compare(CompareArgs),
@@ -488,7 +491,11 @@ pub(crate) fn run(cli: Cli) -> Result<()> {
                 all,
             },
         ))?,
-        Command::Show { run, generations } => rt.block_on(show(&db, &run, generations))?,
+        Command::Show {
+            run,
+            generations,
+            full,
+        } => rt.block_on(show(&db, &run, generations, full))?,
         Command::Compare(a) => rt.block_on(compare_cmd(&db, a))?,
         Command::Export { run, format, out } => {
             rt.block_on(export(&db, &run, format, out.as_deref()))?
@@ -953,7 +960,7 @@ async fn list_runs(db: &Path, q: &RunsQuery<'_>) -> Result<()> {
     Ok(())
 }
 
-async fn show(db: &Path, spec: &str, generations: bool) -> Result<()> {
+async fn show(db: &Path, spec: &str, generations: bool, full: bool) -> Result<()> {
     let store = open_existing(db).await?;
     let r = store.resolve_run(spec).await?;
     let mut out = String::new();
@@ -1050,7 +1057,28 @@ async fn show(db: &Path, spec: &str, generations: bool) -> Result<()> {
     }
     let cfg: config::ExperimentConfig = config::from_stored(&r.config, &[])
         .with_context(|| format!("the stored config of run {}", r.id))?;
-    let _ = writeln!(out, "\nconfig:\n{}", config::to_toml(&cfg)?);
+    let mut table: toml::Table = toml::from_str(&config::to_toml(&cfg)?)?;
+    let mut left_out = Vec::new();
+    if !full {
+        // the groups the run never changed (most are groups its trainer does not read)
+        let defaults: toml::Table =
+            toml::from_str(&config::to_toml(&config::ExperimentConfig::default())?)?;
+        table.retain(|k, v| {
+            let keep = k == "trainer" || defaults.get(k) != Some(v);
+            if !keep {
+                left_out.push(k.to_string());
+            }
+            keep
+        });
+    }
+    let _ = writeln!(out, "\nconfig:\n{}", toml::to_string(&table)?);
+    if !left_out.is_empty() {
+        let _ = writeln!(
+            out,
+            "# at their defaults, left out (--full shows them): {}",
+            left_out.join(", ")
+        );
+    }
     out!("{out}");
     Ok(())
 }

@@ -401,16 +401,29 @@ where
         } else {
             (x0, x1.max(x0 + 1))
         };
+        // a band narrower than 5% of the values' size (at least 1e-6) is widened to that, so
+        // rounding noise does not fill the panel as if it were a trend
         let (y0, y1) = if points.is_empty() {
             (0.0, 1.0)
-        } else if y1 > y0 {
-            (y0, y1)
         } else {
-            (y0 - 0.5, y1 + 0.5)
+            let min_span = (0.05 * y0.abs().max(y1.abs())).max(1e-6);
+            if y1 - y0 < min_span {
+                let mid = (y0 + y1) / 2.0;
+                (mid - min_span / 2.0, mid + min_span / 2.0)
+            } else {
+                (y0, y1)
+            }
         };
         let pad = (y1 - y0) * 0.05;
+        // room on the right for the legend, clear of the curves' last steps
+        let x1 = x1 + ((x1 - x0) / 4).max(1);
+        let caption = if smoothing > 0.0 {
+            format!("{metric} (smoothed, weight {smoothing})")
+        } else {
+            metric.clone()
+        };
         let mut chart = ChartBuilder::on(area)
-            .caption(metric, ("sans-serif", 20))
+            .caption(caption, ("sans-serif", 20))
             .margin(12)
             .x_label_area_size(32)
             .y_label_area_size(60)
@@ -423,6 +436,15 @@ where
                 .into_iter()
                 .filter(|p| p.1.is_finite())
                 .collect();
+            // a few points (validations) get markers, so that a line is not read as data
+            if data.len() <= 20 {
+                chart
+                    .draw_series(
+                        data.iter()
+                            .map(|&(x, y)| Circle::new((x, y), 3, color.filled())),
+                    )
+                    .map_err(e)?;
+            }
             chart
                 .draw_series(LineSeries::new(data, color.stroke_width(2)))
                 .map_err(e)?
@@ -433,6 +455,7 @@ where
         }
         chart
             .configure_series_labels()
+            .position(SeriesLabelPosition::UpperRight)
             .background_style(WHITE.mix(0.8))
             .border_style(BLACK)
             .draw()

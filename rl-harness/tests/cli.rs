@@ -181,6 +181,9 @@ fn train_then_list_filter_show_compare_plot_and_export() {
         "{}",
         &svg[..200.min(svg.len())]
     );
+    // the smoothing is labelled, and the sparse validation series carries markers
+    assert!(svg.contains("(smoothed, weight 0.5)"), "no smoothing label");
+    assert!(svg.contains("<circle"), "no markers on the validation points");
     env.ok(&[
         "compare",
         "1",
@@ -620,6 +623,17 @@ fn validation_generations_are_stored_shown_and_rewound() {
     ]);
     let shown = env.ok(&["show", "2", "--generations"]);
     assert!(shown.contains("none recorded"), "{shown}");
+    // show leaves out the groups at their defaults (a bandit run reads none of the LLM ones)
+    assert!(
+        !shown.contains("[critic") && shown.contains("[bandit]") && shown.contains("[trainer]"),
+        "{shown}"
+    );
+    assert!(shown.contains("left out (--full shows them): "), "{shown}");
+    let full = env.ok(&["show", "2", "--full"]);
+    assert!(
+        full.contains("[critic") && !full.contains("left out"),
+        "{full}"
+    );
 }
 
 /// Issue 19: `harness runs` shows each run's project, duration and main validation metric,
