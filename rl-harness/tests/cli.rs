@@ -183,7 +183,10 @@ fn train_then_list_filter_show_compare_plot_and_export() {
     );
     // the smoothing is labelled, and the sparse validation series carries markers
     assert!(svg.contains("(smoothed, weight 0.5)"), "no smoothing label");
-    assert!(svg.contains("<circle"), "no markers on the validation points");
+    assert!(
+        svg.contains("<circle"),
+        "no markers on the validation points"
+    );
     env.ok(&[
         "compare",
         "1",
