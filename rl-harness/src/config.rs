@@ -842,11 +842,12 @@ pub fn reference_markdown() -> String {
          `rl-harness/tests/cli.rs` fails when this file and the code disagree. Every key can be \
          set in the experiment's TOML file, by an environment variable \
          (`RL_TRAINER__SEED=7` sets `trainer.seed`) or on the command line \
-         (`trainer.seed=7`); `harness config show FILE` prints the resolved config. The meaning \
-         of each key is documented on its field in the code (`cargo doc --open`), under \
-         verl's names where verl has the key.\n",
+         (`trainer.seed=7`); `harness config show FILE` prints the resolved config. The \
+         meaning is the first sentence of the doc comment on the key's field in the code (the \
+         rest is there, `cargo doc --open`), under verl's names where verl has the key.\n",
     );
-    fn table(prefix: &str, v: &Value, out: &mut String) {
+    let docs = docs::KeyDocs::load();
+    fn table(prefix: &str, v: &Value, out: &mut String, docs: &docs::KeyDocs) {
         let Value::Object(map) = v else { return };
         let leaves: Vec<(&String, &Value)> = map
             .iter()
@@ -854,7 +855,7 @@ pub fn reference_markdown() -> String {
             .collect();
         if !leaves.is_empty() {
             out.push_str(&format!(
-                "\n## `[{prefix}]`\n\n| key | default |\n| --- | --- |\n"
+                "\n## `[{prefix}]`\n\n| key | default | meaning |\n| --- | --- | --- |\n"
             ));
             for (k, c) in leaves {
                 let shown = match c {
@@ -862,7 +863,12 @@ pub fn reference_markdown() -> String {
                     Value::Object(_) => "{}".to_string(),
                     other => format!("`{other}`"),
                 };
-                out.push_str(&format!("| `{prefix}.{k}` | {shown} |\n"));
+                let key = format!("{prefix}.{k}");
+                let meaning = docs
+                    .doc(&key)
+                    .map(|d| d.replace('|', "\\|"))
+                    .unwrap_or_default();
+                out.push_str(&format!("| `{key}` | {shown} | {meaning} |\n"));
             }
         }
         for (k, c) in map {
@@ -872,13 +878,13 @@ pub fn reference_markdown() -> String {
                 } else {
                     format!("{prefix}.{k}")
                 };
-                table(&path, c, out);
+                table(&path, c, out, docs);
             }
         }
     }
     if let Value::Object(groups) = &value {
         for (k, v) in groups {
-            table(k, v, &mut out);
+            table(k, v, &mut out, &docs);
         }
     }
     out
@@ -917,6 +923,7 @@ pub fn read_file(path: &Path) -> Result<String> {
     std::fs::read_to_string(path).with_context(|| format!("reading config file {}", path.display()))
 }
 
+mod docs;
 pub mod from_verl;
 pub mod verl;
 

@@ -717,37 +717,32 @@ impl Store {
             .collect())
     }
 
-    /// Records validation generations of run `run` at `step`.
-    pub async fn log_generations(
-        &self,
+    /// Inserts validation generations of run `run` at `step`, on `c` (inside the caller's write
+    /// transaction, which may record more with them: the tracker's outbox record).
+    pub async fn insert_generations(
+        c: &mut SqliteConnection,
         run: i64,
         step: u64,
-        rows: Vec<GenerationRow>,
+        rows: &[GenerationRow],
     ) -> Result<()> {
-        self.write(move |c| {
-            Box::pin(async move {
-                for g in &rows {
-                    sqlx::query(
-                        "INSERT INTO generations (run_id, step, data_source, prompt, response, \
-                         score) VALUES (?, ?, ?, ?, ?, ?)",
-                    )
-                    .bind(run)
-                    .bind(step as i64)
-                    .bind(&g.data_source)
-                    .bind(&g.prompt)
-                    .bind(&g.response)
-                    .bind(g.score.is_finite().then_some(g.score))
-                    .execute(&mut *c)
-                    .await?;
-                }
-                Ok(0)
-            })
-        })
-        .await
-        .with_context(|| {
-            format!("recording the validation generations of run {run} at step {step}")
-        })
-        .map(drop)
+        for g in rows {
+            sqlx::query(
+                "INSERT INTO generations (run_id, step, data_source, prompt, response, score) \
+                 VALUES (?, ?, ?, ?, ?, ?)",
+            )
+            .bind(run)
+            .bind(step as i64)
+            .bind(&g.data_source)
+            .bind(&g.prompt)
+            .bind(&g.response)
+            .bind(g.score.is_finite().then_some(g.score))
+            .execute(&mut *c)
+            .await
+            .with_context(|| {
+                format!("recording the validation generations of run {run} at step {step}")
+            })?;
+        }
+        Ok(())
     }
 
     /// The validation generations of a run, by step, in the order recorded.

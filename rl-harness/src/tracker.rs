@@ -1,5 +1,7 @@
 //! The remote tracker: mirrors runs, params and metrics to an MLflow-compatible REST server
-//! (`experiments/get-by-name|create`, `runs/create`, `runs/log-batch`, `runs/update`).
+//! (`experiments/get-by-name|create`, `runs/create`, `runs/log-batch`, `runs/update`), and each
+//! validation's kept generations (`trainer.log_val_generations`) as the run's artifact
+//! `val_generations/step_NNNNNN.json`, through the server's artifact proxy.
 //!
 //! SQLite stays the source of truth. Run creation, params and status changes are written to the
 //! `outbox` table in the same transaction as the change itself; metrics are pushed by rowid past
@@ -125,9 +127,65 @@ pub async fn enqueue_rewind(
         .bind(now())
         .execute(&mut *c)
         .await?;
-    // a fresh remote run, metrics pushed from the first one on
+    // a fresh remote run, metrics pushed from the first one on, and the validation
+    // generations kept (the caller dropped those past `step`)
     enqueue_start(c, run_id, cfg).await?;
+    let steps: Vec<i64> =
+        sqlx::query_scalar("SELECT DISTINCT step FROM generations WHERE run_id = ? ORDER BY step")
+            .bind(run_id)
+            .fetch_all(&mut *c)
+            .await?;
+    for s in steps {
+        enqueue_generations(c, run_id, s).await?;
+    }
     Ok(true)
+}
+
+/// Records in the outbox that run `run_id`'s validation generations at `step` (already in the
+/// store, in the caller's transaction) go to the remote run, as the artifact
+/// `val_generations/step_NNNNNN.json`; nothing for a run that is not tracked.
+pub async fn enqueue_generations(c: &mut SqliteConnection, run_id: i64, step: i64) -> Result<()> {
+    if !is_tracked(c, run_id).await? {
+        return Ok(());
+    }
+    let rows: Vec<Value> = sqlx::query(
+        "SELECT data_source, prompt, response, score FROM generations \
+         WHERE run_id = ? AND step = ? ORDER BY id",
+    )
+    .bind(run_id)
+    .bind(step)
+    .fetch_all(&mut *c)
+    .await?
+    .iter()
+    .map(|r| {
+        json!({
+            "data_source": r.get::<String, _>(0),
+            "prompt": r.get::<String, _>(1),
+            "response": r.get::<String, _>(2),
+            "score": r.get::<Option<f64>, _>(3),
+        })
+    })
+    .collect();
+    let payload = json!({"step": step, "rows": rows});
+    sqlx::query(
+        "INSERT INTO outbox (run_id, kind, payload, created) VALUES (?, 'generations', ?, ?)",
+    )
+    .bind(run_id)
+    .bind(payload.to_string())
+    .bind(now())
+    .execute(&mut *c)
+    .await?;
+    Ok(())
+}
+
+/// Whether run `run_id` is mirrored to a tracker.
+async fn is_tracked(c: &mut SqliteConnection, run_id: i64) -> Result<bool> {
+    let tracked: Option<i64> =
+        sqlx::query_scalar("SELECT run_id FROM tracker_runs WHERE run_id = ?")
+            .bind(run_id)
+            .fetch_optional(&mut *c)
+            .await?;
+    Ok(tracked.is_some())
 }
 
 /// Records a status change in the outbox, for runs that are tracked.
@@ -137,12 +195,7 @@ pub async fn enqueue_status(
     status: &str,
     end_time: Option<f64>,
 ) -> Result<()> {
-    let tracked: Option<i64> =
-        sqlx::query_scalar("SELECT run_id FROM tracker_runs WHERE run_id = ?")
-            .bind(run_id)
-            .fetch_optional(&mut *c)
-            .await?;
-    if tracked.is_none() {
+    if !is_tracked(c, run_id).await? {
         return Ok(());
     }
     let mlflow = match status {
@@ -441,6 +494,22 @@ async fn push_pending(
                 }),
             "params" => match &remote {
                 Some(rid) => push_params(&client, rid, &payload).await,
+                None => Err(CallError {
+                    permanent: false,
+                    message: "the remote run is not created yet".into(),
+                }),
+            },
+            "generations" => match &remote {
+                Some(rid) => {
+                    let step = payload["step"].as_i64().unwrap_or(0);
+                    client
+                        .put_artifact(
+                            rid,
+                            &format!("val_generations/step_{step:06}.json"),
+                            serde_json::to_vec_pretty(&payload["rows"]).unwrap_or_default(),
+                        )
+                        .await
+                }
                 None => Err(CallError {
                     permanent: false,
                     message: "the remote run is not created yet".into(),

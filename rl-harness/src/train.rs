@@ -1065,7 +1065,7 @@ fn record_generations(
     if t.log_val_generations == 0 || samples.is_empty() {
         return;
     }
-    let rows = samples
+    let rows: Vec<store::GenerationRow> = samples
         .into_iter()
         .take(t.log_val_generations)
         .map(|s| store::GenerationRow {
@@ -1076,8 +1076,15 @@ fn record_generations(
             score: s.score,
         })
         .collect();
-    if let Err(e) = rt.block_on(store.log_generations(run, step, rows)) {
-        tracing::warn!("{e:#}");
+    let recorded = rt.block_on(store.write(move |c| {
+        Box::pin(async move {
+            Store::insert_generations(c, run, step, &rows).await?;
+            tracker::enqueue_generations(c, run, step as i64).await?;
+            Ok(0)
+        })
+    }));
+    if let Err(e) = recorded {
+        tracing::warn!("run {run}: the validation generations of step {step}: {e:#}");
     }
 }
 

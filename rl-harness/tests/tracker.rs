@@ -59,7 +59,8 @@ fn start(port: u16, dir: &Path) -> Tied {
             ])
             .arg("--backend-store-uri")
             .arg(format!("sqlite:///{}", dir.join("mlflow.db").display()))
-            .arg("--default-artifact-root")
+            // artifacts through the server's proxy (`mlflow-artifacts:` URIs), as by default
+            .arg("--artifacts-destination")
             .arg(dir.join("artifacts"))
             .current_dir(dir)
             .stdin(Stdio::null())
@@ -293,9 +294,15 @@ fn a_resume_that_drops_metrics_replaces_the_remote_copy_so_it_equals_the_store()
         "trainer.total_training_steps=20",
         "trainer.save_freq=5",
         "trainer.experiment_name=rewound",
+        "trainer.log_val_generations=2",
     ]);
     let (rt, store) = env.store();
     let first = remote_run_id(&rt, &store, 1);
+    assert_eq!(
+        generation_files(port, &first).len(),
+        5,
+        "validations at 0, 5, .., 20"
+    );
     assert_eq!(history(port, &first, "critic/score/mean").len(), 20);
     // steps 11..20 are dropped locally and trained again
     env.ok(&["resume", "1", "--from-step", "10"]);
@@ -316,6 +323,57 @@ fn a_resume_that_drops_metrics_replaces_the_remote_copy_so_it_equals_the_store()
     assert_eq!(old["run"]["info"]["lifecycle_stage"], "deleted", "{old}");
     let events = rt.block_on(store.events(1)).unwrap();
     assert!(events.iter().any(|e| e.kind == "tracker"), "{events:?}");
+    // issue 19: the validation generations are artifacts of the remote run, one JSON file per
+    // validation, the kept ones carried to the replacement
+    assert_eq!(
+        generation_files(port, &second),
+        [0, 5, 10, 15, 20]
+            .iter()
+            .map(|s| format!("val_generations/step_{s:06}.json"))
+            .collect::<Vec<_>>()
+    );
+    let run = get(port, &format!("/api/2.0/mlflow/runs/get?run_id={second}")).unwrap();
+    let root = run["run"]["info"]["artifact_uri"].as_str().unwrap();
+    let rel = root
+        .strip_prefix("mlflow-artifacts:")
+        .unwrap()
+        .trim_matches('/');
+    let remote = get(
+        port,
+        &format!("/api/2.0/mlflow-artifacts/artifacts/{rel}/val_generations/step_000020.json"),
+    )
+    .expect("the step-20 generations");
+    let local: Vec<_> = rt
+        .block_on(store.generations(1))
+        .unwrap()
+        .into_iter()
+        .filter(|g| g.step == 20)
+        .collect();
+    assert_eq!(remote.as_array().map(Vec::len), Some(2), "{remote}");
+    for (r, l) in remote.as_array().unwrap().iter().zip(&local) {
+        assert_eq!(r["prompt"], l.prompt.as_str());
+        assert_eq!(r["response"], l.response.as_str());
+        assert_eq!(r["score"].as_f64(), Some(l.score));
+    }
+}
+
+/// The paths of remote run `rid`'s validation-generation artifacts.
+fn generation_files(port: u16, rid: &str) -> Vec<String> {
+    let listed = get(
+        port,
+        &format!("/api/2.0/mlflow/artifacts/list?run_id={rid}&path=val_generations"),
+    )
+    .unwrap_or_default();
+    let mut files: Vec<String> = listed["files"]
+        .as_array()
+        .map(|fs| {
+            fs.iter()
+                .filter_map(|f| f["path"].as_str().map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default();
+    files.sort();
+    files
 }
 
 /// Every remote run of experiment `harness-test` named `name`.

@@ -2,8 +2,6 @@
 //! or verl's resolved YAML config) as this harness's TOML, saying what it mapped, what has no
 //! effect here and what it refused.
 
-use std::collections::BTreeMap;
-
 use anyhow::{Context, Result, bail};
 
 use super::{Override, Sources, known_keys, layered, load, nearest_key, verl};
@@ -238,29 +236,13 @@ fn shell_words(line: &str) -> Result<Vec<String>> {
 /// verl's resolved YAML config flattened to `key.path` -> the value as a command line writes it.
 fn yaml_pairs(text: &str) -> Result<Pairs> {
     let doc: serde_json::Value = serde_norway::from_str(text).context("parsing the YAML config")?;
-    let mut out = BTreeMap::new();
-    fn walk(prefix: &str, v: &serde_json::Value, out: &mut BTreeMap<String, String>) {
-        match v {
-            serde_json::Value::Object(map) => {
-                for (k, child) in map {
-                    let path = if prefix.is_empty() {
-                        k.clone()
-                    } else {
-                        format!("{prefix}.{k}")
-                    };
-                    walk(&path, child, out);
-                }
-            }
+    Ok(super::flatten(&doc)
+        .into_iter()
+        .filter_map(|(k, v)| match v {
             // unset in verl: this harness's default stands
-            serde_json::Value::Null => {}
-            serde_json::Value::String(s) => {
-                out.insert(prefix.to_string(), format!("'{}'", s.replace('\'', "")));
-            }
-            other => {
-                out.insert(prefix.to_string(), other.to_string());
-            }
-        }
-    }
-    walk("", &doc, &mut out);
-    Ok(out.into_iter().collect())
+            serde_json::Value::Null => None,
+            serde_json::Value::String(s) => Some((k, format!("'{}'", s.replace('\'', "")))),
+            other => Some((k, other.to_string())),
+        })
+        .collect())
 }

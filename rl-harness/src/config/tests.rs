@@ -374,3 +374,26 @@ fn the_reward_group_maps_data_sources_to_configured_rule_rewards() {
     );
     assert!(err.contains("reward") && err.contains("nowhere"), "{err}");
 }
+
+/// Issue 19: docs/config.md gives every key a meaning, taken from the doc comment on its field
+/// (so a key added without one fails here, and the reference cannot drift from the code).
+#[test]
+fn every_key_in_the_reference_has_a_meaning() {
+    let reference = reference_markdown();
+    let rows: Vec<&str> = reference.lines().filter(|l| l.starts_with("| `")).collect();
+    assert!(rows.len() > 150, "{} rows", rows.len());
+    let missing: Vec<&str> = rows
+        .iter()
+        .filter(|r| r.trim_end().ends_with("|  |"))
+        .copied()
+        .collect();
+    assert!(missing.is_empty(), "keys without a meaning: {missing:#?}");
+    assert!(
+        reference.contains("| `trainer.max_nonfinite_steps` | `3` | Consecutive steps whose loss"),
+        "{reference}"
+    );
+    assert!(
+        reference.contains("| `actor_rollout_ref.rollout.do_sample` | `true` | Sample (true)"),
+        "{reference}"
+    );
+}

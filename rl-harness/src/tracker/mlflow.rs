@@ -186,6 +186,59 @@ impl MlflowClient {
             .unwrap_or_default())
     }
 
+    /// Uploads `bytes` as artifact `path` of run `rid`, through the server's artifact proxy
+    /// (`mlflow-artifacts`; `mlflow server` serves it by default). PUT overwrites, so a retry
+    /// after a lost answer stores the same file once.
+    pub(super) async fn put_artifact(
+        &self,
+        rid: &str,
+        path: &str,
+        bytes: Vec<u8>,
+    ) -> Result<(), CallError> {
+        let v = self.get("runs/get", &[("run_id", rid)]).await?;
+        let root = v
+            .pointer("/run/info/artifact_uri")
+            .and_then(Value::as_str)
+            .unwrap_or_default();
+        let Some(rel) = root.strip_prefix("mlflow-artifacts:") else {
+            return Err(CallError {
+                permanent: true,
+                message: format!(
+                    "run {rid} keeps its artifacts at {root:?}, which the server does not proxy \
+                     (start `mlflow server` with --serve-artifacts)"
+                ),
+            });
+        };
+        let base = self.base.trim_end_matches("/api/2.0/mlflow");
+        let url = format!(
+            "{base}/api/2.0/mlflow-artifacts/artifacts/{}/{path}",
+            rel.trim_matches('/')
+        );
+        let resp = self
+            .http
+            .put(&url)
+            .header("content-type", "application/json")
+            .body(bytes)
+            .send()
+            .await
+            .map_err(|e| CallError {
+                permanent: false,
+                message: format!("{url}: {e}"),
+            })?;
+        let status = resp.status();
+        if status.is_success() {
+            return Ok(());
+        }
+        let text = resp.text().await.unwrap_or_default();
+        Err(CallError {
+            permanent: status.is_client_error() && status.as_u16() != 429 && status.as_u16() != 408,
+            message: format!(
+                "{url}: HTTP {status}: {}",
+                text.chars().take(300).collect::<String>()
+            ),
+        })
+    }
+
     /// The id of the active run of experiment `exp` whose tag `key` is `value`, if one exists.
     pub(super) async fn find_run_by_tag(
         &self,
