@@ -85,9 +85,8 @@ fn structs() -> BTreeMap<String, Struct> {
                 }
                 continue;
             }
-            if t.starts_with("#[serde(") && t.contains("from = ") {
-                from = quoted_after(t, "from = ");
-            } else if t.starts_with("from = ") {
+            // `#[serde(from = "...")]`, on one line or spread over several
+            if (t.starts_with("#[serde(") && t.contains("from = ")) || t.starts_with("from = ") {
                 from = quoted_after(t, "from = ");
             }
             let declared = ["pub struct ", "pub(crate) struct ", "struct "]
