@@ -300,6 +300,32 @@ fn register_font() -> Result<()> {
     .map_err(anyhow::Error::msg)
 }
 
+/// A panel's step and value ranges for its (finite) points: the steps with a quarter more on
+/// the right, where the legend goes, clear of the curves' last steps; the values, a band
+/// narrower than 5% of their size (at least 1e-6) widened to that, so that rounding noise does
+/// not fill the panel as if it were a trend.
+fn axes(points: &[(i64, f64)]) -> ((i64, i64), (f64, f64)) {
+    if points.is_empty() {
+        return ((0, 2), (0.0, 1.0));
+    }
+    let (x0, x1) = points
+        .iter()
+        .fold((i64::MAX, i64::MIN), |(a, b), p| (a.min(p.0), b.max(p.0)));
+    let (y0, y1) = points
+        .iter()
+        .fold((f64::MAX, f64::MIN), |(a, b), p| (a.min(p.1), b.max(p.1)));
+    let x1 = x1.max(x0 + 1);
+    let x1 = x1 + ((x1 - x0) / 4).max(1);
+    let min_span = (0.05 * y0.abs().max(y1.abs())).max(1e-6);
+    let y = if y1 - y0 < min_span {
+        let mid = (y0 + y1) / 2.0;
+        (mid - min_span / 2.0, mid + min_span / 2.0)
+    } else {
+        (y0, y1)
+    };
+    ((x0, x1), y)
+}
+
 /// (columns, rows) of the plot's panels: one column up to 2 metrics, then 2, then 3.
 fn grid(n: usize) -> (u32, u32) {
     let n = n.max(1) as u32;
@@ -390,33 +416,8 @@ where
             .flat_map(|(_, s)| s.iter().copied())
             .filter(|p| p.1.is_finite())
             .collect();
-        let (x0, x1) = points
-            .iter()
-            .fold((i64::MAX, i64::MIN), |(a, b), p| (a.min(p.0), b.max(p.0)));
-        let (y0, y1) = points
-            .iter()
-            .fold((f64::MAX, f64::MIN), |(a, b), p| (a.min(p.1), b.max(p.1)));
-        let (x0, x1) = if points.is_empty() {
-            (0, 1)
-        } else {
-            (x0, x1.max(x0 + 1))
-        };
-        // a band narrower than 5% of the values' size (at least 1e-6) is widened to that, so
-        // rounding noise does not fill the panel as if it were a trend
-        let (y0, y1) = if points.is_empty() {
-            (0.0, 1.0)
-        } else {
-            let min_span = (0.05 * y0.abs().max(y1.abs())).max(1e-6);
-            if y1 - y0 < min_span {
-                let mid = (y0 + y1) / 2.0;
-                (mid - min_span / 2.0, mid + min_span / 2.0)
-            } else {
-                (y0, y1)
-            }
-        };
+        let ((x0, x1), (y0, y1)) = axes(&points);
         let pad = (y1 - y0) * 0.05;
-        // room on the right for the legend, clear of the curves' last steps
-        let x1 = x1 + ((x1 - x0) / 4).max(1);
         let caption = if smoothing > 0.0 {
             format!("{metric} (smoothed, weight {smoothing})")
         } else {
@@ -463,4 +464,26 @@ where
     }
     root.present().map_err(e)?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 19: a curve that moves within rounding is not stretched over the whole panel, and
+    /// the legend has room right of the last step.
+    #[test]
+    fn axes_widen_a_flat_band_and_leave_room_for_the_legend() {
+        let flat = [(1, 0.500_01), (2, 0.5), (40, 0.500_02)];
+        let ((x0, x1), (y0, y1)) = axes(&flat);
+        assert_eq!((x0, x1), (1, 49), "a quarter of the 39 steps more");
+        assert!((y1 - y0 - 0.05 * 0.500_02).abs() < 1e-12, "{y0}..{y1}");
+        assert!(y0 < 0.5 && y1 > 0.500_02);
+        // a real trend keeps its range
+        let trend = [(0, 0.2), (10, 0.8)];
+        assert_eq!(axes(&trend).1, (0.2, 0.8));
+        // an all-zero series still gets a span
+        let ((_, _), (z0, z1)) = axes(&[(0, 0.0), (5, 0.0)]);
+        assert!(z1 > z0);
+    }
 }

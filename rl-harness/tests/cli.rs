@@ -774,6 +774,22 @@ fn compare_answers_a_typo_with_an_error_and_defaults_to_the_main_metrics() {
         svg.contains("lr/bandit.lr=0.1"),
         "the legend names the trial"
     );
+    // runs takes the sweep's name too
+    let listed = env.ok(&["runs", "--sweep", "lr"]);
+    assert_eq!(
+        listed
+            .lines()
+            .filter(|l| l.contains("lr/bandit.lr="))
+            .count(),
+        2,
+        "{listed}"
+    );
+    // --mode auto's help says what the code does (entropy is maximised)
+    let help = env.ok(&["compare", "--help"]);
+    assert!(
+        help.contains("gradient norms and timings are minimised"),
+        "{help}"
+    );
     let err = env.fails(&["compare", "--sweep", "kl_coef", "--plot", "y.svg"]);
     assert!(err.contains("no sweep \"kl_coef\""), "{err}");
     // no --metric: the validation metrics and the main training figures
