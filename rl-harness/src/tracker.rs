@@ -89,13 +89,7 @@ pub async fn enqueue_start(
         ("create", create),
         ("params", serde_json::to_value(params)?),
     ] {
-        sqlx::query("INSERT INTO outbox (run_id, kind, payload, created) VALUES (?, ?, ?, ?)")
-            .bind(run_id)
-            .bind(kind)
-            .bind(payload.to_string())
-            .bind(t)
-            .execute(&mut *c)
-            .await?;
+        outbox(c, run_id, kind, &payload).await?;
     }
     Ok(())
 }
@@ -120,13 +114,13 @@ pub async fn enqueue_rewind(
     let Some(Some(old)) = remote else {
         return Ok(false);
     };
-    let payload = json!({"remote_run_id": old, "step": step});
-    sqlx::query("INSERT INTO outbox (run_id, kind, payload, created) VALUES (?, 'rewind', ?, ?)")
-        .bind(run_id)
-        .bind(payload.to_string())
-        .bind(now())
-        .execute(&mut *c)
-        .await?;
+    outbox(
+        c,
+        run_id,
+        "rewind",
+        &json!({"remote_run_id": old, "step": step}),
+    )
+    .await?;
     // a fresh remote run, metrics pushed from the first one on, and the validation
     // generations kept (the caller dropped those past `step`)
     enqueue_start(c, run_id, cfg).await?;
@@ -166,15 +160,24 @@ pub async fn enqueue_generations(c: &mut SqliteConnection, run_id: i64, step: i6
         })
     })
     .collect();
-    let payload = json!({"step": step, "rows": rows});
-    sqlx::query(
-        "INSERT INTO outbox (run_id, kind, payload, created) VALUES (?, 'generations', ?, ?)",
+    outbox(
+        c,
+        run_id,
+        "generations",
+        &json!({"step": step, "rows": rows}),
     )
-    .bind(run_id)
-    .bind(payload.to_string())
-    .bind(now())
-    .execute(&mut *c)
-    .await?;
+    .await
+}
+
+/// Adds a record of `kind` for run `run_id` to the outbox (inside the caller's transaction).
+async fn outbox(c: &mut SqliteConnection, run_id: i64, kind: &str, payload: &Value) -> Result<()> {
+    sqlx::query("INSERT INTO outbox (run_id, kind, payload, created) VALUES (?, ?, ?, ?)")
+        .bind(run_id)
+        .bind(kind)
+        .bind(payload.to_string())
+        .bind(now())
+        .execute(&mut *c)
+        .await?;
     Ok(())
 }
 
@@ -205,13 +208,7 @@ pub async fn enqueue_status(
         _ => "KILLED",
     };
     let payload = json!({"status": mlflow, "end_time": end_time.map(|t| (t * 1000.0) as i64)});
-    sqlx::query("INSERT INTO outbox (run_id, kind, payload, created) VALUES (?, 'status', ?, ?)")
-        .bind(run_id)
-        .bind(payload.to_string())
-        .bind(now())
-        .execute(&mut *c)
-        .await?;
-    Ok(())
+    outbox(c, run_id, "status", &payload).await
 }
 
 /// What is still waiting for the tracker for one run.
