@@ -232,7 +232,8 @@ pub enum ConfigCommand {
     /// Says what it mapped, what has no effect here and what it refused; refused keys make
     /// the exit status 1 (the TOML is written without them).
     FromVerl {
-        /// The script or command-line file, or the .yaml config; `-` reads standard input.
+        /// The script or command-line file, the .yaml config, or the command line itself
+        /// (quoted as one argument); `-` reads standard input.
         input: PathBuf,
         /// Write the TOML here instead of standard output.
         #[arg(long)]
@@ -698,11 +699,15 @@ async fn print_validation_summary(db: &Path, id: i64) -> Result<()> {
 
 /// `harness config from-verl`.
 fn from_verl(input: &Path, out: Option<&Path>) -> Result<()> {
+    let given = input.to_string_lossy();
     let text = if input == Path::new("-") {
         let mut s = String::new();
         std::io::Read::read_to_string(&mut std::io::stdin(), &mut s)
             .context("reading standard input")?;
         s
+    } else if !input.exists() && given.contains('=') && given.contains(char::is_whitespace) {
+        // the command line itself, quoted as one argument
+        given.into_owned()
     } else {
         std::fs::read_to_string(input).with_context(|| format!("reading {}", input.display()))?
     };

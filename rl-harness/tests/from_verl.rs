@@ -140,6 +140,22 @@ fn a_key_from_verl_that_does_not_exist_here_is_refused_and_the_exit_status_says_
             && !stderr.contains("resume_from_path"),
         "{stderr}"
     );
+    // the command line itself, as one argument
+    let out = env.run(&[
+        "config",
+        "from-verl",
+        "python3 -m verl.trainer.main_ppo data.train_files=[a.parquet,b.parquet] trainer.nnodes=2",
+    ]);
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stdout.contains("train_files = [\"a.parquet\", \"b.parquet\"]"),
+        "two files, not one named [a,b]: {stdout}"
+    );
+    assert!(stderr.contains("no effect   trainer.nnodes"), "{stderr}");
     // something that is not a verl command line at all
     let other = env.file("other.sh", "echo hello\n");
     let err = env.fails(&["config", "from-verl", other.to_str().unwrap()]);

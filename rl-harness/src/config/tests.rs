@@ -213,6 +213,12 @@ fn verls_grpo_and_ppo_command_lines_load() {
     ];
     let cfg = load_with(&grpo).unwrap();
     assert_eq!(cfg.trainer.tracker.kind, TrackerKind::Mlflow);
+    // a Hydra list is a list of files, not one file named `[a,b]`
+    let files = load_with(&["data.train_files=[a.parquet,b.parquet]"]).unwrap();
+    assert_eq!(
+        files.data.train_files,
+        [PathBuf::from("a.parquet"), PathBuf::from("b.parquet")]
+    );
     assert_eq!(cfg.trainer.experiment_name, "qwen2_7b_function_rm");
     assert!(!cfg.trainer.val_before_train);
     assert_eq!(cfg.trainer.total_epochs, 15);
