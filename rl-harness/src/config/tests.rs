@@ -403,3 +403,38 @@ fn every_key_in_the_reference_has_a_meaning() {
         "{reference}"
     );
 }
+
+/// verl's keys in a TOML file, not only on the command line: the no-effect ones are left out
+/// with a note, `trainer.logger` maps to the sinks.
+#[test]
+fn verl_keys_in_a_config_file_load_too() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(
+        dir.path(),
+        "[trainer]\nlogger = ['console', 'tensorboard']\nnnodes = 1\nn_gpus_per_node = 8\n\
+         [actor_rollout_ref.rollout]\nname = 'vllm'\ngpu_memory_utilization = 0.6\n\
+         [actor_rollout_ref.actor.fsdp_config]\nparam_offload = true\n",
+    );
+    let cfg = load(&Sources {
+        file: Some(file.clone()),
+        env: false,
+        overrides: vec![],
+    })
+    .unwrap();
+    assert!(cfg.trainer.tensorboard);
+    assert_eq!(cfg.trainer.tracker.kind, TrackerKind::None);
+    let bad = write(dir.path(), "[trainer]\nlogger = ['wandb']\n");
+    let err = format!(
+        "{:#}",
+        load(&Sources {
+            file: Some(bad),
+            env: false,
+            overrides: vec![],
+        })
+        .unwrap_err()
+    );
+    assert!(
+        err.contains("`wandb` is not written by this harness"),
+        "{err}"
+    );
+}
