@@ -146,7 +146,7 @@ pub fn pick(
     store_id: &str,
     spec: &str,
     from_step: Option<u64>,
-) -> Result<(CheckpointRow, CheckpointMeta)> {
+) -> Result<CheckpointRow> {
     let Some(chosen) = ckpts
         .iter()
         .rev()
@@ -161,7 +161,7 @@ pub fn pick(
         }
     };
     let why = match verify(chosen, run_id, store_id) {
-        Ok(meta) => return Ok((chosen.clone(), meta)),
+        Ok(_) => return Ok(chosen.clone()),
         Err(why) => why,
     };
     tracing::warn!(

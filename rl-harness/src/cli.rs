@@ -796,14 +796,18 @@ fn fmt_time(t: Option<f64>) -> String {
     .unwrap_or_else(|| "-".into())
 }
 
+/// What `--filter` sees of a run (config keys, final metrics, run fields), and the last step
+/// it recorded a metric at (`None`: none yet).
 async fn lookup_table(
     store: &Store,
     r: &RunRow,
-) -> Result<std::collections::BTreeMap<String, Value>> {
+) -> Result<(std::collections::BTreeMap<String, Value>, Option<i64>)> {
     let cfg: Value = serde_json::from_str(&r.config)
         .with_context(|| format!("the stored config of run {}", r.id))?;
     let mut m = config::flatten(&cfg);
-    for (k, (_, v)) in store.final_metrics(r.id).await? {
+    let mut last = None;
+    for (k, (step, v)) in store.final_metrics(r.id).await? {
+        last = last.max(Some(step));
         m.insert(k, serde_json::json!(v));
     }
     m.insert("id".into(), r.id.into());
@@ -815,7 +819,7 @@ async fn lookup_table(
         "sweep".into(),
         r.sweep_id.clone().map(Value::String).unwrap_or(Value::Null),
     );
-    Ok(m)
+    Ok((m, last))
 }
 
 /// What `harness runs` lists.
@@ -876,9 +880,9 @@ async fn list_runs(db: &Path, q: &RunsQuery<'_>) -> Result<()> {
         if q.project.is_some_and(|p| r.project != p) {
             continue;
         }
-        let table = lookup_table(&store, &r).await?;
+        let (table, step) = lookup_table(&store, &r).await?;
         keys.extend(table.keys().cloned());
-        rows.push((r, table));
+        rows.push((r, table, step));
     }
     if let Some(e) = &expr {
         let known: Vec<String> = keys.iter().cloned().collect();
@@ -895,18 +899,12 @@ async fn list_runs(db: &Path, q: &RunsQuery<'_>) -> Result<()> {
     }
     let mut hidden = 0;
     let mut shown = Vec::new();
-    for (r, table) in rows {
+    for (r, table, step) in rows {
         if let Some(e) = &expr
             && !e.eval(&|k| table.get(k).cloned())
         {
             continue;
         }
-        let step = store
-            .final_metrics(r.id)
-            .await?
-            .values()
-            .map(|(s, _)| *s)
-            .max();
         // a bad input fails a run before its first step: clutter, unless asked for
         if !q.all && r.status == "failed" && step.is_none() {
             hidden += 1;

@@ -453,19 +453,20 @@ fn strip_foreign(table: &mut toml::Table, prefix: &str, notes: &mut Vec<String>)
         if path == "trainer.logger" {
             let value = table.remove(&k);
             let sinks = verl::logger(value.as_ref())?;
-            if sinks.mlflow {
-                let tracker = table
-                    .entry("tracker")
-                    .or_insert_with(|| toml::Value::Table(toml::Table::new()));
-                if let toml::Value::Table(t) = tracker {
-                    t.entry("kind")
-                        .or_insert_with(|| toml::Value::String("mlflow".into()));
+            // the file's own settings of these keys win over the logger's
+            for (key, v) in sinks.settings() {
+                let mut t = &mut *table;
+                let (groups, leaf) = key.rsplit_once('.').map_or(("", key), |(g, l)| (g, l));
+                for g in groups.split('.').filter(|g| !g.is_empty()) {
+                    let entry = t
+                        .entry(g)
+                        .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+                    let toml::Value::Table(inner) = entry else {
+                        bail!("config key `trainer.{g}`: expected a table");
+                    };
+                    t = inner;
                 }
-            }
-            if sinks.tensorboard {
-                table
-                    .entry("tensorboard")
-                    .or_insert(toml::Value::Boolean(true));
+                t.entry(leaf).or_insert(v);
             }
             notes.push(format!(
                 "trainer.logger: metrics go to {}",
@@ -521,14 +522,11 @@ fn foreign_override(
             o.value_text(),
             sinks.describe()
         ));
-        let kind = if sinks.mlflow { "mlflow" } else { "none" };
-        return Ok(vec![
-            Override::set("trainer.tracker.kind", toml::Value::String(kind.into())),
-            Override::set(
-                "trainer.tensorboard",
-                toml::Value::Boolean(sinks.tensorboard),
-            ),
-        ]);
+        return Ok(sinks
+            .settings()
+            .into_iter()
+            .map(|(key, v)| Override::set(&format!("trainer.{key}"), v))
+            .collect());
     }
     match verl::foreign(&o.key) {
         Some(verl::Foreign::NoEffect(why)) => {

@@ -598,7 +598,7 @@ pub fn prepare_resume(
         bail!("{why}");
     }
     let ckpts = rt.block_on(store.checkpoints(id))?;
-    let (ckpt, _) = checkpoint::pick(&ckpts, id, store.id(), spec, from_step)?;
+    let ckpt = checkpoint::pick(&ckpts, id, store.id(), spec, from_step)?;
     let ckpt_dir = PathBuf::from(&ckpt.path);
     let (cfg, changes) = resume_config(id, &ckpt_dir, overrides)?;
     check(&cfg)?;
@@ -1019,17 +1019,13 @@ fn finish(
     }
 }
 
-/// The TensorBoard event file of `trainer.tensorboard` (rank 0 only).
-struct Board;
+/// The TensorBoard event file of `trainer.tensorboard`, if one is written.
+struct Board(Option<crate::tensorboard::EventWriter>);
 
 impl Board {
     /// A new event file in `trainer.tensorboard_dir`, else `$TENSORBOARD_DIR` (verl's), else
-    /// `<run dir>/tensorboard`.
-    fn open(
-        t: &config::HarnessConfig,
-        run_dir: &Path,
-        first_step: u64,
-    ) -> Result<crate::tensorboard::EventWriter> {
+    /// `<run dir>/tensorboard`, starting at `first_step`.
+    fn open(t: &config::HarnessConfig, run_dir: &Path, first_step: u64) -> Result<Board> {
         let dir = t
             .tensorboard_dir
             .clone()
@@ -1037,17 +1033,17 @@ impl Board {
             .unwrap_or_else(|| run_dir.join("tensorboard"));
         let w = crate::tensorboard::EventWriter::create(&dir, first_step)?;
         tracing::info!("TensorBoard events in {}", w.path().display());
-        Ok(w)
+        Ok(Board(Some(w)))
     }
 
     /// Writes a step's metrics; a file that cannot be written is given up with a warning (the
     /// store keeps every metric).
-    fn write(board: &mut Option<crate::tensorboard::EventWriter>, step: u64, m: &StepMetrics) {
-        if let Some(w) = board
+    fn write(&mut self, step: u64, m: &StepMetrics) {
+        if let Some(w) = &mut self.0
             && let Err(e) = w.scalars(step, m)
         {
             note!("harness: warning: {e:#}; no more TensorBoard events for this run");
-            *board = None;
+            self.0 = None;
         }
     }
 }
@@ -1379,14 +1375,10 @@ fn drive(
         .map(crate::filter::StopWhen::parse)
         .transpose()
         .context("config key `trainer.stop_when`")?;
+    // rank 0 alone writes; a resume writes from the step after its checkpoint on
     let mut board = match store.filter(|_| t.tensorboard) {
-        // a resume writes from the step after its checkpoint on
-        Some(_) => Some(Board::open(
-            t,
-            run_dir,
-            trainer.global_step() + u64::from(!fresh),
-        )?),
-        None => None,
+        Some(_) => Board::open(t, run_dir, trainer.global_step() + u64::from(!fresh))?,
+        None => Board(None),
     };
     let bar = &bars.step;
     bar.set_length(total);
@@ -1394,7 +1386,7 @@ fn drive(
     let result = (|| -> Result<Outcome> {
         if fresh && t.val_before_train {
             let (m, samples) = trainer.validate().context("validation before training")?;
-            Board::write(&mut board, trainer.global_step(), &m);
+            board.write(trainer.global_step(), &m);
             if let Some(store) = store {
                 store.log_metrics(run_id, trainer.global_step(), &m)?;
                 record_generations(rt, store, run_id, trainer.global_step(), samples, t);
@@ -1447,7 +1439,7 @@ fn drive(
             if store.is_some() && console_due(t.console_every_steps, step, total) {
                 bars.println(&console_line(step, total, &m));
             }
-            Board::write(&mut board, step, &m);
+            board.write(step, &m);
             if let Some(store) = store {
                 store.log_metrics(run_id, step, &m)?;
                 // Rows it refuses wait and are retried; a store that refuses for too long

@@ -7,20 +7,9 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use common::{BANDIT, Env};
-
-fn python() -> PathBuf {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let bin = root.join(".venv-mlflow/bin/python");
-    assert!(
-        bin.is_file(),
-        "{} is missing: run scripts/mlflow-env first (scripts/test does)",
-        bin.display()
-    );
-    bin
-}
 
 /// TensorBoard's reading of `dir`: tag -> [(step, value as the float32 it stores)].
 fn read_back(dir: &Path) -> BTreeMap<String, Vec<(i64, f32)>> {
@@ -31,7 +20,7 @@ acc = EventAccumulator(sys.argv[1], size_guidance={"scalars": 0})
 acc.Reload()
 print(json.dumps({t: [[e.step, e.value] for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}))
 "#;
-    let out = std::process::Command::new(python())
+    let out = std::process::Command::new(common::venv_bin("python"))
         .args(["-c", script])
         .arg(dir)
         .output()

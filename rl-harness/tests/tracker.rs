@@ -29,17 +29,6 @@ struct Server {
     dir: PathBuf,
 }
 
-fn mlflow_bin() -> PathBuf {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let bin = root.join(".venv-mlflow/bin/mlflow");
-    assert!(
-        bin.is_file(),
-        "{} is missing: run scripts/mlflow-env first (scripts/test does)",
-        bin.display()
-    );
-    bin
-}
-
 fn start(port: u16, dir: &Path) -> Tied {
     let log = std::fs::File::create(dir.join(format!(
         "server-{}.log",
@@ -47,7 +36,7 @@ fn start(port: u16, dir: &Path) -> Tied {
     )))
     .unwrap();
     Tied::spawn(
-        Tied::command(mlflow_bin())
+        Tied::command(common::venv_bin("mlflow"))
             .args([
                 "server",
                 "--host",

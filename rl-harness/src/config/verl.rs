@@ -317,6 +317,15 @@ pub struct Sinks {
 }
 
 impl Sinks {
+    /// The keys of the `trainer` group the sinks set: `tracker.kind` and `tensorboard`.
+    pub fn settings(&self) -> [(&'static str, toml::Value); 2] {
+        let kind = if self.mlflow { "mlflow" } else { "none" };
+        [
+            ("tracker.kind", toml::Value::String(kind.into())),
+            ("tensorboard", toml::Value::Boolean(self.tensorboard)),
+        ]
+    }
+
     /// `the run store, the console and MLflow`.
     pub fn describe(&self) -> String {
         let mut s = vec!["the run store", "the console"];

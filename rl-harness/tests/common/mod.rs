@@ -161,6 +161,18 @@ seed = 7
 batch_size = 32
 "#;
 
+/// `.venv-mlflow/bin/NAME`, the Python test tools `scripts/mlflow-env` installs (mlflow,
+/// TensorBoard's reader); a clear failure when it has not been run.
+pub fn venv_bin(name: &str) -> PathBuf {
+    let bin = repo_root().join(".venv-mlflow/bin").join(name);
+    assert!(
+        bin.is_file(),
+        "{} is missing: run scripts/mlflow-env first (scripts/test does)",
+        bin.display()
+    );
+    bin
+}
+
 /// The repository's root (experiments/ lives there).
 pub fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
