@@ -35,7 +35,7 @@ fn bench(c: &mut Criterion) {
         b.iter(|| advantage::gae(&rewards, &values, &mask, 0.99, 0.95).unwrap())
     });
     g.bench_function("advantage::grpo", |b| {
-        b.iter(|| advantage::grpo(&rewards, &mask, &index, true).unwrap())
+        b.iter(|| advantage::grpo(&rewards, &mask, &index, true, advantage::EPSILON).unwrap())
     });
 
     let old = Tensor::randn([BATCH, RESPONSE_LEN], (Kind::Float, Device::Cpu)) * 0.1 - 1.0;

@@ -30,7 +30,9 @@ pub enum AdvEstimator {
     /// Generalised advantage estimation with a critic: [`gae`].
     #[default]
     Gae,
-    /// Group-relative outcome advantages: [`grpo`].
+    /// Group-relative outcome advantages: [`grpo`] (verl's `grpo_vectorized` is accepted as
+    /// this estimator).
+    #[serde(alias = "grpo_vectorized")]
     Grpo,
     /// Discounted returns, whitened over the batch: [`reinforce_plus_plus`].
     ReinforcePlusPlus,
@@ -38,7 +40,9 @@ pub enum AdvEstimator {
     ReinforcePlusPlusBaseline,
     /// Greedy-rollout baseline: [`remax`].
     Remax,
-    /// Leave-one-out baseline: [`rloo`].
+    /// Leave-one-out baseline: [`rloo`] (verl's `rloo_vectorized` is accepted as this
+    /// estimator).
+    #[serde(alias = "rloo_vectorized")]
     Rloo,
     /// Length-weighted group baseline: [`opo`].
     Opo,
@@ -46,11 +50,17 @@ pub enum AdvEstimator {
     GrpoPassk,
     /// Group Policy Gradient: [`gpg`].
     Gpg,
+    /// A baseline per token, weighted by the path's accumulated variance:
+    /// [`optimal_token_baseline`].
+    OptimalTokenBaseline,
+    /// The optimal token baseline over the policy's own tokens of multi-turn responses:
+    /// [`tir_optimal_token_baseline`].
+    TirOptimalTokenBaseline,
 }
 
 impl AdvEstimator {
     /// Every estimator, in verl's order.
-    pub const ALL: [AdvEstimator; 9] = [
+    pub const ALL: [AdvEstimator; 11] = [
         AdvEstimator::Gae,
         AdvEstimator::Grpo,
         AdvEstimator::ReinforcePlusPlus,
@@ -60,6 +70,15 @@ impl AdvEstimator {
         AdvEstimator::Opo,
         AdvEstimator::GrpoPassk,
         AdvEstimator::Gpg,
+        AdvEstimator::OptimalTokenBaseline,
+        AdvEstimator::TirOptimalTokenBaseline,
+    ];
+
+    /// verl's registry names that run the same estimator as another name here (their
+    /// implementations differ from the canonical ones only in float32 rounding).
+    pub const ALIASES: [(&'static str, AdvEstimator); 2] = [
+        ("grpo_vectorized", AdvEstimator::Grpo),
+        ("rloo_vectorized", AdvEstimator::Rloo),
     ];
 
     /// verl's config string for this estimator.
@@ -74,6 +93,8 @@ impl AdvEstimator {
             AdvEstimator::Opo => "opo",
             AdvEstimator::GrpoPassk => "grpo_passk",
             AdvEstimator::Gpg => "gpg",
+            AdvEstimator::OptimalTokenBaseline => "optimal_token_baseline",
+            AdvEstimator::TirOptimalTokenBaseline => "tir_optimal_token_baseline",
         }
     }
 
@@ -92,6 +113,17 @@ impl AdvEstimator {
                 | AdvEstimator::Opo
                 | AdvEstimator::GrpoPassk
                 | AdvEstimator::Gpg
+                | AdvEstimator::OptimalTokenBaseline
+                | AdvEstimator::TirOptimalTokenBaseline
+        )
+    }
+
+    /// Whether the estimator reads the actor's `old_log_probs` and `sum_pi_squared` (the
+    /// optimal-token baselines).
+    pub fn needs_sum_pi_squared(self) -> bool {
+        matches!(
+            self,
+            AdvEstimator::OptimalTokenBaseline | AdvEstimator::TirOptimalTokenBaseline
         )
     }
 }
@@ -109,6 +141,7 @@ impl FromStr for AdvEstimator {
         Self::ALL
             .into_iter()
             .find(|e| e.as_str() == s)
+            .or_else(|| Self::ALIASES.iter().find(|(a, _)| *a == s).map(|(_, e)| *e))
             .ok_or_else(|| Error::UnknownName {
                 what: "adv_estimator",
                 got: s.to_owned(),
@@ -147,6 +180,14 @@ pub struct AdvantageInputs<'a> {
     pub index: Option<&'a Tensor>,
     /// `[batch]` float: the reward of the greedy response (ReMax only).
     pub reward_baselines: Option<&'a Tensor>,
+    /// `[batch, response_len]` float: the training policy's log-probs (optimal token baseline).
+    pub old_log_probs: Option<&'a Tensor>,
+    /// `[batch, response_len]` float: `Σπ²` over the vocabulary at each position (optimal token
+    /// baseline).
+    pub sum_pi_squared: Option<&'a Tensor>,
+    /// `[batch, response_len]` float: rollout-correction importance weights, when computed (the
+    /// optimal token baseline scales its path variance by their square).
+    pub rollout_is_weights: Option<&'a Tensor>,
 }
 
 /// Runs the estimator chosen in `cfg`, as verl's `compute_advantage` does, returning
@@ -169,6 +210,7 @@ pub fn compute<'a>(inputs: &AdvantageInputs<'a>, cfg: &AlgoConfig) -> Result<(Te
             m,
             need(inputs.index, "index")?,
             cfg.norm_adv_by_std_in_grpo,
+            cfg.grpo_epsilon,
         ),
         AdvEstimator::ReinforcePlusPlus => reinforce_plus_plus(r, m, cfg.gamma),
         AdvEstimator::ReinforcePlusPlusBaseline => {
@@ -182,8 +224,24 @@ pub fn compute<'a>(inputs: &AdvantageInputs<'a>, cfg: &AlgoConfig) -> Result<(Te
             m,
             need(inputs.index, "index")?,
             cfg.norm_adv_by_std_in_grpo,
+            cfg.grpo_epsilon,
         ),
-        AdvEstimator::Gpg => gpg(r, m, need(inputs.index, "index")?),
+        AdvEstimator::Gpg => gpg(r, m, need(inputs.index, "index")?, cfg.gpg_f_norm),
+        AdvEstimator::OptimalTokenBaseline | AdvEstimator::TirOptimalTokenBaseline => {
+            let otb = OtbInputs {
+                old_log_probs: need(inputs.old_log_probs, "old_log_probs")?,
+                sum_pi_squared: need(inputs.sum_pi_squared, "sum_pi_squared")?,
+                rollout_is_weights: inputs.rollout_is_weights,
+            };
+            let index = need(inputs.index, "index")?;
+            let multi_turn = est == AdvEstimator::TirOptimalTokenBaseline;
+            let zero_tail = cfg.otb_handle_zero_tail.unwrap_or(multi_turn);
+            if multi_turn {
+                tir_optimal_token_baseline(r, m, index, &otb, zero_tail, cfg.otb_epsilon)
+            } else {
+                optimal_token_baseline(r, m, index, &otb, zero_tail, cfg.otb_epsilon)
+            }
+        }
     }
 }
 
@@ -268,9 +326,11 @@ pub fn gae(
 /// GRPO outcome advantages, matching `compute_grpo_outcome_advantage`.
 ///
 /// Each row's score is its rewards summed over all positions; the advantage is
-/// `(score - group_mean) / (group_std + 1e-6)` (unbiased std), or `score - group_mean` when
-/// `norm_adv_by_std_in_grpo` is false (Dr. GRPO). A group of one row has mean 0 and std 1, as in
-/// verl, so its advantage is `score / (1 + 1e-6)`. The scalar is broadcast over the response and
+/// `(score - group_mean) / (group_std + epsilon)` (unbiased std; verl's default `epsilon` is
+/// [`EPSILON`]), or `score - group_mean` when `norm_adv_by_std_in_grpo` is false (Dr. GRPO). A
+/// group of one row has mean 0 and std 1, as in verl, where that std is a float32 tensor: its
+/// advantage is `score / float32(1 + epsilon)` (`1.0000009536743164` for the default, not
+/// `1.000001`) whatever the scores' dtype. The scalar is broadcast over the response and
 /// multiplied by the mask. `returns` is the same tensor as `advantages`.
 ///
 /// # Shapes
@@ -283,6 +343,7 @@ pub fn grpo(
     response_mask: &Tensor,
     index: &Tensor,
     norm_adv_by_std_in_grpo: bool,
+    epsilon: f64,
 ) -> Result<(Tensor, Tensor)> {
     let (mask, groups) = outcome_groups(token_level_rewards, response_mask, index)?;
     let _guard = tch::no_grad_guard();
@@ -292,8 +353,10 @@ pub fn grpo(
     let mean = mean.where_scalarother(&single.logical_not(), 0.0);
     let centered = &scores - groups.rows(&mean);
     let scalars = if norm_adv_by_std_in_grpo {
-        let std = std.where_scalarother(&single.logical_not(), 1.0);
-        centered / (groups.rows(&std) + EPSILON)
+        // verl's singleton std is `torch.tensor(1.0)`, float32: `std + epsilon` rounds there
+        let singleton_divisor = f64::from(1.0f32 + epsilon as f32);
+        let divisor = (std + epsilon).where_scalarother(&single.logical_not(), singleton_divisor);
+        centered / groups.rows(&divisor)
     } else {
         centered
     };
@@ -304,7 +367,7 @@ pub fn grpo(
 /// GRPO pass@k advantages, matching `compute_grpo_passk_outcome_advantage`.
 ///
 /// Only the best row of each group gets a non-zero advantage, `r_max - r_second_max`, divided
-/// by `group_std + 1e-6` when `norm_adv_by_std_in_grpo`. Every group needs at least two rows
+/// by `group_std + epsilon` when `norm_adv_by_std_in_grpo`. Every group needs at least two rows
 /// (verl raises otherwise). `returns` is the same tensor as `advantages`.
 ///
 /// # Shapes
@@ -317,6 +380,7 @@ pub fn grpo_passk(
     response_mask: &Tensor,
     index: &Tensor,
     norm_adv_by_std_in_grpo: bool,
+    epsilon: f64,
 ) -> Result<(Tensor, Tensor)> {
     let (mask, groups) = outcome_groups(token_level_rewards, response_mask, index)?;
     let smallest = if groups.n > 0 {
@@ -347,7 +411,7 @@ pub fn grpo_passk(
     let r_second = groups.max(&others);
     let advantage = if norm_adv_by_std_in_grpo {
         let (_, std) = groups.mean_std(&scores);
-        (&r_max - &r_second) / (std + EPSILON)
+        (&r_max - &r_second) / (std + epsilon)
     } else {
         &r_max - &r_second
     };
@@ -414,9 +478,10 @@ pub fn opo(
     Ok((advantages.shallow_clone(), advantages))
 }
 
-/// GPG advantages, matching `compute_gpg_outcome_advantage` with verl's defaults
-/// (`f_norm = 1`): `alpha * (score - group_mean)` where `alpha = batch / max(#rows with a
-/// non-zero score, 1)`; a group of one has mean 0. `returns` is the same tensor as `advantages`.
+/// GPG advantages, matching `compute_gpg_outcome_advantage`: `alpha * (score - group_mean) /
+/// f_norm` (verl's default `f_norm` is 1) where `alpha = batch / max(#rows with a non-zero
+/// score, 1)`, computed in float32 as verl's torch does (the reciprocal of the count times the
+/// batch size); a group of one has mean 0. `returns` is the same tensor as `advantages`.
 ///
 /// # Shapes
 /// - `token_level_rewards`: `[batch, response_len]` float
@@ -427,20 +492,208 @@ pub fn gpg(
     token_level_rewards: &Tensor,
     response_mask: &Tensor,
     index: &Tensor,
+    f_norm: f64,
+) -> Result<(Tensor, Tensor)> {
+    let (mask, groups) = outcome_groups(token_level_rewards, response_mask, index)?;
+    if !(f_norm != 0.0 && f_norm.is_finite()) {
+        return Err(Error::invalid(
+            "gpg_f_norm",
+            format!("must be finite and non-zero, got {f_norm}"),
+        ));
+    }
+    let _guard = tch::no_grad_guard();
+    let scores = scores(token_level_rewards);
+    let batch = scores.size()[0];
+    let nonzero = scores.count_nonzero(None::<i64>).int64_value(&[]).max(1);
+    // verl's `bsz / m`: Python's int over an int64 tensor, which torch evaluates as
+    // `m.reciprocal() * bsz` in float32 (9 / 7 comes out one float32 ulp above the quotient)
+    let alpha = f64::from((1.0f32 / nonzero as f32) * batch as f32);
+    let mean = groups.rows(&group_mean_or_zero(&groups, &scores));
+    let advantages = ((alpha * (scores - mean)) / f_norm).unsqueeze(-1) * &mask;
+    Ok((advantages.shallow_clone(), advantages))
+}
+
+/// The actor's tensors the optimal-token baselines read.
+#[derive(Debug, Clone, Copy)]
+pub struct OtbInputs<'a> {
+    /// `[batch, response_len]` float: the training policy's log-probs of the sampled tokens.
+    pub old_log_probs: &'a Tensor,
+    /// `[batch, response_len]` float: `Σπ²` over the vocabulary at each position.
+    pub sum_pi_squared: &'a Tensor,
+    /// `[batch, response_len]` float: rollout-correction importance weights, if any.
+    pub rollout_is_weights: Option<&'a Tensor>,
+}
+
+/// Returns-to-go and the cumulative path variance `W_t = Σ_{j<=t} w_j` with `w_j = 1 - 2π_j +
+/// Σπ²` (times the squared importance weight when given), both over masked positions only.
+fn otb_paths(rewards: &Tensor, mask: &Tensor, otb: &OtbInputs<'_>) -> Result<(Tensor, Tensor)> {
+    check::float_like(
+        "old_log_probs",
+        otb.old_log_probs,
+        "token_level_rewards",
+        rewards,
+    )?;
+    check::float_like(
+        "sum_pi_squared",
+        otb.sum_pi_squared,
+        "token_level_rewards",
+        rewards,
+    )?;
+    if let Some(w) = otb.rollout_is_weights {
+        check::float_like("rollout_is_weights", w, "token_level_rewards", rewards)?;
+    }
+    let kind = rewards.kind();
+    let returns = (rewards * mask).flip([-1]).cumsum(-1, kind).flip([-1]);
+    let pi = otb.old_log_probs.to_kind(kind).exp();
+    let mut w = 1.0 - 2.0 * pi + otb.sum_pi_squared.to_kind(kind);
+    if let Some(is) = otb.rollout_is_weights {
+        w *= is.to_kind(kind).square();
+    }
+    let w_cum = (&w * mask).cumsum(-1, kind);
+    Ok((returns, w_cum))
+}
+
+/// Per-group, per-position sums of `x` (`[batch, len]` -> `[groups, len]`).
+fn group_sums(groups: &Groups, x: &Tensor) -> Tensor {
+    Tensor::zeros([groups.n, x.size()[1]], (x.kind(), x.device())).index_add(0, &groups.inv, x)
+}
+
+/// verl's `handle_zero_tail`: in each group whose longest response is strictly the longest
+/// (one row) and longer than the second longest, that row's baseline is 0 from the second
+/// longest length on. `lengths` are the rows' token counts; `valid` marks the rows that count.
+fn zero_tail(baselines: &Tensor, groups: &Groups, lengths: &Tensor, valid: &Tensor) -> Tensor {
+    let neg = f64::NEG_INFINITY;
+    let len = lengths.where_scalarother(valid, neg);
+    let max = groups.rows(&groups.max(&len));
+    let at_max = len.eq_tensor(&max).logical_and(valid);
+    let n_at_max = groups.rows(&groups.sum(&at_max.to_kind(lengths.kind())));
+    let second = groups.rows(&groups.max(&len.where_scalarother(&at_max.logical_not(), neg)));
+    // a group of two or more valid rows with one strict longest row
+    let target = at_max
+        .logical_and(&n_at_max.eq(1.0))
+        .logical_and(&second.isfinite())
+        .logical_and(&max.gt_tensor(&second));
+    let width = baselines.size()[1];
+    let pos = Tensor::arange(width, (lengths.kind(), lengths.device())).unsqueeze(0);
+    let tail = pos
+        .ge_tensor(&second.unsqueeze(-1))
+        .logical_and(&target.unsqueeze(-1));
+    baselines.masked_fill(&tail, 0.0)
+}
+
+/// The optimal token baseline, matching verl's `compute_optimal_token_baseline_advantage`.
+///
+/// Each position `t` of a group's responses gets the baseline `B_t = Σ G_t W_t / (Σ W_t +
+/// epsilon)` over the group's rows, where `G_t` is the return-to-go and `W_t` the accumulated
+/// path variance (see [`OtbInputs`]; with importance weights, `W` is scaled by their square).
+/// A group of one row has no baseline. With `handle_zero_tail` the strictly longest response
+/// of a group gets no baseline past the second longest's length. Returns `(advantages, returns)`
+/// with `advantages = (G - B) * mask` and `returns = G`.
+///
+/// # Shapes
+/// - `token_level_rewards`, `response_mask`: `[batch, response_len]`
+/// - `index`: `[batch]` int64 group ids
+/// - returns: `(advantages, returns)`, `[batch, response_len]` each
+pub fn optimal_token_baseline(
+    token_level_rewards: &Tensor,
+    response_mask: &Tensor,
+    index: &Tensor,
+    otb: &OtbInputs<'_>,
+    handle_zero_tail: bool,
+    epsilon: f64,
 ) -> Result<(Tensor, Tensor)> {
     let (mask, groups) = outcome_groups(token_level_rewards, response_mask, index)?;
     let _guard = tch::no_grad_guard();
-    let scores = scores(token_level_rewards);
-    let batch = scores.size()[0] as f64;
-    let nonzero = scores
-        .count_nonzero(None::<i64>)
-        .to_kind(scores.kind())
-        .clamp_min(1.0);
-    let alpha = batch / nonzero;
-    let mean = groups.rows(&group_mean_or_zero(&groups, &scores));
-    let f_norm = 1.0;
-    let advantages = ((alpha * (scores - mean)) / f_norm).unsqueeze(-1) * &mask;
-    Ok((advantages.shallow_clone(), advantages))
+    let (returns, w_cum) = otb_paths(token_level_rewards, &mask, otb)?;
+    let num = group_sums(&groups, &(&returns * &w_cum * &mask));
+    let den = group_sums(&groups, &(&w_cum * &mask)) + epsilon;
+    let several = groups.counts.gt(1.0).unsqueeze(-1);
+    let per_group = (num / den).where_scalarother(&several, 0.0);
+    let mut baselines = per_group.index_select(0, &groups.inv);
+    if handle_zero_tail {
+        let lengths = mask.sum_dim_intlist([-1].as_slice(), false, None::<Kind>);
+        let valid = Tensor::ones_like(&lengths).gt(0.0);
+        baselines = zero_tail(&baselines, &groups, &lengths, &valid);
+    }
+    let advantages = (&returns - baselines) * &mask;
+    Ok((advantages, returns))
+}
+
+/// The optimal token baseline over multi-turn responses, matching verl's
+/// `compute_multi_turn_optimal_token_baseline_advantage` (`tir_optimal_token_baseline`).
+///
+/// As [`optimal_token_baseline`], but the baseline is indexed by each row's own token count
+/// rather than by position: the `k`-th policy token of every response in a group shares a
+/// baseline, whatever observation tokens came between. Rows without tokens take part in no
+/// group. verl's default for `handle_zero_tail` is true here.
+///
+/// # Shapes
+/// - as [`optimal_token_baseline`]
+pub fn tir_optimal_token_baseline(
+    token_level_rewards: &Tensor,
+    response_mask: &Tensor,
+    index: &Tensor,
+    otb: &OtbInputs<'_>,
+    handle_zero_tail: bool,
+    epsilon: f64,
+) -> Result<(Tensor, Tensor)> {
+    let (mask, _) = outcome_groups(token_level_rewards, response_mask, index)?;
+    let _guard = tch::no_grad_guard();
+    let (returns, w_cum) = otb_paths(token_level_rewards, &mask, otb)?;
+    let kind = returns.kind();
+    let device = returns.device();
+    let keep = mask.gt(0.0);
+    let lengths = mask.sum_dim_intlist([-1].as_slice(), false, None::<Kind>);
+    let valid = lengths.gt(0.0);
+    let width = if lengths.numel() > 0 {
+        lengths.max().double_value(&[]) as i64
+    } else {
+        0
+    };
+    // the k-th policy token of each row at column k of a [batch, width] layout
+    let nz = keep.nonzero();
+    let (rows, cols) = (nz.select(1, 0), nz.select(1, 1));
+    let slot = (mask.cumsum(-1, Kind::Int64) - 1).index(&[Some(&rows), Some(&cols)]);
+    let batch = mask.size()[0];
+    let compact = |x: &Tensor| {
+        Tensor::zeros([batch, width], (kind, device)).index_put(
+            &[Some(&rows), Some(&slot)],
+            &x.index(&[Some(&rows), Some(&cols)]),
+            false,
+        )
+    };
+    let (r_c, w_c) = (compact(&returns), compact(&w_cum));
+    // groups over the rows with tokens only (verl skips empty rows)
+    let kept_rows = valid.nonzero().squeeze_dim(-1);
+    let sub_groups = check::groups(
+        "index",
+        &index.index_select(0, &kept_rows.to_device(index.device())),
+        kept_rows.size()[0],
+        kind,
+    )?;
+    let (r_k, w_k) = (
+        r_c.index_select(0, &kept_rows),
+        w_c.index_select(0, &kept_rows),
+    );
+    let num = group_sums(&sub_groups, &(&r_k * &w_k));
+    let den = group_sums(&sub_groups, &w_k) + epsilon;
+    let several = sub_groups.counts.gt(1.0).unsqueeze(-1);
+    let mut b_k = (num / den)
+        .where_scalarother(&several, 0.0)
+        .index_select(0, &sub_groups.inv);
+    if handle_zero_tail {
+        let len_k = lengths.index_select(0, &kept_rows);
+        let all = Tensor::ones_like(&len_k).gt(0.0);
+        b_k = zero_tail(&b_k, &sub_groups, &len_k, &all);
+    }
+    let adv_c =
+        Tensor::zeros([batch, width], (kind, device)).index_copy(0, &kept_rows, &(r_k - b_k));
+    let advantages = Tensor::zeros_like(&returns).index_put(
+        &[Some(&rows), Some(&cols)],
+        &adv_c.index(&[Some(&rows), Some(&slot)]),
+        false,
+    ) * &mask;
+    Ok((advantages, returns))
 }
 
 /// REINFORCE++ advantages, matching `compute_reinforce_plus_plus_outcome_advantage`.
@@ -555,12 +808,22 @@ mod tests {
     #[test]
     fn passk_rejects_singletons_and_bad_index() {
         let r = Tensor::ones([3, 2], (Kind::Double, tch::Device::Cpu));
-        let err = grpo_passk(&r, &r, &Tensor::from_slice(&[0i64, 0, 1]), true).unwrap_err();
+        let err =
+            grpo_passk(&r, &r, &Tensor::from_slice(&[0i64, 0, 1]), true, EPSILON).unwrap_err();
         assert!(
             err.to_string().contains("at least 2 samples per group"),
             "{err}"
         );
-        assert!(grpo(&r, &r, &Tensor::from_slice(&[0i64, 0]), true).is_err());
-        assert!(grpo(&r, &r, &Tensor::from_slice(&[0.0f64, 0.0, 1.0]), true).is_err());
+        assert!(grpo(&r, &r, &Tensor::from_slice(&[0i64, 0]), true, EPSILON).is_err());
+        assert!(
+            grpo(
+                &r,
+                &r,
+                &Tensor::from_slice(&[0.0f64, 0.0, 1.0]),
+                true,
+                EPSILON
+            )
+            .is_err()
+        );
     }
 }

@@ -5,6 +5,7 @@ use serde::{Deserialize, Serialize};
 use crate::advantage::AdvEstimator;
 use crate::error::{Error, Result};
 use crate::kl::KlPenalty;
+use crate::rollout_corr::RolloutCorrectionConfig;
 
 /// verl's `algorithm` group: the advantage estimator and KL-in-reward.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -26,6 +27,20 @@ pub struct AlgoConfig {
     pub kl_ctrl: KlCtrlConfig,
     /// DAPO's dynamic sampling; absent (verl's `null`) means off.
     pub filter_groups: Option<FilterGroupsConfig>,
+    /// The `epsilon` added to GRPO's (and pass@k's) group std, > 0. Default 1e-6 (verl's
+    /// function default; verl's trainer does not expose it).
+    pub grpo_epsilon: f64,
+    /// GPG's `f_norm`, the divisor of its advantages, non-zero. Default 1.0 (verl's function
+    /// default; verl's trainer does not expose it).
+    pub gpg_f_norm: f64,
+    /// The optimal token baselines' `epsilon` in `Σ G W / (Σ W + epsilon)`, > 0. Default 1e-8.
+    pub otb_epsilon: f64,
+    /// The optimal token baselines' `handle_zero_tail`; absent = verl's default (false for
+    /// `optimal_token_baseline`, true for `tir_optimal_token_baseline`).
+    pub otb_handle_zero_tail: Option<bool>,
+    /// Importance weights and rejection for rollouts whose policy differs from the trained one
+    /// (verl's `algorithm.rollout_correction`); everything off by default.
+    pub rollout_correction: RolloutCorrectionConfig,
 }
 
 impl Default for AlgoConfig {
@@ -39,6 +54,11 @@ impl Default for AlgoConfig {
             kl_penalty: KlPenalty::Kl,
             kl_ctrl: KlCtrlConfig::default(),
             filter_groups: None,
+            grpo_epsilon: crate::advantage::EPSILON,
+            gpg_f_norm: 1.0,
+            otb_epsilon: 1e-8,
+            otb_handle_zero_tail: None,
+            rollout_correction: RolloutCorrectionConfig::default(),
         }
     }
 }
@@ -48,7 +68,27 @@ impl AlgoConfig {
     pub fn validate(&self) -> Result<()> {
         unit_interval("gamma", self.gamma)?;
         unit_interval("lam", self.lam)?;
+        positive("grpo_epsilon", self.grpo_epsilon)?;
+        positive("otb_epsilon", self.otb_epsilon)?;
+        if !(self.gpg_f_norm != 0.0 && self.gpg_f_norm.is_finite()) {
+            return Err(Error::invalid(
+                "gpg_f_norm",
+                format!("must be finite and non-zero, got {}", self.gpg_f_norm),
+            ));
+        }
+        self.rollout_correction.validate()?;
         self.kl_ctrl.validate()
+    }
+}
+
+fn positive(name: &'static str, v: f64) -> Result<()> {
+    if v > 0.0 && v.is_finite() {
+        Ok(())
+    } else {
+        Err(Error::invalid(
+            name,
+            format!("must be positive and finite, got {v}"),
+        ))
     }
 }
 

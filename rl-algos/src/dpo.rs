@@ -281,11 +281,15 @@ pub fn sppo(
     let log_ratios = log_prob_sum - old_log_prob_sum;
     let scaled_rewards = eta * rewards;
     let loss_vec = (&log_ratios - &scaled_rewards).square();
+    // verl's sample mask is `response_mask.any(dim=1).float()`: float32 whatever the losses'
+    // dtype, so `masked_mean`'s `+ 1e-8` is added to a float32 count and vanishes for any
+    // count >= 1; the loss is the sum divided by exactly n (and 0 for no non-empty row).
     let sample_mask = mask
         .sum_dim_intlist([1].as_slice(), false, None::<Kind>)
         .gt(0.0)
-        .to_kind(loss_vec.kind());
-    let loss = masked::mean_(&loss_vec, &sample_mask, None);
+        .to_kind(Kind::Float);
+    let count = (sample_mask.sum(Kind::Float) + 1e-8).to_kind(loss_vec.kind());
+    let loss = (&loss_vec * sample_mask.to_kind(loss_vec.kind())).sum(None::<Kind>) / count;
     Ok(SppoOutput {
         loss,
         log_ratios,

@@ -39,7 +39,7 @@
 //! let rewards = Tensor::from_slice(&[0f32, 0., 1., 0., 0., 0., 0., 0., 1., 0., 0., 0.]).view([4, 3]);
 //! let mask = Tensor::from_slice(&[1f32, 1., 1., 1., 1., 1., 1., 1., 1., 1., 1., 0.]).view([4, 3]);
 //! let uids = advantage::group_index(&["p0", "p0", "p1", "p1"]);
-//! let (advantages, _returns) = advantage::grpo(&rewards, &mask, &uids, true)?;
+//! let (advantages, _returns) = advantage::grpo(&rewards, &mask, &uids, true, advantage::EPSILON)?;
 //!
 //! let old_log_prob = Tensor::full([4, 3], -1.0, opts);
 //! let log_prob = (&old_log_prob + 0.1).set_requires_grad(true);
@@ -71,6 +71,7 @@ pub mod logits;
 pub mod loss;
 pub mod masked;
 pub mod rm;
+pub mod rollout_corr;
 pub mod trainer;
 
 pub use advantage::AdvEstimator;

@@ -24,6 +24,7 @@ fn mismatched_shapes_name_the_argument() {
         &ones(&[3, 3]),
         &Tensor::from_slice(&[0i64, 1]),
         true,
+        advantage::EPSILON,
     )
     .unwrap_err();
     assert!(

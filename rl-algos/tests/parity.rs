@@ -3,10 +3,9 @@
 //! The fixtures in `tests/fixtures/` were made by `generate.py` from verl's own functions.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
 
 use rl_algos::advantage;
-use rl_algos::agg::{self, GlobalBatchInfo, LossAggMode};
+use rl_algos::agg::{self, GlobalBatchInfo};
 use rl_algos::dapo::{self, OverlongBufferConfig};
 use rl_algos::dpo::{self, DpoConfig};
 use rl_algos::kl::{self, KlController, KlPenalty};
@@ -14,146 +13,11 @@ use rl_algos::logits;
 use rl_algos::loss::{self, PolicyLossConfig, PolicyLossInputs, PolicyLossParams};
 use rl_algos::masked;
 use rl_algos::{KlCtrlConfig, PolicyLossMode};
-use serde_json::Value;
-use tch::{Kind, Tensor};
+use tch::Kind;
 
-/// Relative tolerance of every comparison (f64 inputs).
-const RTOL: f64 = 1e-6;
-/// Absolute tolerance, for entries that are zero or nearly so.
-const ATOL: f64 = 1e-9;
+mod common;
 
-struct Family {
-    name: &'static str,
-    tensors: HashMap<String, Tensor>,
-    cases: Vec<Value>,
-}
-
-impl Family {
-    fn load(name: &'static str) -> Family {
-        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
-        let tensors = Tensor::read_safetensors(dir.join(format!("{name}.safetensors")))
-            .unwrap_or_else(|e| panic!("reading {name}.safetensors: {e}"))
-            .into_iter()
-            .collect();
-        let json: Value = serde_json::from_str(
-            &std::fs::read_to_string(dir.join(format!("{name}.json"))).unwrap(),
-        )
-        .unwrap();
-        let cases = json["cases"].as_array().unwrap().clone();
-        assert!(!cases.is_empty());
-        Family {
-            name,
-            tensors,
-            cases,
-        }
-    }
-
-    fn cases(&self) -> impl Iterator<Item = Case<'_>> {
-        self.cases.iter().map(move |c| Case {
-            family: self,
-            json: c,
-            name: c["name"].as_str().unwrap(),
-        })
-    }
-}
-
-struct Case<'a> {
-    family: &'a Family,
-    json: &'a Value,
-    name: &'a str,
-}
-
-impl Case<'_> {
-    fn func(&self) -> &str {
-        self.json["fn"].as_str().unwrap()
-    }
-
-    fn t(&self, key: &str) -> Tensor {
-        let k = format!("{}/{key}", self.name);
-        self.family
-            .tensors
-            .get(&k)
-            .unwrap_or_else(|| panic!("{}: no tensor {k}", self.family.name))
-            .shallow_clone()
-    }
-
-    fn has(&self, key: &str) -> bool {
-        self.family
-            .tensors
-            .contains_key(&format!("{}/{key}", self.name))
-    }
-
-    fn p(&self, key: &str) -> &Value {
-        &self.json["params"][key]
-    }
-
-    fn f(&self, key: &str) -> f64 {
-        self.p(key)
-            .as_f64()
-            .unwrap_or_else(|| panic!("{}: no param {key}", self.name))
-    }
-
-    fn metric(&self, key: &str) -> f64 {
-        self.json["metrics"][key]
-            .as_f64()
-            .unwrap_or_else(|| panic!("{}: no metric {key}", self.name))
-    }
-
-    fn close(&self, what: &str, got: &Tensor, want: &Tensor) {
-        let ctx = format!("{}/{}: {what}", self.family.name, self.name);
-        close(&ctx, got, want);
-    }
-
-    fn close_key(&self, key: &str, got: &Tensor) {
-        self.close(key, got, &self.t(key));
-    }
-
-    fn close_f(&self, what: &str, got: f64, want: f64) {
-        let ok = (got - want).abs() <= ATOL + RTOL * want.abs();
-        assert!(
-            ok,
-            "{}/{}: {what}: got {got}, want {want}",
-            self.family.name, self.name
-        );
-    }
-}
-
-fn close(ctx: &str, got: &Tensor, want: &Tensor) {
-    assert_eq!(got.size(), want.size(), "{ctx}: shape");
-    let got = got.detach().to_kind(Kind::Double);
-    let want = want.to_kind(Kind::Double);
-    let diff = (&got - &want).abs();
-    let bound = want.abs() * RTOL + ATOL;
-    let bad = diff.gt_tensor(&bound);
-    if bad.any().int64_value(&[]) != 0 {
-        let i = bad.reshape([-1]).nonzero().int64_value(&[0, 0]);
-        let (g, w) = (
-            got.reshape([-1]).double_value(&[i]),
-            want.reshape([-1]).double_value(&[i]),
-        );
-        panic!("{ctx}: flat index {i}: got {g}, want {w}\ngot  {got}\nwant {want}");
-    }
-}
-
-fn leaf(t: &Tensor) -> Tensor {
-    t.detach().copy().set_requires_grad(true)
-}
-
-fn mode(s: &str) -> LossAggMode {
-    s.parse().unwrap()
-}
-
-fn batch_info(v: &Value) -> GlobalBatchInfo {
-    if v.is_null() || v.as_object().is_some_and(|o| o.is_empty()) {
-        return GlobalBatchInfo::local();
-    }
-    GlobalBatchInfo {
-        dp_size: v["dp_size"].as_i64().unwrap(),
-        batch_num_tokens: v["batch_num_tokens"].as_f64(),
-        global_batch_size: v["global_batch_size"].as_f64(),
-        loss_scale_factor: v["loss_scale_factor"].as_f64(),
-    }
-}
+use common::{Case, Family, batch_info, leaf, mode};
 
 #[test]
 fn masked_and_logits_match_verl() {
@@ -223,11 +87,11 @@ fn advantages_match_verl() {
         let flag = || c.p("norm_adv_by_std_in_grpo").as_bool().unwrap();
         let (adv, ret) = match c.func() {
             "gae" => advantage::gae(&r, &c.t("values"), &m, c.f("gamma"), c.f("lam")),
-            "grpo" => advantage::grpo(&r, &m, &index(), flag()),
-            "grpo_passk" => advantage::grpo_passk(&r, &m, &index(), flag()),
+            "grpo" => advantage::grpo(&r, &m, &index(), flag(), advantage::EPSILON),
+            "grpo_passk" => advantage::grpo_passk(&r, &m, &index(), flag(), advantage::EPSILON),
             "rloo" => advantage::rloo(&r, &m, &index()),
             "opo" => advantage::opo(&r, &m, &index()),
-            "gpg" => advantage::gpg(&r, &m, &index()),
+            "gpg" => advantage::gpg(&r, &m, &index(), 1.0),
             "reinforce_plus_plus" => advantage::reinforce_plus_plus(&r, &m, c.f("gamma")),
             "reinforce_plus_plus_baseline" => {
                 advantage::reinforce_plus_plus_baseline(&r, &m, &index())

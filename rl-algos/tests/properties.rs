@@ -53,7 +53,7 @@ proptest! {
         let mut mask: Vec<f64> = (0..rows * cols).map(|_| (next() % 3 != 0) as i64 as f64).collect();
         for r in 0..rows { mask[r * cols] = 1.0; }
         let (r, m) = (t2(&rewards, rows), t2(&mask, rows));
-        let (adv, _) = advantage::grpo(&r, &m, &Tensor::from_slice(&index), norm).unwrap();
+        let (adv, _) = advantage::grpo(&r, &m, &Tensor::from_slice(&index), norm, advantage::EPSILON).unwrap();
         let masked_part = max_abs(&(&adv * (1.0 - &m)));
         prop_assert_eq!(masked_part, 0.0);
         let first = adv.select(1, 0);

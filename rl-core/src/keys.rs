@@ -72,6 +72,13 @@ keys! {
     /// Log-probs of the sampled tokens under the sampling distribution the rollout actually used.
     ROLLOUT_LOG_PROBS = "rollout_log_probs", tensor, "[batch, response_len]", "f32",
         writer: "rollout", reader: "rollout importance-sampling correction, metrics";
+    /// Truncated importance weights `π_train / π_rollout` of rollout correction (verl's
+    /// `algorithm.rollout_correction.rollout_is`), zero at masked positions.
+    ROLLOUT_IS_WEIGHTS = "rollout_is_weights", tensor, "[batch, response_len]", "f32",
+        writer: "rl-algos rollout_corr (trainer, decoupled mode)", reader: "policy loss, optimal token baseline";
+    /// `Σπ²` over the vocabulary at each response position (verl's `sum_pi_squared`).
+    SUM_PI_SQUARED = "sum_pi_squared", tensor, "[batch, response_len]", "f32",
+        writer: "actor.compute_log_prob (when asked)", reader: "optimal token baseline";
     /// Per-token entropy of the policy.
     ENTROPYS = "entropys", tensor, "[batch, response_len]", "f32",
         writer: "actor.compute_log_prob (when asked)", reader: "metrics, Clip-Cov / KL-Cov";

@@ -118,10 +118,30 @@ pub trait ValueObjective {
     ) -> Result<(Tensor, Metrics)>;
 }
 
+/// What [`Actor::compute_log_prob_with`] computes besides `old_log_probs`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LogProbExtras {
+    /// Per-token entropy (`entropys`).
+    pub entropy: bool,
+    /// `Σπ²` over the vocabulary per position (`sum_pi_squared`, the optimal token baseline's).
+    pub sum_pi_squared: bool,
+}
+
 /// The trained policy.
 pub trait Actor {
+    /// `old_log_probs`, plus the `extras` asked for (`entropys`, `sum_pi_squared`), for
+    /// `responses`, without gradient.
+    fn compute_log_prob_with(&mut self, batch: &Batch, extras: LogProbExtras) -> Result<Batch>;
     /// `old_log_probs` (and `entropys` when `with_entropy`) for `responses`, without gradient.
-    fn compute_log_prob(&mut self, batch: &Batch, with_entropy: bool) -> Result<Batch>;
+    fn compute_log_prob(&mut self, batch: &Batch, with_entropy: bool) -> Result<Batch> {
+        self.compute_log_prob_with(
+            batch,
+            LogProbExtras {
+                entropy: with_entropy,
+                sum_pi_squared: false,
+            },
+        )
+    }
     /// One update over `batch` (mini-batches × PPO epochs, micro-batch accumulation).
     fn update(&mut self, batch: &Batch, objective: &dyn PolicyObjective) -> Result<Metrics>;
     /// Writes the trained state (weights, optimizer moments and step, LR-schedule position)

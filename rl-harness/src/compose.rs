@@ -125,6 +125,7 @@ pub fn on_policy_config(cfg: &ExperimentConfig, batches_per_epoch: usize) -> OnP
         critic_ppo_mini_batch_size: cfg.critic.worker.ppo_mini_batch_size,
         overlong_buffer: cfg.reward_model.own.overlong_buffer,
         batches_per_epoch,
+        rollout_diagnostics: arr.rollout.calculate_log_probs,
     }
 }
 

@@ -40,6 +40,14 @@ pub struct RolloutConfig {
     pub do_sample: bool,
     /// Base seed of the sampler; see [`RolloutConfig::seed_for`].
     pub seed: u64,
+    /// verl's switch for returning the rollout's own log-probs. They are always returned here;
+    /// true makes the on-policy trainer log the `rollout_corr/*` diagnostics of the rollout
+    /// against the trained policy even with rollout correction off. Default false.
+    pub calculate_log_probs: bool,
+    /// For testing rollout correction only: Gaussian noise of this standard deviation is added
+    /// to the returned `rollout_log_probs` (on response tokens, seeded by the generation's
+    /// seed), as if an engine computed them differently from the trainer; >= 0. Default 0.
+    pub debug_logprob_noise: f64,
 }
 
 impl Default for RolloutConfig {
@@ -52,6 +60,8 @@ impl Default for RolloutConfig {
             response_length: 512,
             do_sample: true,
             seed: 0,
+            calculate_log_probs: false,
+            debug_logprob_noise: 0.0,
         }
     }
 }
@@ -78,6 +88,12 @@ impl RolloutConfig {
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return bad("top_p", format!("must be in (0, 1], got {}", self.top_p));
         }
+        if !(self.debug_logprob_noise >= 0.0 && self.debug_logprob_noise.is_finite()) {
+            return bad(
+                "debug_logprob_noise",
+                format!("must be finite and >= 0, got {}", self.debug_logprob_noise),
+            );
+        }
         if self.top_k < -1 {
             return bad(
                 "top_k",
@@ -100,6 +116,42 @@ impl RolloutConfig {
         z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
         z ^ (z >> 31)
     }
+}
+
+/// `rollout_log_probs + std * N(0, 1)` on the masked-in positions; row `r` draws from its own
+/// splitmix64 stream of `(seed, row_offset + r)` (Box–Muller), so a data-parallel rank perturbs
+/// its rows as one process would, independently of torch's generator; see
+/// [`RolloutConfig::debug_logprob_noise`].
+pub(crate) fn perturb_log_probs(
+    log_probs: &Tensor,
+    mask: &Tensor,
+    std: f64,
+    seed: u64,
+    row_offset: u64,
+) -> Tensor {
+    let size = log_probs.size();
+    let (rows, width) = (size[0], size.get(1).copied().unwrap_or(1));
+    let mut noise = Vec::with_capacity((rows * width) as usize);
+    for r in 0..rows as u64 {
+        let mut state = seed ^ (row_offset + r).wrapping_mul(0xD1B5_4A32_D192_ED03);
+        let mut next = || {
+            state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            // 53 random bits, shifted into (0, 1]
+            (((z ^ (z >> 31)) >> 11) as f64 + 1.0) / (1u64 << 53) as f64
+        };
+        for _ in 0..width {
+            let (u1, u2) = (next(), next());
+            noise.push((-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos() * std);
+        }
+    }
+    let noise = Tensor::from_slice(&noise)
+        .view(size.as_slice())
+        .to_kind(log_probs.kind())
+        .to_device(log_probs.device());
+    log_probs + noise * mask.to_kind(log_probs.kind())
 }
 
 /// Where a generation stands, passed to the progress hook after every decode step.

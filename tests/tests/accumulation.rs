@@ -95,6 +95,7 @@ fn update(
     };
     let mut actor = ActorWorker::new(p.clone(), cfg, 4).unwrap();
     let objective = PolicyLoss {
+        rollout: Default::default(),
         cfg: ActorLossConfig {
             loss_agg_mode: mode,
             use_kl_loss: true,

@@ -306,6 +306,7 @@ fn critic_cfg() -> CriticConfig {
 
 fn policy_objective(mode: LossAggMode) -> PolicyLoss {
     PolicyLoss {
+        rollout: Default::default(),
         cfg: ActorLossConfig {
             loss_agg_mode: mode,
             use_kl_loss: true,

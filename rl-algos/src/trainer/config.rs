@@ -39,6 +39,10 @@ pub struct ActorLossConfig {
     pub kl_loss_coef: f64,
     /// KL estimator of the KL loss. Default `low_var_kl`.
     pub kl_loss_type: KlPenalty,
+    /// Compute `Σπ²` per token with the old log-probs (verl's switch; the optimal token
+    /// baselines need it). Absent = exactly when the advantage estimator needs it; false with
+    /// such an estimator is an error.
+    pub calculate_sum_pi_squared: Option<bool>,
 }
 
 impl Default for ActorLossConfig {
@@ -56,6 +60,7 @@ impl Default for ActorLossConfig {
             use_kl_loss: false,
             kl_loss_coef: 0.001,
             kl_loss_type: KlPenalty::LowVarKl,
+            calculate_sum_pi_squared: None,
         }
     }
 }
@@ -74,6 +79,7 @@ impl ActorLossConfig {
         "use_kl_loss",
         "kl_loss_coef",
         "kl_loss_type",
+        "calculate_sum_pi_squared",
     ];
 
     /// The policy-loss part.
@@ -174,6 +180,9 @@ pub struct OnPolicyConfig {
     pub overlong_buffer: OverlongBufferConfig,
     /// Batches per epoch of the training loader (to derive the step count from epochs).
     pub batches_per_epoch: usize,
+    /// `actor_rollout_ref.rollout.calculate_log_probs`: log the `rollout_corr/*` diagnostics
+    /// even when rollout correction is off.
+    pub rollout_diagnostics: bool,
 }
 
 impl Default for OnPolicyConfig {
@@ -191,6 +200,7 @@ impl Default for OnPolicyConfig {
             critic_ppo_mini_batch_size: 256,
             overlong_buffer: OverlongBufferConfig::default(),
             batches_per_epoch: 1,
+            rollout_diagnostics: false,
         }
     }
 }
@@ -220,6 +230,28 @@ impl OnPolicyConfig {
             .policy_loss_config()
             .validate()
             .map_err(|e| bad("actor_rollout_ref.actor", e.to_string()))?;
+        if algo.adv_estimator.needs_sum_pi_squared()
+            && self.actor.calculate_sum_pi_squared == Some(false)
+        {
+            return Err(bad(
+                "actor_rollout_ref.actor.calculate_sum_pi_squared",
+                format!(
+                    "adv_estimator `{}` needs sum_pi_squared from the actor; set it to true or leave it out",
+                    algo.adv_estimator
+                ),
+            ));
+        }
+        let rc = &algo.rollout_correction;
+        if rc.bypass_mode && self.actor.policy_loss.loss_mode != PolicyLossMode::Vanilla {
+            return Err(bad(
+                "algorithm.rollout_correction.bypass_mode",
+                format!(
+                    "bypass mode's policy loss is rollout_correction.loss_type ({:?}); \
+                     actor_rollout_ref.actor.policy_loss.loss_mode = `{}` would be ignored (verl overrides it silently)",
+                    rc.loss_type, self.actor.policy_loss.loss_mode
+                ),
+            ));
+        }
         if self.train_batch_size == 0 {
             return Err(bad("data.train_batch_size", "must be at least 1"));
         }

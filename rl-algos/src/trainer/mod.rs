@@ -17,7 +17,7 @@ mod source;
 mod spin;
 
 pub use config::{ActorLossConfig, CriticLossConfig, OnPolicyConfig, TrainerSection};
-pub use objective::{PolicyLoss, SftLoss, ValueLoss};
+pub use objective::{PolicyLoss, RolloutLoss, SftLoss, ValueLoss};
 pub use on_policy::{
     ACC_COLUMN, OnPolicyTrainer, PROMPT_TEXT_COLUMN, RESPONSE_TEXT_COLUMN, Roles, SCORE_COLUMN,
 };

@@ -16,7 +16,8 @@ use tch::Tensor;
 
 use crate::agg::{self, GlobalBatchInfo};
 use crate::kl;
-use crate::loss::{self, PolicyLossInputs};
+use crate::loss::{self, PolicyLossInputs, PolicyLossMode};
+use crate::rollout_corr::{self, BypassLossType, RolloutCorrectionConfig};
 use crate::trainer::config::{ActorLossConfig, CriticLossConfig};
 
 /// The normalisers of `micro`'s loss: the mini-batch counts of [`MiniBatchInfo`] (global over the
@@ -59,11 +60,27 @@ fn item(t: &Tensor) -> f64 {
 /// (reads `ref_log_prob`), minus `entropy_coeff * entropy` when the coefficient is non-zero.
 /// Reads `old_log_probs`, `advantages`, `response_mask` restricted by `loss_mask` when present
 /// ([`keys::policy_mask`]: multi-turn observations contribute nothing to any term), and
-/// `rollout_log_probs` never.
-#[derive(Debug, Clone, Copy)]
+/// `rollout_is_weights` when the trainer put them there (rollout correction, decoupled mode).
+/// `rollout_log_probs` are read only as [`RolloutLoss`] says.
+#[derive(Debug, Clone)]
 pub struct PolicyLoss {
     /// The loss keys.
     pub cfg: ActorLossConfig,
+    /// Rollout correction inside the loss (bypass mode) and its diagnostics.
+    pub rollout: RolloutLoss,
+}
+
+/// What the actor loss does with the rollout's own log-probs.
+#[derive(Debug, Clone, Default)]
+pub struct RolloutLoss {
+    /// verl's bypass mode: `old_log_probs` are the rollout's, and each micro-batch's loss is
+    /// `rollout_correction.loss_type` (PPO-clip, or REINFORCE with the importance weights) on
+    /// the response mask after rejection, with the `rollout_corr/*` metrics of the current
+    /// policy against the rollout (verl's `compute_policy_loss_bypass_mode`).
+    pub bypass: Option<RolloutCorrectionConfig>,
+    /// Outside bypass mode: log the `rollout_corr/*` diagnostics of the current policy against
+    /// `rollout_log_probs` per micro-batch (verl's `compute_rollout_corr_metrics_from_logprobs`).
+    pub diagnostics: bool,
 }
 
 impl PolicyObjective for PolicyLoss {
@@ -79,16 +96,55 @@ impl PolicyObjective for PolicyLoss {
     ) -> rl_core::Result<(Tensor, Metrics)> {
         let mask = &keys::policy_mask(micro)?;
         let norm = norm(info, micro);
-        let pl_cfg = self.cfg.policy_loss_config();
-        let inputs = PolicyLossInputs {
-            old_log_prob: micro.get(keys::OLD_LOG_PROBS)?,
-            log_prob: &out.log_prob,
-            advantages: micro.get(keys::ADVANTAGES)?,
-            response_mask: mask,
-            rollout_is_weights: None,
-        };
-        let pg = loss::policy(&inputs, &pl_cfg, &norm).map_err(wrap)?;
+        let mut pl_cfg = self.cfg.policy_loss_config();
+        let old_log_prob = micro.get(keys::OLD_LOG_PROBS)?;
+        let advantages = micro.get(keys::ADVANTAGES)?;
         let mut metrics = Metrics::new();
+        let pg = match &self.rollout.bypass {
+            Some(rc) => {
+                // old_log_probs are the rollout's: weights and rejection of the current policy
+                // against them, then PPO-clip (the ratio is the correction) or REINFORCE with
+                // the weights
+                let c =
+                    rollout_corr::correct(&out.log_prob, old_log_prob, mask, rc).map_err(wrap)?;
+                let reinforce = rc.loss_type == BypassLossType::Reinforce;
+                pl_cfg.policy_loss.loss_mode = if reinforce {
+                    PolicyLossMode::Reinforce
+                } else {
+                    PolicyLossMode::Vanilla
+                };
+                let inputs = PolicyLossInputs {
+                    old_log_prob,
+                    log_prob: &out.log_prob,
+                    advantages,
+                    response_mask: &c.response_mask,
+                    rollout_is_weights: if reinforce { c.weights.as_ref() } else { None },
+                };
+                let pg = loss::policy(&inputs, &pl_cfg, &norm).map_err(wrap)?;
+                for (k, v) in c.metrics {
+                    metrics.push(k, v);
+                }
+                pg
+            }
+            None => {
+                let inputs = PolicyLossInputs {
+                    old_log_prob,
+                    log_prob: &out.log_prob,
+                    advantages,
+                    response_mask: mask,
+                    rollout_is_weights: micro.get(keys::ROLLOUT_IS_WEIGHTS).ok(),
+                };
+                if self.rollout.diagnostics {
+                    let rollout = micro.get(keys::ROLLOUT_LOG_PROBS)?;
+                    let diag = rollout_corr::metrics_from_logprobs(&out.log_prob, rollout, mask)
+                        .map_err(wrap)?;
+                    for (k, v) in diag {
+                        metrics.push(k, v);
+                    }
+                }
+                loss::policy(&inputs, &pl_cfg, &norm).map_err(wrap)?
+            }
+        };
         metrics.push("actor/pg_loss", item(&pg.loss));
         for (k, v) in pg.metrics.to_vec() {
             metrics.push(k, v);
@@ -260,6 +316,7 @@ mod tests {
             LossAggMode::SeqMeanTokenSumNorm,
         ] {
             let objective = PolicyLoss {
+                rollout: RolloutLoss::default(),
                 cfg: ActorLossConfig {
                     loss_agg_mode: mode,
                     entropy_coeff: 0.01,

@@ -6,7 +6,7 @@ use std::path::Path;
 use std::time::Instant;
 
 use rl_core::dist::{self, SharedCollective};
-use rl_core::roles::{Actor, Critic, Reference, Reward, Rollout};
+use rl_core::roles::{Actor, Critic, LogProbExtras, Reference, Reward, Rollout};
 use rl_core::{Batch, Sample, StepMetrics, Trainer, keys};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -15,9 +15,10 @@ use tch::{Kind, Tensor};
 use crate::advantage::{self, AdvEstimator, AdvantageInputs};
 use crate::dapo;
 use crate::kl::{self, KlController};
+use crate::rollout_corr;
 use crate::trainer::config::OnPolicyConfig;
 use crate::trainer::dp;
-use crate::trainer::objective::{PolicyLoss, ValueLoss};
+use crate::trainer::objective::{PolicyLoss, RolloutLoss, ValueLoss};
 use crate::trainer::source::BatchSource;
 
 /// Column a [`Reward`] role may add with each row's score (else the summed scores are used).
@@ -28,6 +29,17 @@ pub const ACC_COLUMN: &str = "acc";
 pub const PROMPT_TEXT_COLUMN: &str = "prompt_text";
 /// Column with the decoded response, used for validation samples when present.
 pub const RESPONSE_TEXT_COLUMN: &str = "response_text";
+
+/// What the advantage stage produces for this rank's rows.
+struct Advantages {
+    /// `token_level_rewards` (the scores after KL-in-reward).
+    rewards: Tensor,
+    advantages: Tensor,
+    returns: Tensor,
+    /// Rollout correction in decoupled mode: the policy mask after rejection, and the
+    /// importance weights when asked for.
+    correction: Option<(Tensor, Option<Tensor>)>,
+}
 
 /// The roles an on-policy trainer drives.
 pub struct Roles {
@@ -428,7 +440,7 @@ impl OnPolicyTrainer {
         &mut self,
         batch: &Batch,
         m: &mut StepMetrics,
-    ) -> rl_core::Result<(Tensor, Tensor, Tensor)> {
+    ) -> rl_core::Result<Advantages> {
         let algo = self.cfg.algorithm.clone();
         // multi-turn: observation tokens carry no KL penalty, advantage or value target
         let mask = &keys::policy_mask(batch)?;
@@ -450,19 +462,56 @@ impl OnPolicyTrainer {
         } else {
             scores
         };
+        // rollout correction (decoupled mode): weights and rejection of old_log_probs against
+        // the rollout's, after KL-in-reward and before the advantages, as verl's `fit`
+        let correction = if self.decoupled_correction() {
+            let c = rollout_corr::correct(
+                batch.get(keys::OLD_LOG_PROBS)?,
+                batch.get(keys::ROLLOUT_LOG_PROBS)?,
+                mask,
+                &algo.rollout_correction,
+            )
+            .map_err(wrap)?;
+            m.extend(c.metrics.iter().map(|(k, v)| (k.clone(), *v)));
+            Some(c)
+        } else {
+            None
+        };
+        let adv_mask = correction.as_ref().map_or(mask, |c| &c.response_mask);
         let index = advantage::group_index(&string_column(batch, keys::UID)?);
         let (adv, ret) = {
-            let values = batch.get(keys::VALUES).ok();
             let inputs = AdvantageInputs {
                 token_level_rewards: &rewards,
-                response_mask: mask,
-                values,
+                response_mask: adv_mask,
+                values: batch.get(keys::VALUES).ok(),
                 index: algo.adv_estimator.needs_groups().then_some(&index),
                 reward_baselines: None,
+                old_log_probs: batch.get(keys::OLD_LOG_PROBS).ok(),
+                sum_pi_squared: batch.get(keys::SUM_PI_SQUARED).ok(),
+                rollout_is_weights: correction.as_ref().and_then(|c| c.weights.as_ref()),
             };
             advantage::compute(&inputs, &algo).map_err(wrap)?
         };
-        Ok((rewards, adv, ret))
+        Ok(Advantages {
+            rewards,
+            advantages: adv,
+            returns: ret,
+            correction: correction.map(|c| (c.response_mask, c.weights)),
+        })
+    }
+
+    /// Whether rollout correction runs in the trainer (verl's decoupled mode): weights or
+    /// rejection asked for, or the diagnostics alone, and not in bypass mode (there the actor's
+    /// loss does it).
+    fn decoupled_correction(&self) -> bool {
+        let rc = &self.cfg.algorithm.rollout_correction;
+        !rc.bypass_mode && (rc.enabled() || self.cfg.rollout_diagnostics)
+    }
+
+    /// Whether the actor computes `sum_pi_squared` with the old log-probs.
+    fn needs_sum_pi_squared(&self) -> bool {
+        self.cfg.algorithm.adv_estimator.needs_sum_pi_squared()
+            || self.cfg.actor.calculate_sum_pi_squared == Some(true)
     }
 
     /// [`rewards_and_advantages`](Self::rewards_and_advantages) over the whole global batch:
@@ -473,7 +522,7 @@ impl OnPolicyTrainer {
         group: &SharedCollective,
         batch: &Batch,
         m: &mut StepMetrics,
-    ) -> rl_core::Result<(Tensor, Tensor, Tensor)> {
+    ) -> rl_core::Result<Advantages> {
         let rows = batch.len() as i64;
         let width = batch.get(keys::RESPONSE_MASK)?.size()[1];
         let mut global = Batch::new();
@@ -491,6 +540,8 @@ impl OnPolicyTrainer {
                 keys::OLD_LOG_PROBS,
                 keys::REF_LOG_PROB,
                 keys::VALUES,
+                keys::ROLLOUT_LOG_PROBS,
+                keys::SUM_PI_SQUARED,
             ] {
                 if let Ok(t) = batch.get(key) {
                     global.insert(key, dist::gather_rows(&mut *g, t)?)?;
@@ -507,9 +558,14 @@ impl OnPolicyTrainer {
             global.insert_column(keys::UID, all)?;
             offset
         };
-        let (rewards, adv, ret) = self.rewards_and_advantages(&global, m)?;
+        let a = self.rewards_and_advantages(&global, m)?;
         let mine = |t: Tensor| t.narrow(0, offset, rows).narrow(1, 0, width).contiguous();
-        Ok((mine(rewards), mine(adv), mine(ret)))
+        Ok(Advantages {
+            rewards: mine(a.rewards),
+            advantages: mine(a.advantages),
+            returns: mine(a.returns),
+            correction: a.correction.map(|(mask, w)| (mine(mask), w.map(mine))),
+        })
     }
 
     fn data_metrics(&self, batch: &Batch, m: &mut StepMetrics) -> rl_core::Result<()> {
@@ -540,7 +596,13 @@ impl OnPolicyTrainer {
         if let Ok(v) = batch.get(keys::VALUES) {
             put3(m, "critic/values", masked_stats(v, mask));
         }
-        let resp_len = response_mask.sum_dim_intlist([-1].as_slice(), false, Kind::Double);
+        // from the attention mask, as verl: rollout correction's rejection zeroes response_mask
+        // tokens without shortening the response
+        let width = response_mask.size()[1];
+        let attention = batch.get(keys::ATTENTION_MASK)?;
+        let resp_len = attention
+            .narrow(1, attention.size()[1] - width, width)
+            .sum_dim_intlist([-1].as_slice(), false, Kind::Double);
         put3(m, "response_length", stats(&resp_len));
         if batch.contains(keys::LOSS_MASK) {
             // multi-turn: generated and observation tokens apart
@@ -718,15 +780,36 @@ impl Trainer for OnPolicyTrainer {
         };
         let mask = keys::policy_mask(&batch)?;
 
-        let t = Instant::now();
-        let old = self.roles.actor.compute_log_prob(&batch, true)?;
-        if let Ok(ent) = old.get(keys::ENTROPYS) {
-            m.insert("actor/entropy".into(), masked_stats(ent, &mask).0);
-        }
-        batch.union(old)?;
-        timing.insert("old_log_prob", t.elapsed().as_secs_f64());
-
         let algo = self.cfg.algorithm.clone();
+        let rc = &algo.rollout_correction;
+        let sum_pi_squared = self.needs_sum_pi_squared();
+        let t = Instant::now();
+        if rc.bypass_mode {
+            // verl's bypass mode: the rollout's log-probs stand in for old_log_probs
+            let rollout = batch.get(keys::ROLLOUT_LOG_PROBS)?.shallow_clone();
+            batch.insert(keys::OLD_LOG_PROBS, rollout)?;
+            if sum_pi_squared {
+                let extras = LogProbExtras {
+                    entropy: false,
+                    sum_pi_squared: true,
+                };
+                let mut out = self.roles.actor.compute_log_prob_with(&batch, extras)?;
+                batch.insert(keys::SUM_PI_SQUARED, out.pop(keys::SUM_PI_SQUARED)?)?;
+                timing.insert("old_log_prob", t.elapsed().as_secs_f64());
+            }
+        } else {
+            let extras = LogProbExtras {
+                entropy: true,
+                sum_pi_squared,
+            };
+            let old = self.roles.actor.compute_log_prob_with(&batch, extras)?;
+            if let Ok(ent) = old.get(keys::ENTROPYS) {
+                m.insert("actor/entropy".into(), masked_stats(ent, &mask).0);
+            }
+            batch.union(old)?;
+            timing.insert("old_log_prob", t.elapsed().as_secs_f64());
+        }
+
         if self.cfg.actor.use_kl_loss || algo.use_kl_in_reward {
             let t = Instant::now();
             let reference = self
@@ -749,13 +832,25 @@ impl Trainer for OnPolicyTrainer {
         }
 
         let t = Instant::now();
-        let (rewards, adv, ret) = match self.dp_group()? {
+        let a = match self.dp_group()? {
             None => self.rewards_and_advantages(&batch, &mut m)?,
             Some(g) => self.rewards_and_advantages_global(&g, &batch, &mut m)?,
         };
-        batch.insert(keys::TOKEN_LEVEL_REWARDS, rewards)?;
-        batch.insert(keys::ADVANTAGES, adv.to_kind(Kind::Float))?;
-        batch.insert(keys::RETURNS, ret.to_kind(Kind::Float))?;
+        if let Some((kept, weights)) = a.correction {
+            // rejected policy tokens leave the response mask; observation tokens (outside the
+            // policy mask) keep theirs
+            let policy = keys::policy_mask(&batch)?;
+            let response = batch.get(keys::RESPONSE_MASK)?;
+            let dropped = (&policy - kept.to_kind(policy.kind())).to_kind(response.kind());
+            let new_mask = response - dropped;
+            batch.insert(keys::RESPONSE_MASK, new_mask)?;
+            if let Some(w) = weights {
+                batch.insert(keys::ROLLOUT_IS_WEIGHTS, w.to_kind(Kind::Float))?;
+            }
+        }
+        batch.insert(keys::TOKEN_LEVEL_REWARDS, a.rewards)?;
+        batch.insert(keys::ADVANTAGES, a.advantages.to_kind(Kind::Float))?;
+        batch.insert(keys::RETURNS, a.returns.to_kind(Kind::Float))?;
         timing.insert("adv", t.elapsed().as_secs_f64());
 
         if let Some(critic) = self.roles.critic.as_mut()
@@ -777,6 +872,10 @@ impl Trainer for OnPolicyTrainer {
                 &batch,
                 &PolicyLoss {
                     cfg: self.cfg.actor,
+                    rollout: RolloutLoss {
+                        bypass: rc.bypass_mode.then(|| rc.clone()),
+                        diagnostics: self.decoupled_correction(),
+                    },
                 },
             )?;
             m.extend(am.mean());

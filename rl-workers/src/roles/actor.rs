@@ -6,7 +6,9 @@ use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use rl_core::dist::{self, SharedCollective};
-use rl_core::roles::{Actor, Metrics, PolicyObjective, PolicyOutput, Reference, Rollout};
+use rl_core::roles::{
+    Actor, LogProbExtras, Metrics, PolicyObjective, PolicyOutput, Reference, Rollout,
+};
 use rl_core::{Batch, keys};
 use serde_json::Value;
 use tch::{Device, Kind};
@@ -331,7 +333,11 @@ fn save_lm(lm: &CausalLm, optim: &AdamW, dir: &Path) -> rl_core::Result<()> {
 }
 
 impl Actor for ActorWorker {
-    fn compute_log_prob(&mut self, batch: &Batch, with_entropy: bool) -> rl_core::Result<Batch> {
+    fn compute_log_prob_with(
+        &mut self,
+        batch: &Batch,
+        extras: LogProbExtras,
+    ) -> rl_core::Result<Batch> {
         let lm = lock(&self.lm, "actor")?;
         let temperature = meta_f64(batch, "temperature", 1.0);
         let outs = no_grad_per_micro(
@@ -341,8 +347,11 @@ impl Actor for ActorWorker {
                 .use_dynamic_bsz
                 .then_some(self.cfg.log_prob_max_token_len_per_gpu),
             |m| {
-                let (lp, ent) = micro::log_probs(&lm, m, temperature, with_entropy)?;
-                Ok(std::iter::once(lp).chain(ent).collect())
+                let out = micro::log_probs_with(&lm, m, temperature, extras)?;
+                Ok(std::iter::once(out.log_prob)
+                    .chain(out.entropy)
+                    .chain(out.sum_pi_squared)
+                    .collect())
             },
         )?;
         let mut out = Batch::new();
@@ -350,8 +359,15 @@ impl Actor for ActorWorker {
         if let Some(lp) = it.next() {
             out.insert(keys::OLD_LOG_PROBS, lp)?;
         }
-        if let Some(ent) = it.next() {
+        if extras.entropy
+            && let Some(ent) = it.next()
+        {
             out.insert(keys::ENTROPYS, ent)?;
+        }
+        if extras.sum_pi_squared
+            && let Some(s) = it.next()
+        {
+            out.insert(keys::SUM_PI_SQUARED, s)?;
         }
         Ok(out)
     }
@@ -566,14 +582,25 @@ impl Rollout for RolloutWorker {
                 b
             };
         let device = prompts.get(keys::INPUT_IDS)?.device();
+        let rollout_log_probs = if cfg.debug_logprob_noise > 0.0 {
+            crate::rollout::perturb_log_probs(
+                &out.rollout_log_probs,
+                &out.response_mask,
+                cfg.debug_logprob_noise,
+                seed,
+                row_offset,
+            )
+        } else {
+            out.rollout_log_probs
+        };
         for (k, t) in [
             (keys::PROMPTS, out.prompts),
             (keys::RESPONSES, out.responses),
             (keys::INPUT_IDS, out.input_ids),
             (keys::ATTENTION_MASK, out.attention_mask),
             (keys::POSITION_IDS, out.position_ids),
+            (keys::ROLLOUT_LOG_PROBS, rollout_log_probs),
             (keys::RESPONSE_MASK, out.response_mask),
-            (keys::ROLLOUT_LOG_PROBS, out.rollout_log_probs),
         ] {
             batch.insert(k, t.to_device(device))?;
         }

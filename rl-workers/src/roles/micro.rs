@@ -1,7 +1,7 @@
 //! Micro-batching (fixed rows or verl's dynamic token budget), padding removal, and the
 //! forward that gives response log-probs, entropies or values for one micro-batch.
 
-use rl_core::roles::{Metrics, MiniBatchInfo};
+use rl_core::roles::{LogProbExtras, Metrics, MiniBatchInfo};
 use rl_core::{Batch, keys};
 use tch::{Kind, Tensor};
 
@@ -212,6 +212,30 @@ pub(crate) fn log_probs(
     temperature: f64,
     with_entropy: bool,
 ) -> rl_core::Result<(Tensor, Option<Tensor>)> {
+    let extras = LogProbExtras {
+        entropy: with_entropy,
+        sum_pi_squared: false,
+    };
+    let out = log_probs_with(lm, micro, temperature, extras)?;
+    Ok((out.log_prob, out.entropy))
+}
+
+/// What [`log_probs_with`] returns, each `[batch, response_len]` f32, zero at masked positions.
+pub(crate) struct LogProbOutputs {
+    pub(crate) log_prob: Tensor,
+    pub(crate) entropy: Option<Tensor>,
+    pub(crate) sum_pi_squared: Option<Tensor>,
+}
+
+/// [`log_probs`] with the extras asked for: entropy, and `Σπ²` over the vocabulary
+/// (verl's `calculate_sum_pi_squared_from_logits`, `exp(logsumexp(2 logits) − 2 logsumexp(logits))`
+/// of the temperature-scaled logits).
+pub(crate) fn log_probs_with(
+    lm: &CausalLm,
+    micro: &Batch,
+    temperature: f64,
+    extras: LogProbExtras,
+) -> rl_core::Result<LogProbOutputs> {
     let tr = trim(micro)?;
     let device = lm.device();
     let hidden = lm
@@ -233,14 +257,49 @@ pub(crate) fn log_probs(
     let lp = log_softmax
         .gather(-1, &tr.responses.to_device(device).unsqueeze(-1), false)
         .squeeze_dim(-1);
-    let entropy = with_entropy.then(|| {
+    let entropy = extras.entropy.then(|| {
         let p = log_softmax.exp();
         -(p * &log_softmax).sum_dim_intlist([-1].as_slice(), false, Kind::Float)
     });
-    let lp = pad_back(lp.to_device(tr.response_mask.device()), &tr);
-    let entropy = entropy.map(|e| pad_back(e.to_device(tr.response_mask.device()), &tr));
-    Ok((lp, entropy))
+    let sum_pi_squared = extras.sum_pi_squared.then(|| sum_pi_squared(&logits));
+    let back = |t: Tensor| pad_back(t.to_device(tr.response_mask.device()), &tr);
+    Ok(LogProbOutputs {
+        log_prob: back(lp),
+        entropy: entropy.map(back),
+        sum_pi_squared: sum_pi_squared.map(back),
+    })
 }
+
+/// `Σπ²` per position of `[..., vocab]` logits as `exp(logsumexp(2x) − 2 logsumexp(x))`, in
+/// row chunks of at most [`SUM_PI_SQUARED_CHUNK`] elements so the temporaries stay bounded;
+/// no gradient (the optimal token baseline reads it as data).
+fn sum_pi_squared(logits: &Tensor) -> Tensor {
+    sum_pi_squared_chunked(logits, SUM_PI_SQUARED_CHUNK)
+}
+
+fn sum_pi_squared_chunked(logits: &Tensor, chunk_elems: i64) -> Tensor {
+    let _guard = tch::no_grad_guard();
+    let mut size = logits.size();
+    let vocab = size.pop().unwrap_or(1).max(1);
+    let flat = logits.reshape([-1, vocab]);
+    let rows = flat.size()[0];
+    let chunk = (chunk_elems / vocab).max(1);
+    let parts: Vec<Tensor> = (0..rows)
+        .step_by(chunk as usize)
+        .map(|start| {
+            let x = flat.narrow(0, start, chunk.min(rows - start));
+            let lse = x.logsumexp([-1].as_slice(), false);
+            ((&x * 2.0).logsumexp([-1].as_slice(), false) - lse * 2.0).exp()
+        })
+        .collect();
+    if parts.is_empty() {
+        return Tensor::zeros(size.as_slice(), (logits.kind(), logits.device()));
+    }
+    Tensor::cat(&parts, 0).reshape(size.as_slice())
+}
+
+/// Elements of the `[rows, vocab]` temporaries of [`sum_pi_squared`] made at once (64 MiB of f32).
+const SUM_PI_SQUARED_CHUNK: i64 = 1 << 24;
 
 /// Values of the states before each response token (verl's `values[:, -response_len - 1:-1]`),
 /// zero at masked positions.
@@ -280,6 +339,37 @@ pub(crate) fn fold_micro_metrics(micro: &Metrics, into: &mut Metrics) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// verl's `calculate_sum_pi_squared_from_logits` on the cases of rl-algos' `otb` fixture
+    /// (made from verl's function), in float64 and float32, through the chunked version with
+    /// one-row chunks too.
+    #[test]
+    fn sum_pi_squared_matches_verl() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../rl-algos/tests/fixtures/otb.safetensors");
+        let t: std::collections::HashMap<String, Tensor> = Tensor::read_safetensors(&path)
+            .unwrap()
+            .into_iter()
+            .collect();
+        for (case, kind, rtol) in [
+            ("sum_pi_squared", Kind::Double, 1e-12),
+            ("sum_pi_squared/f32", Kind::Float, 1e-5),
+        ] {
+            let logits = t[&format!("{case}/logits")].to_kind(kind);
+            let want = &t[&format!("{case}/sum_pi_squared")];
+            let got = sum_pi_squared(&logits).to_kind(Kind::Double);
+            assert!(
+                got.allclose(want, rtol, 1e-12, false),
+                "{case}: {got} vs {want}"
+            );
+            let vocab = logits.size()[2];
+            let one_row = sum_pi_squared_chunked(&logits, vocab).to_kind(Kind::Double);
+            assert!(
+                one_row.allclose(&got, 0.0, 0.0, false),
+                "{case}: chunking changed it"
+            );
+        }
+    }
 
     #[test]
     fn partitions_respect_the_budget_and_cover_every_row() {
