@@ -40,9 +40,9 @@ pub struct RolloutConfig {
     pub do_sample: bool,
     /// Base seed of the sampler; see [`RolloutConfig::seed_for`].
     pub seed: u64,
-    /// verl's switch for returning the rollout's own log-probs. They are always returned here;
-    /// true makes the on-policy trainer log the `rollout_corr/*` diagnostics of the rollout
-    /// against the trained policy even with rollout correction off. Default false.
+    /// Log the `rollout_corr/*` diagnostics of the rollout against the trained policy even with
+    /// rollout correction off (verl's switch for returning the rollout's own log-probs, which
+    /// are always returned here). Default false.
     pub calculate_log_probs: bool,
     /// For testing rollout correction only: Gaussian noise of this standard deviation is added
     /// to the returned `rollout_log_probs` (on response tokens, seeded by the generation's

@@ -15,6 +15,7 @@ const SOURCES: &[&str] = &[
     include_str!("../../../rl-algos/src/dapo.rs"),
     include_str!("../../../rl-algos/src/dpo.rs"),
     include_str!("../../../rl-algos/src/loss.rs"),
+    include_str!("../../../rl-algos/src/rollout_corr/config.rs"),
     include_str!("../../../rl-algos/src/trainer/config.rs"),
     include_str!("../../../rl-algos/src/trainer/preference.rs"),
     include_str!("../../../rl-algos/src/trainer/reward_model.rs"),
