@@ -558,6 +558,17 @@ fn group_sums(groups: &Groups, x: &Tensor) -> Tensor {
     Tensor::zeros([groups.n, x.size()[1]], (x.kind(), x.device())).index_add(0, &groups.inv, x)
 }
 
+/// The per-row baselines `Σ_g G W / (Σ_g W + epsilon)` of each row's group, position by
+/// position (`w` already zero where a row has no token); 0 for a group of one row.
+fn otb_baselines(groups: &Groups, returns: &Tensor, w: &Tensor, epsilon: f64) -> Tensor {
+    let num = group_sums(groups, &(returns * w));
+    let den = group_sums(groups, w) + epsilon;
+    let several = groups.counts.gt(1.0).unsqueeze(-1);
+    (num / den)
+        .where_scalarother(&several, 0.0)
+        .index_select(0, &groups.inv)
+}
+
 /// verl's `handle_zero_tail`: in each group whose longest response is strictly the longest
 /// (one row) and longer than the second longest, that row's baseline is 0 from the second
 /// longest length on. `lengths` are the rows' token counts; `valid` marks the rows that count.
@@ -605,11 +616,7 @@ pub fn optimal_token_baseline(
     let (mask, groups) = outcome_groups(token_level_rewards, response_mask, index)?;
     let _guard = tch::no_grad_guard();
     let (returns, w_cum) = otb_paths(token_level_rewards, &mask, otb)?;
-    let num = group_sums(&groups, &(&returns * &w_cum * &mask));
-    let den = group_sums(&groups, &(&w_cum * &mask)) + epsilon;
-    let several = groups.counts.gt(1.0).unsqueeze(-1);
-    let per_group = (num / den).where_scalarother(&several, 0.0);
-    let mut baselines = per_group.index_select(0, &groups.inv);
+    let mut baselines = otb_baselines(&groups, &returns, &(&w_cum * &mask), epsilon);
     if handle_zero_tail {
         let lengths = mask.sum_dim_intlist([-1].as_slice(), false, None::<Kind>);
         let valid = Tensor::ones_like(&lengths).gt(0.0);
@@ -675,12 +682,7 @@ pub fn tir_optimal_token_baseline(
         r_c.index_select(0, &kept_rows),
         w_c.index_select(0, &kept_rows),
     );
-    let num = group_sums(&sub_groups, &(&r_k * &w_k));
-    let den = group_sums(&sub_groups, &w_k) + epsilon;
-    let several = sub_groups.counts.gt(1.0).unsqueeze(-1);
-    let mut b_k = (num / den)
-        .where_scalarother(&several, 0.0)
-        .index_select(0, &sub_groups.inv);
+    let mut b_k = otb_baselines(&sub_groups, &r_k, &w_k, epsilon);
     if handle_zero_tail {
         let len_k = lengths.index_select(0, &kept_rows);
         let all = Tensor::ones_like(&len_k).gt(0.0);
