@@ -488,14 +488,20 @@ fn builtin(cfg: &RewardFnConfig, pool: &python::PoolSettings) -> Option<Arc<dyn 
     Some(f)
 }
 
+/// Which scorer a data source gets: exact names, then prefixes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DispatchTable {
+    /// `data_source` → scorer.
+    pub sources: Vec<(&'static str, RewardFnConfig)>,
+    /// `data_source` prefix → scorer.
+    pub prefixes: Vec<(&'static str, RewardFnConfig)>,
+}
+
 /// verl's `default_compute_score` table: exactly the data sources verl scores (a source here
 /// is scored as verl scores it), with the prefix `aime` as verl's `startswith("aime")`.
 /// Not here: verl's code sources (`codecontests`, `apps`, `codeforces`, `taco`: sandboxed code
 /// execution) and the `numina_*` sources of prime_math, which this crate does not score.
-pub fn verl_table() -> (
-    Vec<(&'static str, RewardFnConfig)>,
-    Vec<(&'static str, RewardFnConfig)>,
-) {
+pub fn verl_table() -> DispatchTable {
     let gsm8k = RewardFnConfig::Gsm8k {
         method: Gsm8kMethod::Strict,
         format_score: 0.0,
@@ -527,7 +533,10 @@ pub fn verl_table() -> (
     for s in SEARCH_R1 {
         sources.push((s.0, qa.clone()));
     }
-    (sources, vec![("aime", dapo)])
+    DispatchTable {
+        sources,
+        prefixes: vec![("aime", dapo)],
+    }
 }
 
 /// Search-R1's QA sources: verl's names (`searchR1_` prefix) and Search-R1's own.
@@ -545,10 +554,7 @@ const SEARCH_R1: [(&str, &str); 7] = [
 /// (`NotImplementedError`) that are scored here: the synthetic tasks of [`crate::tasks`],
 /// Search-R1's unprefixed source names (its own preprocessing writes them), and every other
 /// `searchR1_` source (`searchR1_synthetic`, ...) as QA exact match.
-pub fn extension_table() -> (
-    Vec<(&'static str, RewardFnConfig)>,
-    Vec<(&'static str, RewardFnConfig)>,
-) {
+pub fn extension_table() -> DispatchTable {
     let qa = RewardFnConfig::QaEm {
         format_score: 0.0,
         score: 1.0,
@@ -574,7 +580,10 @@ pub fn extension_table() -> (
     for s in SEARCH_R1 {
         sources.push((s.1, qa.clone()));
     }
-    (sources, vec![("searchR1_", qa)])
+    DispatchTable {
+        sources,
+        prefixes: vec![("searchR1_", qa)],
+    }
 }
 
 /// `data_source` → reward function; or one function for every row (verl's
@@ -619,7 +628,7 @@ impl RewardRegistry {
             pool: pool.clone(),
             ..Self::new()
         };
-        for (sources, prefixes) in [verl_table(), extension_table()] {
+        for DispatchTable { sources, prefixes } in [verl_table(), extension_table()] {
             for (name, cfg) in sources {
                 if let Some(f) = builtin(&cfg, pool) {
                     r.sources.insert(name.to_string(), f);

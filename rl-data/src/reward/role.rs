@@ -146,7 +146,7 @@ impl Reward for RuleReward {
                 .iter()
                 .map(|o| o.extra.get(&key).cloned().unwrap_or(Value::Null))
                 .collect();
-            out.insert_column(&format!("{EXTRA_INFO_PREFIX}{key}"), column)?;
+            out.insert_column(format!("{EXTRA_INFO_PREFIX}{key}"), column)?;
         }
         Ok(out)
     }

@@ -370,8 +370,14 @@ fn qa_subem_matches_a_target_inside_the_answer() {
 
 #[test]
 fn verl_and_extension_tables_are_disjoint_and_verl_refuses_the_extensions() {
-    let (verl, verl_prefixes) = verl_table();
-    let (ours, our_prefixes) = extension_table();
+    let DispatchTable {
+        sources: verl,
+        prefixes: verl_prefixes,
+    } = verl_table();
+    let DispatchTable {
+        sources: ours,
+        prefixes: our_prefixes,
+    } = extension_table();
     for (name, _) in &ours {
         assert!(
             !verl.iter().any(|(v, _)| v == name),
@@ -428,7 +434,7 @@ fn documented(marker: &str) -> Vec<String> {
 
 #[test]
 fn docs_list_exactly_the_verl_and_extension_tables() {
-    for (marker, (sources, prefixes)) in [
+    for (marker, DispatchTable { sources, prefixes }) in [
         ("verl-table", verl_table()),
         ("extension-table", extension_table()),
     ] {
