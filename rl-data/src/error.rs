@@ -126,6 +126,23 @@ pub enum Error {
         /// What is wrong.
         message: String,
     },
+    /// A Python reward (a `custom_reward_function` file, or a scorer run through the Python
+    /// bridge) could not start, raised, returned something that is not a score, or timed out.
+    #[error("{what}: {message}")]
+    PythonReward {
+        /// The function and its file (`compute_score in /path/reward.py`).
+        what: String,
+        /// What went wrong: the row and data source, the traceback or the value returned.
+        message: String,
+    },
+    /// The remote scorer of `reward.remote_url` failed or answered something unreadable.
+    #[error("reward.remote_url {url}: {message}")]
+    RemoteReward {
+        /// The scorer's URL.
+        url: String,
+        /// What went wrong, with the server's own text for an HTTP error.
+        message: String,
+    },
     /// A tensor operation failed.
     #[error(transparent)]
     Tch(#[from] tch::TchError),

@@ -804,9 +804,12 @@ pub fn build_on_policy_in(
     })
 }
 
-/// verl's `data_source` table of rule rewards with the experiment's `reward` group on top.
+/// verl's `data_source` table of rule rewards with the experiment's `reward` group on top; or,
+/// when set, `custom_reward_function.path` (its Python workers started and the file loaded
+/// now) or `reward.remote_url` scoring every row.
 pub fn rule_rewards(cfg: &ExperimentConfig) -> Result<RewardRegistry> {
-    RewardRegistry::with_config(&cfg.reward).context("config group `reward`")
+    RewardRegistry::build(&cfg.reward, &cfg.custom_reward_function)
+        .context("config groups `reward` and `custom_reward_function`")
 }
 
 /// The reward role of `reward_model`: the rule reward of each row's `data_source`, or, when

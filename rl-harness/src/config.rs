@@ -251,8 +251,11 @@ pub struct ExperimentConfig {
     /// The bandit trainer's group.
     pub bandit: BanditConfig,
     /// Rule rewards beyond verl's `data_source` table: `[reward.sources."my/qa"] name = "qa_em"`,
-    /// `[reward.prefixes.searchR1_] name = "qa_em", format_score = 0.1`.
+    /// `[reward.prefixes.searchR1_] name = "qa_em", format_score = 0.1`; the Python pool and
+    /// remote scorer settings.
     pub reward: rl_data::reward::RewardConfig,
+    /// verl's `custom_reward_function` group: a Python file whose function scores every row.
+    pub custom_reward_function: rl_data::reward::CustomRewardFunction,
 }
 
 /// Keys that may change when a run is resumed (their change is recorded as an event);
@@ -573,10 +576,48 @@ pub fn as_planned(cfg: &ExperimentConfig) -> std::borrow::Cow<'_, ExperimentConf
     }
 }
 
+/// The Python and remote reward settings, checked before any model loads (the pool itself
+/// starts, and loads the file, when the trainer is built).
+fn validate_reward_sources(cfg: &ExperimentConfig) -> Result<()> {
+    let r = &cfg.reward;
+    if r.workers == 0 {
+        bail!("config key `reward.workers`: must be at least 1");
+    }
+    if !(r.timeout_s > 0.0 && r.timeout_s.is_finite()) {
+        bail!(
+            "config key `reward.timeout_s`: must be a positive number of seconds, got {}",
+            r.timeout_s
+        );
+    }
+    let custom = &cfg.custom_reward_function;
+    if let Some(path) = &custom.path {
+        if !path.is_file() {
+            bail!(
+                "config key `custom_reward_function.path`: {} is not a file",
+                path.display()
+            );
+        }
+        if custom.name.trim().is_empty() {
+            bail!("config key `custom_reward_function.name`: must name the function in the file");
+        }
+        if r.remote_url.is_some() {
+            bail!(
+                "config keys `custom_reward_function.path` and `reward.remote_url`: each scores every row, set one"
+            );
+        }
+    }
+    if let Some(url) = &r.remote_url {
+        rl_data::reward::remote::RemoteScorer::new(url, r.remote_batch_size, r.remote_timeout_s)
+            .map_err(|e| anyhow!("{e}"))?;
+    }
+    Ok(())
+}
+
 /// Cross-field and range checks of every group.
 pub fn validate(cfg: &ExperimentConfig) -> Result<()> {
     rl_data::reward::RewardRegistry::with_config(&cfg.reward)
         .map_err(|e| anyhow!("config group `reward`: {e}"))?;
+    validate_reward_sources(cfg)?;
     let t = &cfg.trainer;
     if t.total_training_steps == Some(0) && !t.val_before_train {
         bail!(

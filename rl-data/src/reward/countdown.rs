@@ -5,7 +5,7 @@ use std::sync::LazyLock;
 
 use regex::Regex;
 
-use super::RewardOutput;
+use super::{RewardOutput, py_strip};
 
 static ANSWER: LazyLock<Regex> =
     LazyLock::new(|| Regex::new(r"<answer>(.*?)</answer>").expect("static regex"));
@@ -13,11 +13,14 @@ static ALLOWED: LazyLock<Regex> =
     LazyLock::new(|| Regex::new(r"^[\d+\-*/().\s]+$").expect("static regex"));
 static INTS: LazyLock<Regex> = LazyLock::new(|| Regex::new(r"\d+").expect("static regex"));
 
-/// The equation in the last `<answer>...</answer>` (on one line), stripped.
+/// The equation in the last `<answer>...</answer>` of the response's last line, stripped.
 ///
-/// TinyZero decodes prompt + response and keeps the text after `Assistant:` (or
-/// `<|im_start|>assistant`), then only its last line. We are given the response alone, so the
-/// split happens only when such a marker is present, and the last answer tag anywhere counts.
+/// TinyZero decodes prompt + response, keeps the text after the first `Assistant:` (or
+/// `<|im_start|>assistant`; without either it scores 0), then only its last line
+/// (`split('\n')[-1]`): an answer followed by more text on a new line, or by a trailing
+/// newline, is not found. We are given the response alone, so the marker is not required: the
+/// text after it is used when it is there (a response that repeats it), the whole response
+/// otherwise.
 pub fn extract_solution(solution: &str) -> Option<String> {
     let s = if let Some((_, after)) = solution.split_once("Assistant:") {
         after
@@ -26,10 +29,11 @@ pub fn extract_solution(solution: &str) -> Option<String> {
     } else {
         solution
     };
+    let last_line = s.rsplit('\n').next().unwrap_or(s);
     ANSWER
-        .captures_iter(s)
+        .captures_iter(last_line)
         .last()
-        .map(|c| c[1].trim().to_string())
+        .map(|c| py_strip(&c[1]).to_string())
 }
 
 /// Do the integers in `equation` use each available number exactly once?

@@ -1,24 +1,31 @@
 //! Rule-based rewards chosen by `data_source`, as verl's `default_compute_score` chooses them.
 //!
-//! Every function is a pure string function: the caller decodes the response tokens to text.
-//! [`RewardRegistry::verl_default`] holds verl's table (`openai/gsm8k`, the MATH sources,
-//! `math_dapo`/`math`/`aime*`, the Search-R1 QA sources: `searchR1_*`, `nq`, `triviaqa`,
-//! `popqa`, `hotpotqa`, `2wikimultihopqa`, `musique`, `bamboogle`) plus this crate's tasks
-//! (`countdown`, `arithmetic`, `word_problems`); [`RewardConfig`] maps more data sources to
-//! built-in or registered functions by name, or changes their parameters, e.g. Search-R1's
-//! format reward for the synthetic search task:
+//! The caller decodes the response tokens to text. [`RewardRegistry::verl_default`] holds two
+//! tables, kept apart so that a user can tell which dispatch is verl's: [`verl_table`] (exactly
+//! the data sources verl's `default_compute_score` scores) and [`extension_table`] (data sources
+//! verl refuses that this crate scores: its synthetic tasks, Search-R1's unprefixed names).
+//! [`RewardConfig`] maps more data sources to built-in or registered functions by name, or
+//! changes their parameters, e.g. Search-R1's format reward for the synthetic search task:
 //!
 //! ```toml
 //! [reward.prefixes.searchR1_]
 //! name = "qa_em"
 //! format_score = 0.1   # a well-formed `<answer>` that is wrong; verl's default is 0
 //! ```
+//!
+//! Most functions are Rust string functions. Python runs in three cases, each through the pool
+//! of [`python`]: verl's `custom_reward_function` (a user's file, run unchanged, scoring every
+//! row as in verl), and the two verl scorers that need a Python package (`geo3k` with mathruler,
+//! `math_verify` with math-verify), started only when a batch names them. [`remote`] scores
+//! every row on an HTTP server instead (`reward.remote_url`, OpenRLHF's remote reward).
 
 pub mod arithmetic;
 pub mod countdown;
 pub mod gsm8k;
 pub mod math;
+pub mod python;
 pub mod qa_em;
+pub mod remote;
 pub mod role;
 
 use std::collections::BTreeMap;
@@ -58,6 +65,22 @@ impl RewardOutput {
     }
 }
 
+/// One row to score: what verl's reward managers hand `compute_score`, plus the prompt (for
+/// remote scorers, which see the whole text as OpenRLHF's do).
+#[derive(Debug, Clone, Copy)]
+pub struct ScoreRow<'a> {
+    /// The row's `data_source`.
+    pub data_source: &'a str,
+    /// The decoded prompt.
+    pub prompt: &'a str,
+    /// The decoded response (verl's `solution_str`).
+    pub response: &'a str,
+    /// The row's ground truth.
+    pub ground_truth: &'a Value,
+    /// The row's `extra_info` (`null` when the data has none).
+    pub extra_info: &'a Value,
+}
+
 /// A reward function: `(response text, ground truth, extra_info) -> score`.
 pub trait RewardFn: Send + Sync {
     /// Scores one response.
@@ -67,6 +90,14 @@ pub trait RewardFn: Send + Sync {
         ground_truth: &Value,
         extra_info: &Value,
     ) -> Result<RewardOutput>;
+
+    /// Scores many rows at once (one output per row, in order); the Python pool and the
+    /// remote scorer spread them over their workers or send them in one request.
+    fn score_batch(&self, rows: &[ScoreRow<'_>]) -> Result<Vec<RewardOutput>> {
+        rows.iter()
+            .map(|r| self.score(r.response, r.ground_truth, r.extra_info))
+            .collect()
+    }
 }
 
 impl<F> RewardFn for F
@@ -81,6 +112,22 @@ where
     ) -> Result<RewardOutput> {
         self(response, ground_truth, extra_info)
     }
+}
+
+/// Python's `str.isspace()` for one character: Unicode's White_Space plus U+001C..U+001F
+/// (the file, group, record and unit separators), which Rust's `char::is_whitespace` omits.
+pub(crate) fn py_whitespace(c: char) -> bool {
+    c.is_whitespace() || ('\u{1c}'..='\u{1f}').contains(&c)
+}
+
+/// Python's `s.strip()`.
+pub(crate) fn py_strip(s: &str) -> &str {
+    s.trim_matches(py_whitespace)
+}
+
+/// Python's `s.split()`.
+pub(crate) fn py_split_whitespace(s: &str) -> impl Iterator<Item = &str> {
+    s.split(py_whitespace).filter(|w| !w.is_empty())
 }
 
 /// The last `n` characters of `s` (Python's `s[-n:]`).
@@ -157,6 +204,33 @@ pub enum RewardFnConfig {
         #[serde(default = "one")]
         score: f64,
     },
+    /// verl's `search_r1_like_qa_em.compute_score_subem`: a match when a normalised target is a
+    /// substring of the normalised answer (no quarter score for many answer tags).
+    QaSubem {
+        /// The score of a response with an `<answer>...</answer>` that does not match.
+        #[serde(default)]
+        format_score: f64,
+        /// Score for a match.
+        #[serde(default = "one")]
+        score: f64,
+    },
+    /// verl's `geo3k.compute_score` (`hiyouga/geometry3k`), run through the Python bridge with
+    /// the PyPI package mathruler in `reward.python`.
+    Geo3k {
+        /// Weight of the format check (`<think>...</think>` then `\boxed{}`); default 0.1.
+        #[serde(default = "tenth")]
+        format_score: f64,
+        /// Grade the last `\boxed{}` content (default) rather than the whole response.
+        #[serde(default = "yes")]
+        use_boxed: bool,
+    },
+    /// verl's `math_verify.compute_score`, run through the Python bridge with the PyPI package
+    /// math-verify in `reward.python`.
+    MathVerify {
+        /// Score when math-verify's own timeout fires; default 0.
+        #[serde(default)]
+        timeout_score: f64,
+    },
     /// A function registered in code with [`RewardRegistry::register_function`].
     Custom {
         /// The registered name.
@@ -170,15 +244,94 @@ fn one() -> f64 {
 fn tenth() -> f64 {
     0.1
 }
+fn yes() -> bool {
+    true
+}
 
-/// Which reward function scores which `data_source`, beyond verl's defaults.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+/// Which reward function scores which `data_source`, beyond verl's defaults, and how Python
+/// and remote rewards run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RewardConfig {
     /// `data_source` → function, e.g. `[reward.sources."my/gsm8k"] name = "gsm8k"`.
     pub sources: BTreeMap<String, RewardFnConfig>,
     /// `data_source` prefixes → function (`"aime"` matches `aime2024`).
     pub prefixes: BTreeMap<String, RewardFnConfig>,
+    /// The Python interpreter that runs `custom_reward_function.path` and the bridged scorers
+    /// (geo3k, math_verify); point it at the environment that has your file's imports. Default
+    /// `python3`.
+    pub python: String,
+    /// Persistent Python worker processes scoring a batch in parallel. Default 4.
+    pub workers: usize,
+    /// Seconds one Python `compute_score` call may take before its worker is killed and
+    /// restarted and the row counts as failed. Default 30.
+    pub timeout_s: f64,
+    /// What a failed Python row (an exception, a timeout, a return that is not a score, a
+    /// worker that died twice on it) becomes: `raise` (the step fails with the traceback) or
+    /// `zero` (the row scores 0 and `reward/failed_score/mean` counts it). Default `raise`.
+    pub on_error: python::OnError,
+    /// OpenRLHF-style remote reward: every row is scored by POSTing batches to this URL
+    /// (`{"query", "prompts", "responses", "labels", "data_sources", "extra_info"}` in, `{"rewards"}`
+    /// out) instead of by `data_source`. Default none.
+    pub remote_url: Option<String>,
+    /// Rows per request to `reward.remote_url`. Default 256.
+    pub remote_batch_size: usize,
+    /// Seconds one request to `reward.remote_url` may take. Default 60.
+    pub remote_timeout_s: f64,
+}
+
+impl Default for RewardConfig {
+    fn default() -> Self {
+        let pool = python::PoolSettings::default();
+        Self {
+            sources: BTreeMap::new(),
+            prefixes: BTreeMap::new(),
+            python: pool.python,
+            workers: pool.workers,
+            timeout_s: pool.timeout_s,
+            on_error: pool.on_error,
+            remote_url: None,
+            remote_batch_size: 256,
+            remote_timeout_s: 60.0,
+        }
+    }
+}
+
+impl RewardConfig {
+    /// The Python pool settings of this group.
+    pub fn pool_settings(&self) -> python::PoolSettings {
+        python::PoolSettings {
+            python: self.python.clone(),
+            workers: self.workers,
+            timeout_s: self.timeout_s,
+            on_error: self.on_error,
+        }
+    }
+}
+
+/// verl's `custom_reward_function` group: a Python file whose function scores every row, as
+/// verl's reward managers call it (`compute_score(data_source, solution_str, ground_truth,
+/// extra_info, **reward_kwargs)`, returning a number or a dict with a `score`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CustomRewardFunction {
+    /// The `.py` file (run unchanged by `reward.python`); unset, rows are scored by
+    /// `data_source`. Default none.
+    pub path: Option<std::path::PathBuf>,
+    /// The function's name in the file. Default `compute_score`.
+    pub name: String,
+    /// Keyword arguments added to every call (verl's `reward_kwargs`). Default none.
+    pub reward_kwargs: serde_json::Map<String, Value>,
+}
+
+impl Default for CustomRewardFunction {
+    fn default() -> Self {
+        Self {
+            path: None,
+            name: "compute_score".into(),
+            reward_kwargs: serde_json::Map::new(),
+        }
+    }
 }
 
 fn qa_targets(gt: &Value) -> Result<Vec<String>> {
@@ -228,8 +381,20 @@ fn countdown_gt(gt: &Value) -> Result<(f64, Vec<i64>)> {
     Ok((target, numbers))
 }
 
-/// Builds the function a config names (`Custom` is resolved by the registry).
-fn builtin(cfg: &RewardFnConfig) -> Option<Arc<dyn RewardFn>> {
+/// A scorer of the Python bridge, started on first use.
+fn bridged(
+    file: &str,
+    kwargs: serde_json::Map<String, Value>,
+    pool: &python::PoolSettings,
+    hint: &str,
+) -> Option<Arc<dyn RewardFn>> {
+    let f = python::bridge_function(file, "compute_score", kwargs)?;
+    Some(Arc::new(python::LazyPool::new(f, pool.clone(), hint)))
+}
+
+/// Builds the function a config names (`Custom` is resolved by the registry); the bridged
+/// scorers run under `pool`.
+fn builtin(cfg: &RewardFnConfig, pool: &python::PoolSettings) -> Option<Arc<dyn RewardFn>> {
     let f: Arc<dyn RewardFn> = match cfg.clone() {
         RewardFnConfig::Gsm8k {
             method,
@@ -283,17 +448,153 @@ fn builtin(cfg: &RewardFnConfig) -> Option<Arc<dyn RewardFn>> {
                 score,
             ))
         }),
+        RewardFnConfig::QaSubem {
+            format_score,
+            score,
+        } => Arc::new(move |r: &str, gt: &Value, _: &Value| {
+            Ok(qa_em::compute_score_subem(
+                r,
+                &qa_targets(gt)?,
+                format_score,
+                score,
+            ))
+        }),
+        RewardFnConfig::Geo3k {
+            format_score,
+            use_boxed,
+        } => {
+            let mut kw = serde_json::Map::new();
+            kw.insert("format_score".into(), format_score.into());
+            kw.insert("use_boxed".into(), use_boxed.into());
+            return bridged(
+                "geo3k.py",
+                kw,
+                pool,
+                "geo3k runs verl's grader, mathruler: `pip install mathruler pylatexenc tqdm` into the environment of reward.python",
+            );
+        }
+        RewardFnConfig::MathVerify { timeout_score } => {
+            let mut kw = serde_json::Map::new();
+            kw.insert("timeout_score".into(), timeout_score.into());
+            return bridged(
+                "math_verify.py",
+                kw,
+                pool,
+                "math_verify needs Hugging Face's math-verify: `pip install math-verify` into the environment of reward.python",
+            );
+        }
         RewardFnConfig::Custom { .. } => return None,
     };
     Some(f)
 }
 
-/// `data_source` → reward function.
+/// Which scorer a data source gets: exact names, then prefixes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DispatchTable {
+    /// `data_source` → scorer.
+    pub sources: Vec<(&'static str, RewardFnConfig)>,
+    /// `data_source` prefix → scorer.
+    pub prefixes: Vec<(&'static str, RewardFnConfig)>,
+}
+
+/// verl's `default_compute_score` table: exactly the data sources verl scores (a source here
+/// is scored as verl scores it), with the prefix `aime` as verl's `startswith("aime")`.
+/// Not here: verl's code sources (`codecontests`, `apps`, `codeforces`, `taco`: sandboxed code
+/// execution) and the `numina_*` sources of prime_math, which this crate does not score.
+pub fn verl_table() -> DispatchTable {
+    let gsm8k = RewardFnConfig::Gsm8k {
+        method: Gsm8kMethod::Strict,
+        format_score: 0.0,
+        score: 1.0,
+    };
+    let qa = RewardFnConfig::QaEm {
+        format_score: 0.0,
+        score: 1.0,
+    };
+    let dapo = RewardFnConfig::MathDapo {
+        strict_box_verify: false,
+    };
+    let mut sources = vec![
+        ("openai/gsm8k", gsm8k),
+        ("lighteval/MATH", RewardFnConfig::Math),
+        ("DigitalLearningGmbH/MATH-lighteval", RewardFnConfig::Math),
+        ("HuggingFaceH4/MATH-500", RewardFnConfig::Math),
+        ("math_dapo", dapo.clone()),
+        ("math", dapo.clone()),
+        ("math_dapo_reasoning", dapo.clone()),
+        (
+            "hiyouga/geometry3k",
+            RewardFnConfig::Geo3k {
+                format_score: 0.1,
+                use_boxed: true,
+            },
+        ),
+    ];
+    for s in SEARCH_R1 {
+        sources.push((s.0, qa.clone()));
+    }
+    DispatchTable {
+        sources,
+        prefixes: vec![("aime", dapo)],
+    }
+}
+
+/// Search-R1's QA sources: verl's names (`searchR1_` prefix) and Search-R1's own.
+const SEARCH_R1: [(&str, &str); 7] = [
+    ("searchR1_nq", "nq"),
+    ("searchR1_triviaqa", "triviaqa"),
+    ("searchR1_popqa", "popqa"),
+    ("searchR1_hotpotqa", "hotpotqa"),
+    ("searchR1_2wikimultihopqa", "2wikimultihopqa"),
+    ("searchR1_musique", "musique"),
+    ("searchR1_bamboogle", "bamboogle"),
+];
+
+/// This crate's extensions: data sources verl's `default_compute_score` refuses
+/// (`NotImplementedError`) that are scored here: the synthetic tasks of [`crate::tasks`],
+/// Search-R1's unprefixed source names (its own preprocessing writes them), and every other
+/// `searchR1_` source (`searchR1_synthetic`, ...) as QA exact match.
+pub fn extension_table() -> DispatchTable {
+    let qa = RewardFnConfig::QaEm {
+        format_score: 0.0,
+        score: 1.0,
+    };
+    let mut sources = vec![
+        (
+            "countdown",
+            RewardFnConfig::Countdown {
+                format_score: 0.1,
+                score: 1.0,
+            },
+        ),
+        ("arithmetic", RewardFnConfig::Arithmetic),
+        (
+            "word_problems",
+            RewardFnConfig::Gsm8k {
+                method: Gsm8kMethod::Strict,
+                format_score: 0.0,
+                score: 1.0,
+            },
+        ),
+    ];
+    for s in SEARCH_R1 {
+        sources.push((s.1, qa.clone()));
+    }
+    DispatchTable {
+        sources,
+        prefixes: vec![("searchR1_", qa)],
+    }
+}
+
+/// `data_source` → reward function; or one function for every row (verl's
+/// `custom_reward_function`, or `reward.remote_url`).
 #[derive(Clone, Default)]
 pub struct RewardRegistry {
     sources: BTreeMap<String, Arc<dyn RewardFn>>,
     prefixes: Vec<(String, Arc<dyn RewardFn>)>,
     functions: BTreeMap<String, Arc<dyn RewardFn>>,
+    every_row: Option<(String, Arc<dyn RewardFn>)>,
+    pool: python::PoolSettings,
 }
 
 impl std::fmt::Debug for RewardRegistry {
@@ -305,6 +606,7 @@ impl std::fmt::Debug for RewardRegistry {
                 &self.prefixes.iter().map(|(p, _)| p).collect::<Vec<_>>(),
             )
             .field("functions", &self.functions.keys().collect::<Vec<_>>())
+            .field("every_row", &self.every_row.as_ref().map(|(n, _)| n))
             .finish()
     }
 }
@@ -315,65 +617,28 @@ impl RewardRegistry {
         Self::default()
     }
 
-    /// verl's `default_compute_score` table plus this crate's synthetic tasks.
+    /// verl's `default_compute_score` table ([`verl_table`]) plus this crate's extensions
+    /// ([`extension_table`]); the bridged scorers run under the default pool settings.
     pub fn verl_default() -> Self {
-        let mut r = Self::new();
-        let gsm8k = RewardFnConfig::Gsm8k {
-            method: Gsm8kMethod::Strict,
-            format_score: 0.0,
-            score: 1.0,
+        Self::default_with(&python::PoolSettings::default())
+    }
+
+    fn default_with(pool: &python::PoolSettings) -> Self {
+        let mut r = Self {
+            pool: pool.clone(),
+            ..Self::new()
         };
-        let qa = RewardFnConfig::QaEm {
-            format_score: 0.0,
-            score: 1.0,
-        };
-        let dapo = RewardFnConfig::MathDapo {
-            strict_box_verify: false,
-        };
-        let table: Vec<(&str, &RewardFnConfig)> = vec![
-            ("openai/gsm8k", &gsm8k),
-            ("lighteval/MATH", &RewardFnConfig::Math),
-            ("DigitalLearningGmbH/MATH-lighteval", &RewardFnConfig::Math),
-            ("HuggingFaceH4/MATH-500", &RewardFnConfig::Math),
-            ("math_dapo", &dapo),
-            ("math", &dapo),
-            ("math_dapo_reasoning", &dapo),
-            ("searchR1_nq", &qa),
-            ("searchR1_triviaqa", &qa),
-            ("searchR1_popqa", &qa),
-            ("searchR1_hotpotqa", &qa),
-            ("searchR1_2wikimultihopqa", &qa),
-            ("searchR1_musique", &qa),
-            ("searchR1_bamboogle", &qa),
-            // Search-R1's own preprocessing names the sources without the prefix.
-            ("nq", &qa),
-            ("triviaqa", &qa),
-            ("popqa", &qa),
-            ("hotpotqa", &qa),
-            ("2wikimultihopqa", &qa),
-            ("musique", &qa),
-            ("bamboogle", &qa),
-            (
-                "countdown",
-                &RewardFnConfig::Countdown {
-                    format_score: 0.1,
-                    score: 1.0,
-                },
-            ),
-            ("arithmetic", &RewardFnConfig::Arithmetic),
-            ("word_problems", &gsm8k),
-        ];
-        for (name, cfg) in table {
-            if let Some(f) = builtin(cfg) {
-                r.sources.insert(name.to_string(), f);
+        for DispatchTable { sources, prefixes } in [verl_table(), extension_table()] {
+            for (name, cfg) in sources {
+                if let Some(f) = builtin(&cfg, pool) {
+                    r.sources.insert(name.to_string(), f);
+                }
             }
-        }
-        if let Some(f) = builtin(&dapo) {
-            r.prefixes.push(("aime".into(), f));
-        }
-        // Every other Search-R1 source (`searchR1_synthetic`, ...) is QA exact match too.
-        if let Some(f) = builtin(&qa) {
-            r.prefixes.push(("searchR1_".into(), f));
+            for (prefix, cfg) in prefixes {
+                if let Some(f) = builtin(&cfg, pool) {
+                    r.prefixes.push((prefix.to_string(), f));
+                }
+            }
         }
         r
     }
@@ -381,9 +646,68 @@ impl RewardRegistry {
     /// [`RewardRegistry::verl_default`] with `cfg`'s mappings applied on top (a configured
     /// prefix or source replaces the default of the same name).
     pub fn with_config(cfg: &RewardConfig) -> Result<Self> {
-        let mut r = Self::verl_default();
+        let mut r = Self::default_with(&cfg.pool_settings());
         r.apply_config(cfg)?;
         Ok(r)
+    }
+
+    /// The registry of an experiment: `custom_reward_function.path` (its Python pool started
+    /// now, so a file that cannot load fails before training) or `reward.remote_url` scores
+    /// every row; otherwise [`RewardRegistry::with_config`]. Both set is an error.
+    pub fn build(cfg: &RewardConfig, custom: &CustomRewardFunction) -> Result<Self> {
+        let mut r = Self::with_config(cfg)?;
+        match (&custom.path, &cfg.remote_url) {
+            (Some(_), Some(_)) => {
+                return Err(Error::Config {
+                    key: "reward.remote_url".into(),
+                    message:
+                        "custom_reward_function.path is set too: each scores every row, pick one"
+                            .into(),
+                });
+            }
+            (Some(path), None) => {
+                if custom.name.is_empty() {
+                    return Err(Error::Config {
+                        key: "custom_reward_function.name".into(),
+                        message: "must name the function in the file".into(),
+                    });
+                }
+                let f = python::PythonFunction::file(
+                    path.clone(),
+                    custom.name.clone(),
+                    custom.reward_kwargs.clone(),
+                );
+                let what = format!(
+                    "custom_reward_function `{}` in {}",
+                    custom.name,
+                    path.display()
+                );
+                let pool: Arc<dyn RewardFn> =
+                    Arc::new(python::PythonPool::start(f, cfg.pool_settings())?);
+                r.every_row = Some((what, pool));
+            }
+            (None, Some(url)) => {
+                let scorer: Arc<dyn RewardFn> = Arc::new(remote::RemoteScorer::new(
+                    url,
+                    cfg.remote_batch_size,
+                    cfg.remote_timeout_s,
+                )?);
+                r.every_row = Some((format!("reward.remote_url {url}"), scorer));
+            }
+            (None, None) => {}
+        }
+        Ok(r)
+    }
+
+    /// Whether rows are scored by something that can fail per row (Python, remote), so the
+    /// reward role reports `failed_score`.
+    pub fn may_fail_rows(&self) -> bool {
+        self.every_row.is_some() || self.pool.on_error == python::OnError::Zero
+    }
+
+    /// What scores every row, when one function does (`custom_reward_function`, remote).
+    pub fn every_row(&self) -> Option<&str> {
+        self.every_row.as_ref().map(|(n, _)| n.as_str())
     }
 
     /// Scores `data_source` with `f` (replacing any previous function).
@@ -414,7 +738,7 @@ impl RewardRegistry {
                     ),
                 });
         }
-        builtin(cfg).ok_or_else(|| Error::Config {
+        builtin(cfg, &self.pool).ok_or_else(|| Error::Config {
             key: "reward".into(),
             message: "unresolvable".into(),
         })
@@ -435,8 +759,12 @@ impl RewardRegistry {
         Ok(())
     }
 
-    /// The function for `data_source`: an exact name first, then the longest matching prefix.
+    /// The function for `data_source`: the one scoring every row if set, else an exact name,
+    /// then the longest matching prefix.
     pub fn get(&self, data_source: &str) -> Result<Arc<dyn RewardFn>> {
+        if let Some((_, f)) = &self.every_row {
+            return Ok(f.clone());
+        }
         if let Some(f) = self.sources.get(data_source) {
             return Ok(f.clone());
         }
@@ -465,8 +793,48 @@ impl RewardRegistry {
         ground_truth: &Value,
         extra_info: &Value,
     ) -> Result<RewardOutput> {
+        let row = ScoreRow {
+            data_source,
+            prompt: "",
+            response,
+            ground_truth,
+            extra_info,
+        };
         self.get(data_source)?
-            .score(response, ground_truth, extra_info)
+            .score_batch(std::slice::from_ref(&row))?
+            .pop()
+            .ok_or_else(|| Error::Config {
+                key: "reward".into(),
+                message: format!("no score for data_source `{data_source}`"),
+            })
+    }
+
+    /// Scores every row, each by its `data_source`; rows sharing a function go to it as one
+    /// batch (one Python pool call, one remote request per `reward.remote_batch_size`).
+    pub fn score_batch(&self, rows: &[ScoreRow<'_>]) -> Result<Vec<RewardOutput>> {
+        let mut groups: Vec<(Arc<dyn RewardFn>, Vec<usize>)> = Vec::new();
+        for (i, row) in rows.iter().enumerate() {
+            let f = self.get(row.data_source)?;
+            match groups.iter_mut().find(|(g, _)| Arc::ptr_eq(g, &f)) {
+                Some((_, idx)) => idx.push(i),
+                None => groups.push((f, vec![i])),
+            }
+        }
+        let mut out: Vec<Option<RewardOutput>> = vec![None; rows.len()];
+        for (f, idx) in groups {
+            let part: Vec<ScoreRow<'_>> = idx.iter().map(|&i| rows[i]).collect();
+            let scored = f.score_batch(&part)?;
+            if scored.len() != part.len() {
+                return Err(Error::Config {
+                    key: "reward".into(),
+                    message: format!("{} scores for {} rows", scored.len(), part.len()),
+                });
+            }
+            for (i, o) in idx.into_iter().zip(scored) {
+                out[i] = Some(o);
+            }
+        }
+        Ok(out.into_iter().flatten().collect())
     }
 }
 

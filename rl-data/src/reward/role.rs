@@ -9,7 +9,7 @@ use rl_core::{Batch, keys};
 use serde_json::Value;
 use tch::{Kind, Tensor};
 
-use super::RewardRegistry;
+use super::{RewardRegistry, ScoreRow};
 use crate::tokenizer::Tokenizer;
 
 /// Column with each row's score (f64), next to `token_level_scores`.
@@ -20,6 +20,13 @@ pub const ACC: &str = "acc";
 pub const RESPONSE_TEXT: &str = "response_text";
 /// Column with each row's decoded prompt text.
 pub const PROMPT_TEXT: &str = "prompt_text";
+/// Column, when a reward can fail per row (Python, remote): 1 for a row whose reward failed
+/// and scored 0 under `reward.on_error = "zero"`, else 0; its name ends in `_score`, so the
+/// trainers report its mean, the failed fraction, as `reward/failed_score/mean`.
+pub const FAILED_SCORE: &str = "failed_score";
+/// Prefix of the columns holding the extra keys of a Python reward's dict return (verl's
+/// `reward_extra_info`): `reward_extra_info.<key>`, `null` on rows without it.
+pub const EXTRA_INFO_PREFIX: &str = "reward_extra_info.";
 
 /// Rule rewards as a role: `token_level_scores` `[batch, response_len]` f32 with the score on
 /// each row's last response token, plus the columns [`SCORE`], [`ACC`], [`RESPONSE_TEXT`] and
@@ -77,14 +84,23 @@ impl Reward for RuleReward {
         let truths = batch.column(keys::GROUND_TRUTH)?;
         let null = vec![Value::Null; batch.len()];
         let extras = batch.column(keys::EXTRA_INFO).unwrap_or(&null);
+        let rows: Vec<ScoreRow<'_>> = (0..batch.len())
+            .map(|i| ScoreRow {
+                data_source: sources[i].as_str().unwrap_or_default(),
+                prompt: &prompt_texts[i],
+                response: &texts[i],
+                ground_truth: &truths[i],
+                extra_info: &extras[i],
+            })
+            .collect();
+        let outs = self.registry.score_batch(&rows).map_err(role_err)?;
+        drop(rows);
         let mut scores = Vec::with_capacity(batch.len());
         let mut accs = Vec::with_capacity(batch.len());
-        for i in 0..batch.len() {
-            let source = sources[i].as_str().unwrap_or_default();
-            let out = self
-                .registry
-                .score(source, &texts[i], &truths[i], &extras[i])
-                .map_err(role_err)?;
+        let mut failed = Vec::with_capacity(batch.len());
+        // a Python function's dict return: its other keys, as verl's reward_extra_info
+        let mut extra_keys = std::collections::BTreeSet::new();
+        for out in &outs {
             let acc = match out.extra.get("acc") {
                 Some(Value::Bool(b)) => f64::from(u8::from(*b)),
                 Some(v) => v.as_f64().unwrap_or(out.score),
@@ -92,6 +108,12 @@ impl Reward for RuleReward {
             };
             scores.push(out.score);
             accs.push(acc);
+            failed.push(f64::from(u8::from(
+                out.extra.contains_key(super::python::FAILED),
+            )));
+            if self.registry.every_row().is_some() {
+                extra_keys.extend(out.extra.keys().filter(|k| *k != "acc").cloned());
+            }
         }
         let lengths =
             mask.ne(0.0)
@@ -116,6 +138,16 @@ impl Reward for RuleReward {
             PROMPT_TEXT,
             prompt_texts.into_iter().map(Value::from).collect(),
         )?;
+        if self.registry.may_fail_rows() {
+            out.insert_column(FAILED_SCORE, failed.into_iter().map(Value::from).collect())?;
+        }
+        for key in extra_keys {
+            let column = outs
+                .iter()
+                .map(|o| o.extra.get(&key).cloned().unwrap_or(Value::Null))
+                .collect();
+            out.insert_column(format!("{EXTRA_INFO_PREFIX}{key}"), column)?;
+        }
         Ok(out)
     }
 }

@@ -94,6 +94,14 @@ fn countdown_scores_like_tinyzero() {
     assert_eq!(score("3 * 5 + 7"), 0.0); // no tags
     assert_eq!(score("<answer>1</answer> then <answer>3*5+7</answer>"), 1.0); // last one counts
     assert_eq!(score("Assistant: <answer>3*5+7</answer>"), 1.0);
+    // TinyZero reads only the last line: an answer followed by more text or a newline is lost
+    assert_eq!(score("<answer>3*5+7</answer>\n"), 0.0);
+    assert_eq!(score("<answer>3*5+7</answer>\nI am done."), 0.0);
+    assert_eq!(score("thinking\nstill\n<answer>3*5+7</answer>"), 1.0);
+    assert_eq!(score("<answer>3*5+7</answer>\n<answer>3+5+7</answer>"), 0.1);
+    assert_eq!(score("Assistant: x\n<answer>3*5+7</answer>"), 1.0);
+    // Python's strip() also strips U+001C..U+001F
+    assert_eq!(score("<answer>\u{1f}3*5+7\u{1c}</answer>"), 1.0);
     assert_eq!(
         countdown::compute_score(
             "<answer>7 / (5 - 3) * 2</answer>",
@@ -316,4 +324,128 @@ fn the_search_r1_format_score_is_configurable_and_rewards_only_a_wrong_answer_ta
         .unwrap_err()
         .to_string();
     assert!(bad.contains("format"), "{bad}");
+}
+
+#[test]
+fn qa_normalisation_uses_python_whitespace() {
+    // Python's str.split() splits on U+001C..U+001F; Rust's split_whitespace() does not
+    assert_eq!(qa_em::normalize_answer("Paris\u{1f}France"), "paris france");
+    assert_eq!(qa_em::normalize_answer("\u{1c}The  Paris\u{1d}"), "paris");
+    let gold = vec!["paris france".to_string()];
+    assert_eq!(
+        qa_em::compute_score("<answer>Paris\u{1f}France</answer>", &gold, 0.0, 1.0).score,
+        1.0
+    );
+    assert_eq!(
+        qa_em::extract_solution("<answer>\u{1e} x \u{1f}</answer>").as_deref(),
+        Some("x")
+    );
+}
+
+#[test]
+fn qa_subem_matches_a_target_inside_the_answer() {
+    let gold = vec!["Paris".to_string()];
+    let subem = |r: &str| qa_em::compute_score_subem(r, &gold, 0.1, 1.0).score;
+    assert_eq!(subem("<answer>It is Paris, France.</answer>"), 1.0);
+    assert_eq!(subem("<answer>Lyon</answer>"), 0.1);
+    assert_eq!(subem("Paris"), 0.0); // no answer tag
+    // exact match refuses what substring match accepts
+    assert_eq!(
+        qa_em::compute_score("<answer>It is Paris, France.</answer>", &gold, 0.1, 1.0).score,
+        0.1
+    );
+    // no quarter score for many tags, unlike compute_score
+    let many = "<answer>x</answer>".repeat(11) + "<answer>paris</answer>";
+    assert_eq!(subem(&many), 1.0);
+    assert_eq!(qa_em::compute_score(&many, &gold, 0.0, 1.0).score, 0.25);
+    // by name in config
+    let cfg: RewardConfig = toml::from_str("[sources.\"my/qa\"]\nname = \"qa_subem\"\n").unwrap();
+    let r = RewardRegistry::with_config(&cfg).unwrap();
+    let gt = serde_json::json!({"target": ["Paris"]});
+    let out = r
+        .score("my/qa", "<answer>in Paris</answer>", &gt, &Value::Null)
+        .unwrap();
+    assert_eq!(out.score, 1.0);
+}
+
+#[test]
+fn verl_and_extension_tables_are_disjoint_and_verl_refuses_the_extensions() {
+    let DispatchTable {
+        sources: verl,
+        prefixes: verl_prefixes,
+    } = verl_table();
+    let DispatchTable {
+        sources: ours,
+        prefixes: our_prefixes,
+    } = extension_table();
+    for (name, _) in &ours {
+        assert!(
+            !verl.iter().any(|(v, _)| v == name),
+            "{name} is in both tables"
+        );
+        assert!(
+            !verl_prefixes.iter().any(|(p, _)| name.starts_with(p)),
+            "{name} is verl's by prefix"
+        );
+    }
+    assert_eq!(
+        verl_prefixes.iter().map(|p| p.0).collect::<Vec<_>>(),
+        ["aime"]
+    );
+    assert_eq!(
+        our_prefixes.iter().map(|p| p.0).collect::<Vec<_>>(),
+        ["searchR1_"]
+    );
+    // verl's table is exactly default_compute_score's sources that this crate scores
+    let names: Vec<&str> = verl.iter().map(|(n, _)| *n).collect();
+    for must in [
+        "openai/gsm8k",
+        "lighteval/MATH",
+        "DigitalLearningGmbH/MATH-lighteval",
+        "HuggingFaceH4/MATH-500",
+        "math_dapo",
+        "math",
+        "math_dapo_reasoning",
+        "hiyouga/geometry3k",
+        "searchR1_nq",
+        "searchR1_bamboogle",
+    ] {
+        assert!(names.contains(&must), "{must} missing from verl's table");
+    }
+    assert!(ours.iter().any(|(n, _)| *n == "countdown"));
+    assert!(ours.iter().any(|(n, _)| *n == "nq"));
+}
+
+/// The data sources of one marked table of docs/rewards.md (a prefix ends in `*`).
+fn documented(marker: &str) -> Vec<String> {
+    let doc = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/rewards.md"),
+    )
+    .unwrap();
+    let start = doc.find(&format!("<!-- {marker} -->")).unwrap();
+    let end = doc.find(&format!("<!-- /{marker} -->")).unwrap();
+    doc[start..end]
+        .lines()
+        .filter_map(|l| l.strip_prefix("| `"))
+        .filter_map(|l| l.split_once('`'))
+        .map(|(name, _)| name.to_string())
+        .collect()
+}
+
+#[test]
+fn docs_list_exactly_the_verl_and_extension_tables() {
+    for (marker, DispatchTable { sources, prefixes }) in [
+        ("verl-table", verl_table()),
+        ("extension-table", extension_table()),
+    ] {
+        let mut want: Vec<String> = sources.iter().map(|(n, _)| n.to_string()).collect();
+        want.extend(prefixes.iter().map(|(p, _)| format!("{p}*")));
+        want.sort();
+        let mut got = documented(marker);
+        got.sort();
+        assert_eq!(
+            got, want,
+            "docs/rewards.md's {marker} drifted from the code"
+        );
+    }
 }

@@ -438,3 +438,54 @@ fn verl_keys_in_a_config_file_load_too() {
         "{err}"
     );
 }
+
+/// Issue 20: verl's `custom_reward_function` keys load as written (`+` and all), and the reward
+/// sources are checked before any model loads, each error naming its key.
+#[test]
+fn verls_custom_reward_function_keys_load_and_bad_reward_settings_name_their_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(dir.path(), "def my_fn(**kw):\n    return 1\n");
+    let path = format!("custom_reward_function.path={}", file.display());
+    let cfg = load_with(&[
+        &path,
+        "custom_reward_function.name=my_fn",
+        "+custom_reward_function.reward_kwargs.weight=2",
+        "reward.on_error=zero",
+        "reward.workers=3",
+    ])
+    .unwrap();
+    let c = &cfg.custom_reward_function;
+    assert_eq!(c.path.as_deref(), Some(file.as_path()));
+    assert_eq!(c.name, "my_fn");
+    assert_eq!(c.reward_kwargs["weight"], serde_json::json!(2));
+    assert_eq!(cfg.reward.on_error, rl_data::reward::python::OnError::Zero);
+    assert_eq!(cfg.reward.workers, 3);
+    assert_eq!(
+        load_with(&[]).unwrap().custom_reward_function.name,
+        "compute_score"
+    );
+    let err = |overrides: &[&str]| format!("{:#}", load_with(overrides).unwrap_err());
+    let e = err(&["custom_reward_function.path=/no/such/reward.py"]);
+    assert!(
+        e.contains("custom_reward_function.path") && e.contains("/no/such/reward.py"),
+        "{e}"
+    );
+    let e = err(&[&path, "custom_reward_function.name=' '"]);
+    assert!(e.contains("custom_reward_function.name"), "{e}");
+    let e = err(&[&path, "reward.remote_url='http://127.0.0.1:1/x'"]);
+    assert!(
+        e.contains("custom_reward_function.path") && e.contains("reward.remote_url"),
+        "{e}"
+    );
+    let e = err(&["reward.remote_url='https://scorer.example/x'"]);
+    assert!(
+        e.contains("reward.remote_url") && e.contains("http://"),
+        "{e}"
+    );
+    let e = err(&["reward.workers=0"]);
+    assert!(e.contains("reward.workers"), "{e}");
+    let e = err(&["reward.timeout_s=0"]);
+    assert!(e.contains("reward.timeout_s"), "{e}");
+    let e = err(&["reward.on_error=ignore"]);
+    assert!(e.contains("on_error"), "{e}");
+}

@@ -251,7 +251,7 @@ const FOREIGN: &[(&str, Foreign)] = &[
     (
         "reward_model.reward_manager",
         Foreign::NoEffect(
-            "the reward is the rule reward of each row's data_source (with reward_model.overlong_buffer, DAPO's manager) or the reward model; there are no reward managers to pick",
+            "rows are scored one by one as verl's naive manager scores them: by custom_reward_function (run in a Python worker pool), reward.remote_url, or the rule reward of each row's data_source (with reward_model.overlong_buffer, DAPO's manager), and the reward model; there are no reward managers to pick (docs/rewards.md)",
         ),
     ),
     ("reward_model.strategy", Foreign::NoEffect(NO_FSDP)),
