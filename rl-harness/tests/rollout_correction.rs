@@ -92,7 +92,7 @@ fn perturbed_rollout_log_probs_are_weighted_rejected_and_logged() {
         let m = &weighted[&1];
         // E[e^x - x - 1] = e^(σ²/2) - 1 = 0.133; E[e^2x] - 1 = e^(2σ²) - 1 = 0.65
         within(m, "rollout_corr/k3_kl", 0.05, 0.3);
-        within(m, "rollout_corr/chi2_token", 0.25, 1.5);
+        within(m, "rollout_corr/chi2_token", 0.1, 2.0);
         // P(e^x > 2) = P(x > 0.69) = 0.083; capped weights keep the mean near 1
         within(
             m,
