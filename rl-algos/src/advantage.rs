@@ -553,16 +553,11 @@ fn otb_paths(rewards: &Tensor, mask: &Tensor, otb: &OtbInputs<'_>) -> Result<(Te
     Ok((returns, w_cum))
 }
 
-/// Per-group, per-position sums of `x` (`[batch, len]` -> `[groups, len]`).
-fn group_sums(groups: &Groups, x: &Tensor) -> Tensor {
-    Tensor::zeros([groups.n, x.size()[1]], (x.kind(), x.device())).index_add(0, &groups.inv, x)
-}
-
 /// The per-row baselines `Σ_g G W / (Σ_g W + epsilon)` of each row's group, position by
 /// position (`w` already zero where a row has no token); 0 for a group of one row.
 fn otb_baselines(groups: &Groups, returns: &Tensor, w: &Tensor, epsilon: f64) -> Tensor {
-    let num = group_sums(groups, &(returns * w));
-    let den = group_sums(groups, w) + epsilon;
+    let num = groups.sum(&(returns * w));
+    let den = groups.sum(w) + epsilon;
     let several = groups.counts.gt(1.0).unsqueeze(-1);
     (num / den)
         .where_scalarother(&several, 0.0)
@@ -571,15 +566,14 @@ fn otb_baselines(groups: &Groups, returns: &Tensor, w: &Tensor, epsilon: f64) ->
 
 /// verl's `handle_zero_tail`: in each group whose longest response is strictly the longest
 /// (one row) and longer than the second longest, that row's baseline is 0 from the second
-/// longest length on. `lengths` are the rows' token counts; `valid` marks the rows that count.
-fn zero_tail(baselines: &Tensor, groups: &Groups, lengths: &Tensor, valid: &Tensor) -> Tensor {
-    let neg = f64::NEG_INFINITY;
-    let len = lengths.where_scalarother(valid, neg);
-    let max = groups.rows(&groups.max(&len));
-    let at_max = len.eq_tensor(&max).logical_and(valid);
+/// longest length on. `lengths` are the rows' token counts.
+fn zero_tail(baselines: &Tensor, groups: &Groups, lengths: &Tensor) -> Tensor {
+    let max = groups.rows(&groups.max(lengths));
+    let at_max = lengths.eq_tensor(&max);
     let n_at_max = groups.rows(&groups.sum(&at_max.to_kind(lengths.kind())));
-    let second = groups.rows(&groups.max(&len.where_scalarother(&at_max.logical_not(), neg)));
-    // a group of two or more valid rows with one strict longest row
+    let others = lengths.where_scalarother(&at_max.logical_not(), f64::NEG_INFINITY);
+    let second = groups.rows(&groups.max(&others));
+    // a group of two or more rows with one strict longest row
     let target = at_max
         .logical_and(&n_at_max.eq(1.0))
         .logical_and(&second.isfinite())
@@ -619,8 +613,7 @@ pub fn optimal_token_baseline(
     let mut baselines = otb_baselines(&groups, &returns, &(&w_cum * &mask), epsilon);
     if handle_zero_tail {
         let lengths = mask.sum_dim_intlist([-1].as_slice(), false, None::<Kind>);
-        let valid = Tensor::ones_like(&lengths).gt(0.0);
-        baselines = zero_tail(&baselines, &groups, &lengths, &valid);
+        baselines = zero_tail(&baselines, &groups, &lengths);
     }
     let advantages = (&returns - baselines) * &mask;
     Ok((advantages, returns))
@@ -684,9 +677,7 @@ pub fn tir_optimal_token_baseline(
     );
     let mut b_k = otb_baselines(&sub_groups, &r_k, &w_k, epsilon);
     if handle_zero_tail {
-        let len_k = lengths.index_select(0, &kept_rows);
-        let all = Tensor::ones_like(&len_k).gt(0.0);
-        b_k = zero_tail(&b_k, &sub_groups, &len_k, &all);
+        b_k = zero_tail(&b_k, &sub_groups, &lengths.index_select(0, &kept_rows));
     }
     let adv_c =
         Tensor::zeros([batch, width], (kind, device)).index_copy(0, &kept_rows, &(r_k - b_k));

@@ -67,9 +67,11 @@ pub(crate) struct Groups {
 }
 
 impl Groups {
-    /// Per-group sums of `x` (`[batch]` -> `[n]`).
+    /// Per-group sums of `x` over its rows (`[batch, ...]` -> `[n, ...]`).
     pub(crate) fn sum(&self, x: &Tensor) -> Tensor {
-        Tensor::zeros([self.n], (x.kind(), x.device())).index_add(0, &self.inv, x)
+        let mut size = x.size();
+        size[0] = self.n;
+        Tensor::zeros(size.as_slice(), (x.kind(), x.device())).index_add(0, &self.inv, x)
     }
 
     /// Broadcasts a per-group value back to the rows (`[n]` -> `[batch]`).

@@ -277,7 +277,8 @@ pub fn parse_rules(rollout_rs: &str, threshold: &RsThreshold) -> Result<Vec<RsRu
         ));
     }
     let specs: Vec<String> = match threshold {
-        RsThreshold::Number(x) => vec![python_float_str(*x)],
+        // `{:?}` prints every f64 so that it parses back to itself (`2.0`, `1e-12`, `inf`)
+        RsThreshold::Number(x) => vec![format!("{x:?}")],
         RsThreshold::Text(s) => s
             .split(',')
             .map(str::trim)
@@ -359,17 +360,6 @@ pub fn parse_rules(rollout_rs: &str, threshold: &RsThreshold) -> Result<Vec<RsRu
             }
         })
         .collect()
-}
-
-/// Python's `str(float)` for the numbers a threshold is written with (`2` -> `"2.0"`), so a
-/// numeric threshold parses as verl's string form does.
-fn python_float_str(x: f64) -> String {
-    let s = format!("{x:?}");
-    if s.contains(['.', 'e', 'n', 'N']) {
-        s
-    } else {
-        format!("{s}.0")
-    }
 }
 
 #[cfg(test)]

@@ -112,6 +112,17 @@ pub fn weights(
     batch_normalize: bool,
 ) -> Result<(Tensor, Metrics)> {
     let mask = inputs(log_ratio, response_mask)?;
+    weights_checked(log_ratio, &mask, level, threshold, batch_normalize)
+}
+
+/// [`weights`] with `mask` checked and in `log_ratio`'s dtype.
+fn weights_checked(
+    log_ratio: &Tensor,
+    mask: &Tensor,
+    level: IsLevel,
+    threshold: f64,
+    batch_normalize: bool,
+) -> Result<(Tensor, Metrics)> {
     if threshold.is_nan() || threshold <= 0.0 {
         return Err(Error::invalid(
             "rollout_is_threshold",
@@ -123,18 +134,18 @@ pub fn weights(
     let (w, for_metrics) = match level {
         IsLevel::Token => (clamp_safe(&log_ratio).exp(), log_ratio.shallow_clone()),
         IsLevel::Sequence => {
-            let sum = sum_(&log_ratio, &mask, Some(-1)).unsqueeze(-1);
+            let sum = sum_(&log_ratio, mask, Some(-1)).unsqueeze(-1);
             (clamp_safe(&sum).exp().expand_as(&log_ratio), sum)
         }
     };
-    let w = w * &mask;
-    let mut metrics = is_metrics(&w, &for_metrics, &mask, level, threshold);
+    let w = w * mask;
+    let mut metrics = is_metrics(&w, &for_metrics, mask, level, threshold);
     let mut w = w.clamp_max(threshold);
     if batch_normalize {
         let mean = match level {
-            IsLevel::Token => mean_(&w, &mask, None),
+            IsLevel::Token => mean_(&w, mask, None),
             IsLevel::Sequence => {
-                let seq_w = mean_(&w, &mask, Some(-1));
+                let seq_w = mean_(&w, mask, Some(-1));
                 let seq_mask = mask
                     .sum_dim_intlist([-1].as_slice(), false, None::<Kind>)
                     .gt(0.0)
@@ -260,6 +271,17 @@ pub fn rejection_mask(
         return Ok((response_mask.shallow_clone(), Metrics::new()));
     }
     let mask = inputs(log_ratio, response_mask)?;
+    rejection_checked(log_ratio, &mask, response_mask, rules)
+}
+
+/// [`rejection_mask`] with `mask` checked and in `log_ratio`'s dtype; the result takes
+/// `response_mask`'s dtype.
+fn rejection_checked(
+    log_ratio: &Tensor,
+    mask: &Tensor,
+    response_mask: &Tensor,
+    rules: &[RsRule],
+) -> Result<(Tensor, Metrics)> {
     if rules.is_empty() {
         return Err(Error::invalid(
             "rollout_correction.rollout_rs",
@@ -276,7 +298,7 @@ pub fn rejection_mask(
     let seq_valid = mask
         .sum_dim_intlist([-1].as_slice(), false, None::<Kind>)
         .gt(0.0);
-    let mut combined = Tensor::ones_like(&mask);
+    let mut combined = Tensor::ones_like(mask);
     let mut metrics = Metrics::new();
     for rule in rules {
         let name = rule.option.name();
@@ -304,8 +326,8 @@ pub fn rejection_mask(
             RsLevel::Token => (token_stat.shallow_clone(), None, within(token_stat)),
             level => {
                 let seq = match level {
-                    RsLevel::SeqSum => sum_(token_stat, &mask, Some(-1)),
-                    RsLevel::SeqMean => mean_(token_stat, &mask, Some(-1)),
+                    RsLevel::SeqSum => sum_(token_stat, mask, Some(-1)),
+                    RsLevel::SeqMean => mean_(token_stat, mask, Some(-1)),
                     _ => {
                         let max = token_stat
                             .masked_fill(&keep_tokens.logical_not(), f64::NEG_INFINITY)
@@ -314,7 +336,7 @@ pub fn rejection_mask(
                     }
                 };
                 let keep = within(&seq).unsqueeze(-1).expand_as(&keep_tokens);
-                (seq.unsqueeze(-1).expand_as(&mask), Some(seq), keep)
+                (seq.unsqueeze(-1).expand_as(mask), Some(seq), keep)
             }
         };
         let metrics_lower = lower_log.unwrap_or(0.0);
@@ -329,7 +351,7 @@ pub fn rejection_mask(
             &mut metrics,
             &name,
             &per_token,
-            &mask,
+            mask,
             &seq_valid,
             per_seq.as_ref(),
             upper,
@@ -338,7 +360,7 @@ pub fn rejection_mask(
         );
         metrics.insert(
             format!("rollout_rs_{name}_masked_fraction"),
-            item(&mean_(&(1.0 - &keep_f), &mask, None)),
+            item(&mean_(&(1.0 - &keep_f), mask, None)),
         );
         let valid_f = seq_valid.to_kind(kind);
         let n_valid = item(&valid_f.sum(None::<Kind>));
@@ -354,7 +376,7 @@ pub fn rejection_mask(
     }
     metrics.insert(
         "rollout_rs_masked_fraction".into(),
-        item(&mean_(&(1.0 - &combined), &mask, None)),
+        item(&mean_(&(1.0 - &combined), mask, None)),
     );
     let final_keep = combined.gt(0.5).logical_and(&keep_tokens);
     let seq_has_masked = final_keep
@@ -469,10 +491,22 @@ pub fn offpolicy_metrics(
     response_mask: &Tensor,
 ) -> Result<Metrics> {
     let mask = inputs(old_log_prob, response_mask)?;
+    if let Some(rollout) = rollout_log_prob {
+        check::float_like("rollout_log_prob", rollout, "old_log_prob", old_log_prob)?;
+    }
+    offpolicy_checked(old_log_prob, rollout_log_prob, &mask)
+}
+
+/// [`offpolicy_metrics`] with the inputs checked and `mask` in `old_log_prob`'s dtype.
+fn offpolicy_checked(
+    old_log_prob: &Tensor,
+    rollout_log_prob: Option<&Tensor>,
+    mask: &Tensor,
+) -> Result<Metrics> {
     let _guard = tch::no_grad_guard();
     let old = old_log_prob.detach();
     let mut m = Metrics::new();
-    let mean_train = mean_(&old, &mask, Some(-1));
+    let mean_train = mean_(&old, mask, Some(-1));
     m.insert(
         "training_ppl".into(),
         item(&(-&mean_train).exp().mean(None::<Kind>)),
@@ -482,13 +516,12 @@ pub fn offpolicy_metrics(
         item(&(-&mean_train).mean(None::<Kind>)),
     );
     if let Some(rollout) = rollout_log_prob {
-        check::float_like("rollout_log_prob", rollout, "old_log_prob", old_log_prob)?;
         let rollout = rollout.detach().to_kind(old.kind());
-        m.insert("kl".into(), item(&mean_(&(&rollout - &old), &mask, None)));
+        m.insert("kl".into(), item(&mean_(&(&rollout - &old), mask, None)));
         let log_ratio = &old - &rollout;
         let k3 = log_ratio.exp() - &log_ratio - 1.0;
-        m.insert("k3_kl".into(), item(&mean_(&k3, &mask, None)));
-        let mean_rollout = mean_(&rollout, &mask, Some(-1));
+        m.insert("k3_kl".into(), item(&mean_(&k3, mask, None)));
+        let mean_rollout = mean_(&rollout, mask, Some(-1));
         m.insert(
             "rollout_ppl".into(),
             item(&(-&mean_rollout).exp().mean(None::<Kind>)),
@@ -509,9 +542,9 @@ pub fn offpolicy_metrics(
         let rho = clamp_safe(&log_ratio).exp();
         m.insert(
             "chi2_token".into(),
-            item(&mean_(&rho.square(), &mask, None)) - 1.0,
+            item(&mean_(&rho.square(), mask, None)) - 1.0,
         );
-        let seq_sum = clamp_safe(&sum_(&log_ratio, &mask, Some(-1)));
+        let seq_sum = clamp_safe(&sum_(&log_ratio, mask, Some(-1)));
         m.insert(
             "chi2_seq".into(),
             item(&(&seq_sum * 2.0).exp().mean(None::<Kind>)) - 1.0,
@@ -551,15 +584,16 @@ pub fn correct(
         "old_log_prob",
         old_log_prob,
     )?;
-    let _ = inputs(old_log_prob, response_mask)?;
+    // the inputs are checked once here, not again by each part
+    let mask = inputs(old_log_prob, response_mask)?;
     let _guard = tch::no_grad_guard();
     let log_ratio = old_log_prob.detach() - rollout_log_prob.detach();
     let mut metrics = Metrics::new();
     let weights = match cfg.rollout_is {
         Some(level) => {
-            let (w, m) = weights(
+            let (w, m) = weights_checked(
                 &log_ratio,
-                response_mask,
+                &mask,
                 level,
                 cfg.rollout_is_threshold,
                 cfg.rollout_is_batch_normalize,
@@ -573,15 +607,15 @@ pub fn correct(
     let rejected = if rules.is_empty() {
         response_mask.shallow_clone()
     } else {
-        let (mask, m) = rejection_mask(&log_ratio, response_mask, &rules)?;
+        let (kept, m) = rejection_checked(&log_ratio, &mask, response_mask, &rules)?;
         metrics.extend(m);
-        mask
+        kept
     };
     // the diagnostics describe the batch as sampled: the mask before rejection, as in verl
-    metrics.extend(offpolicy_metrics(
+    metrics.extend(offpolicy_checked(
         old_log_prob,
         Some(rollout_log_prob),
-        response_mask,
+        &mask,
     )?);
     Ok(Correction {
         weights,

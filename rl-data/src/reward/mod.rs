@@ -81,6 +81,19 @@ pub struct ScoreRow<'a> {
     pub extra_info: &'a Value,
 }
 
+impl<'a> ScoreRow<'a> {
+    /// A row of what [`RewardFn::score`] gets: no data source or prompt.
+    pub fn of_response(response: &'a str, ground_truth: &'a Value, extra_info: &'a Value) -> Self {
+        ScoreRow {
+            data_source: "",
+            prompt: "",
+            response,
+            ground_truth,
+            extra_info,
+        }
+    }
+}
+
 /// A reward function: `(response text, ground truth, extra_info) -> score`.
 pub trait RewardFn: Send + Sync {
     /// Scores one response.

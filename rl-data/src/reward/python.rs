@@ -606,13 +606,7 @@ impl RewardFn for PythonPool {
         ground_truth: &Value,
         extra_info: &Value,
     ) -> Result<RewardOutput> {
-        let row = ScoreRow {
-            data_source: "",
-            prompt: "",
-            response,
-            ground_truth,
-            extra_info,
-        };
+        let row = ScoreRow::of_response(response, ground_truth, extra_info);
         self.score_rows(std::slice::from_ref(&row))?
             .pop()
             .ok_or_else(|| self.poisoned())

@@ -57,24 +57,17 @@ pub fn compute_score(
     score: f64,
 ) -> RewardOutput {
     let answer = extract_solution(solution);
+    let hit = answer.as_deref().is_some_and(|a| em_check(a, golden));
     let open = solution.matches("<answer>").count();
     let close = solution.matches("</answer>").count();
     let value = match &answer {
         None => 0.0,
-        Some(a) if em_check(a, golden) => {
-            if open > 10 || close > 10 {
-                score / 4.0
-            } else {
-                score
-            }
-        }
+        Some(_) if hit && (open > 10 || close > 10) => score / 4.0,
+        Some(_) if hit => score,
         Some(_) => format_score,
     };
     RewardOutput::new(value)
-        .with(
-            "acc",
-            answer.as_deref().is_some_and(|a| em_check(a, golden)),
-        )
+        .with("acc", hit)
         .with("pred", answer)
 }
 

@@ -146,13 +146,7 @@ impl RewardFn for RemoteScorer {
         ground_truth: &Value,
         extra_info: &Value,
     ) -> Result<RewardOutput> {
-        let row = ScoreRow {
-            data_source: "",
-            prompt: "",
-            response,
-            ground_truth,
-            extra_info,
-        };
+        let row = ScoreRow::of_response(response, ground_truth, extra_info);
         Ok(RewardOutput::new(self.post(&[row])?[0]))
     }
 
