@@ -501,15 +501,18 @@ fn a_remote_scorer_scores_batches_and_its_http_errors_carry_its_text() {
 }
 
 #[test]
-fn math_verify_and_geo3k_through_the_bridge_agree_with_verl_called_directly() {
+fn math_verify_geo3k_and_prime_math_through_the_bridge_agree_with_verl_called_directly() {
     let path =
         Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/reward_bridge/table.json");
     let table: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
     let rows = table["rows"].as_array().unwrap();
     let n_math = rows.iter().filter(|r| r["fn"] == "math_verify").count();
     assert!(n_math >= 50, "only {n_math} math-verify rows");
-    // geo3k is verl's data source hiyouga/geometry3k; math_verify is named in config, as verl
-    // dispatches no data source to it
+    let n_prime = rows.iter().filter(|r| r["fn"] == "prime_math").count();
+    assert!(n_prime >= 50, "only {n_prime} prime_math rows");
+    // geo3k is verl's data source hiyouga/geometry3k and prime_math its numina_* sources (the
+    // fixture names which one verl's default_compute_score was called with); math_verify is
+    // named in config, as verl dispatches no data source to it
     let cfg: RewardConfig = toml::from_str(&format!(
         "python = {:?}\nworkers = 2\n[sources.math_verify]\nname = \"math_verify\"\n",
         python()
@@ -520,10 +523,10 @@ fn math_verify_and_geo3k_through_the_bridge_agree_with_verl_called_directly() {
     let batch: Vec<ScoreRow<'_>> = rows
         .iter()
         .map(|r| ScoreRow {
-            data_source: if r["fn"] == "geo3k" {
-                "hiyouga/geometry3k"
-            } else {
-                "math_verify"
+            data_source: match r["fn"].as_str().unwrap() {
+                "geo3k" => "hiyouga/geometry3k",
+                "prime_math" => r["data_source"].as_str().unwrap(),
+                _ => "math_verify",
             },
             prompt: "",
             response: r["response"].as_str().unwrap(),

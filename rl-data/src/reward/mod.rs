@@ -15,8 +15,9 @@
 //!
 //! Most functions are Rust string functions. Python runs in three cases, each through the pool
 //! of [`python`]: verl's `custom_reward_function` (a user's file, run unchanged, scoring every
-//! row as in verl), and the two verl scorers that need a Python package (`geo3k` with mathruler,
-//! `math_verify` with math-verify), started only when a batch names them. [`remote`] scores
+//! row as in verl), and the three verl scorers that need a Python package (`geo3k` with
+//! mathruler, `math_verify` with math-verify, `prime_math` with verl's own code), started only
+//! when a batch names them. [`remote`] scores
 //! every row on an HTTP server instead (`reward.remote_url`, OpenRLHF's remote reward).
 
 pub mod arithmetic;
@@ -244,6 +245,10 @@ pub enum RewardFnConfig {
         #[serde(default)]
         timeout_score: f64,
     },
+    /// verl's `prime_math.compute_score` (its `numina_*` data sources): verl's own code, run
+    /// through the Python bridge with the PyPI package verl (without its dependencies), sympy,
+    /// pylatexenc and numpy in `reward.python`; 1 when it judges the answer correct, else 0.
+    PrimeMath,
     /// A function registered in code with [`RewardRegistry::register_function`].
     Custom {
         /// The registered name.
@@ -271,8 +276,8 @@ pub struct RewardConfig {
     /// `data_source` prefixes → function (`"aime"` matches `aime2024`).
     pub prefixes: BTreeMap<String, RewardFnConfig>,
     /// The Python interpreter that runs `custom_reward_function.path` and the bridged scorers
-    /// (geo3k, math_verify); point it at the environment that has your file's imports. Default
-    /// `python3`.
+    /// (geo3k, math_verify, prime_math); point it at the environment that has your file's
+    /// imports. Default `python3`.
     pub python: String,
     /// Persistent Python worker processes scoring a batch in parallel. Default 4.
     pub workers: usize,
@@ -496,6 +501,14 @@ fn builtin(cfg: &RewardFnConfig, pool: &python::PoolSettings) -> Option<Arc<dyn 
                 "math_verify needs Hugging Face's math-verify: `pip install math-verify` into the environment of reward.python",
             );
         }
+        RewardFnConfig::PrimeMath => {
+            return bridged(
+                "prime_math.py",
+                serde_json::Map::new(),
+                pool,
+                "prime_math runs verl's own scorer: `pip install --no-deps verl==0.9.1` and `pip install sympy pylatexenc numpy` into the environment of reward.python (scripts/reward-env does both)",
+            );
+        }
         RewardFnConfig::Custom { .. } => return None,
     };
     Some(f)
@@ -513,7 +526,7 @@ pub struct DispatchTable {
 /// verl's `default_compute_score` table: exactly the data sources verl scores (a source here
 /// is scored as verl scores it), with the prefix `aime` as verl's `startswith("aime")`.
 /// Not here: verl's code sources (`codecontests`, `apps`, `codeforces`, `taco`: sandboxed code
-/// execution) and the `numina_*` sources of prime_math, which this crate does not score.
+/// execution), which this crate does not score.
 pub fn verl_table() -> DispatchTable {
     let gsm8k = RewardFnConfig::Gsm8k {
         method: Gsm8kMethod::Strict,
@@ -543,6 +556,9 @@ pub fn verl_table() -> DispatchTable {
             },
         ),
     ];
+    for s in NUMINA {
+        sources.push((s, RewardFnConfig::PrimeMath));
+    }
     for s in SEARCH_R1 {
         sources.push((s.0, qa.clone()));
     }
@@ -551,6 +567,16 @@ pub fn verl_table() -> DispatchTable {
         prefixes: vec![("aime", dapo)],
     }
 }
+
+/// The data sources verl scores with prime_math.
+const NUMINA: [&str; 6] = [
+    "numina_aops_forum",
+    "numina_synthetic_math",
+    "numina_amc_aime",
+    "numina_synthetic_amc",
+    "numina_cn_k12",
+    "numina_olympiads",
+];
 
 /// Search-R1's QA sources: verl's names (`searchR1_` prefix) and Search-R1's own.
 const SEARCH_R1: [(&str, &str); 7] = [
@@ -608,6 +634,9 @@ pub struct RewardRegistry {
     functions: BTreeMap<String, Arc<dyn RewardFn>>,
     every_row: Option<(String, Arc<dyn RewardFn>)>,
     pool: python::PoolSettings,
+    /// Each built-in scorer built once per configuration, so that the data sources sharing one
+    /// (verl's six `numina_*` for prime_math) share its Python pool and are scored as one batch.
+    built: Vec<(RewardFnConfig, Arc<dyn RewardFn>)>,
 }
 
 impl std::fmt::Debug for RewardRegistry {
@@ -643,17 +672,27 @@ impl RewardRegistry {
         };
         for DispatchTable { sources, prefixes } in [verl_table(), extension_table()] {
             for (name, cfg) in sources {
-                if let Some(f) = builtin(&cfg, pool) {
+                if let Some(f) = r.builtin(&cfg) {
                     r.sources.insert(name.to_string(), f);
                 }
             }
             for (prefix, cfg) in prefixes {
-                if let Some(f) = builtin(&cfg, pool) {
+                if let Some(f) = r.builtin(&cfg) {
                     r.prefixes.push((prefix.to_string(), f));
                 }
             }
         }
         r
+    }
+
+    /// The built-in scorer `cfg` names, built on first use and shared after.
+    fn builtin(&mut self, cfg: &RewardFnConfig) -> Option<Arc<dyn RewardFn>> {
+        if let Some((_, f)) = self.built.iter().find(|(c, _)| c == cfg) {
+            return Some(f.clone());
+        }
+        let f = builtin(cfg, &self.pool)?;
+        self.built.push((cfg.clone(), f.clone()));
+        Some(f)
     }
 
     /// [`RewardRegistry::verl_default`] with `cfg`'s mappings applied on top (a configured
@@ -733,7 +772,7 @@ impl RewardRegistry {
         self.functions.insert(name.into(), f);
     }
 
-    fn resolve(&self, cfg: &RewardFnConfig) -> Result<Arc<dyn RewardFn>> {
+    fn resolve(&mut self, cfg: &RewardFnConfig) -> Result<Arc<dyn RewardFn>> {
         if let RewardFnConfig::Custom { function } = cfg {
             return self
                 .functions
@@ -751,7 +790,7 @@ impl RewardRegistry {
                     ),
                 });
         }
-        builtin(cfg, &self.pool).ok_or_else(|| Error::Config {
+        self.builtin(cfg).ok_or_else(|| Error::Config {
             key: "reward".into(),
             message: "unresolvable".into(),
         })

@@ -617,8 +617,9 @@ impl RewardFn for PythonPool {
     }
 }
 
-/// A pool started on first use: the scorers of the Python bridge (geo3k, math-verify) that
-/// the default table names, so that no run whose data never names them starts Python.
+/// A pool started on first use: the scorers of the Python bridge (geo3k, math-verify,
+/// prime_math) that the default table names, so that no run whose data never names them starts
+/// Python.
 pub struct LazyPool {
     function: PythonFunction,
     settings: PoolSettings,
@@ -688,4 +689,5 @@ pub fn bridge_function(
 const BRIDGE: &[(&str, &str)] = &[
     ("geo3k.py", include_str!("bridge/geo3k.py")),
     ("math_verify.py", include_str!("bridge/math_verify.py")),
+    ("prime_math.py", include_str!("bridge/prime_math.py")),
 ];

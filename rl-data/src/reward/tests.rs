@@ -449,3 +449,25 @@ fn docs_list_exactly_the_verl_and_extension_tables() {
         );
     }
 }
+
+#[test]
+fn data_sources_sharing_a_scorer_share_one_instance_and_so_one_python_pool() {
+    let r = RewardRegistry::verl_default();
+    let numina = r.get("numina_olympiads").unwrap();
+    for s in ["numina_aops_forum", "numina_cn_k12", "numina_amc_aime"] {
+        assert!(Arc::ptr_eq(&numina, &r.get(s).unwrap()), "{s}");
+    }
+    // a configured source with the same scorer and parameters joins it; other parameters do not
+    let cfg: RewardConfig =
+        toml::from_str("[sources.mine]\nname = \"prime_math\"\n[sources.other]\nname = \"geo3k\"\nformat_score = 0.5\n")
+            .unwrap();
+    let r = RewardRegistry::with_config(&cfg).unwrap();
+    assert!(Arc::ptr_eq(
+        &r.get("mine").unwrap(),
+        &r.get("numina_olympiads").unwrap()
+    ));
+    assert!(!Arc::ptr_eq(
+        &r.get("other").unwrap(),
+        &r.get("hiyouga/geometry3k").unwrap()
+    ));
+}
