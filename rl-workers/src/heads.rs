@@ -9,6 +9,7 @@ use tch::{Device, Kind, Tensor};
 
 use crate::error::{Error, Result, expect_dims};
 use crate::hf::{self, Checkpoint};
+use crate::lora::{self, Attached, LoraConfig};
 use crate::model::{Config, KvCache, Linear, Model};
 
 /// The file holding the model's hyper-parameters.
@@ -88,6 +89,108 @@ pub struct CausalLm {
     vs: VarStore,
     model: Model,
     lm_head: Option<Linear>,
+    lora: Option<Attached>,
+}
+
+/// The tensors a Hugging Face folder of this model holds: the variables, with LoRA adapters
+/// merged in when there are any.
+fn export_tensors(vs: &VarStore, lora: Option<&Attached>) -> Vec<(String, Tensor)> {
+    match lora {
+        Some(l) => l.merged(vs),
+        None => {
+            let mut t: Vec<(String, Tensor)> = vs
+                .variables()
+                .into_iter()
+                .map(|(n, t)| (n, t.detach()))
+                .collect();
+            t.sort_by(|a, b| a.0.cmp(&b.0));
+            t
+        }
+    }
+}
+
+fn no_adapter() -> Error {
+    Error::invalid("lora", "the model has no LoRA adapters".to_owned())
+}
+
+/// LoRA on a model of this crate: the adapters are attached to the decoder stack's linear
+/// layers (`model.*`); a classification head trains in full beside them.
+macro_rules! lora_methods {
+    ($task:literal, $keep:expr) => {
+        /// Adds LoRA adapters (PEFT's initialisation: the model computes exactly what it did)
+        /// and freezes the base weights; only the adapters (and a classification head) train.
+        pub fn add_lora(&mut self, cfg: &LoraConfig) -> Result<()> {
+            if self.lora.is_some() {
+                return Err(Error::invalid(
+                    "lora",
+                    "the model has adapters already".to_owned(),
+                ));
+            }
+            self.lora = Some(lora::attach(
+                &self.vs,
+                &mut self.model,
+                "model",
+                cfg,
+                $keep,
+            )?);
+            Ok(())
+        }
+
+        /// The LoRA configuration, when the model has adapters.
+        pub fn lora(&self) -> Option<&LoraConfig> {
+            self.lora.as_ref().map(|l| &l.cfg)
+        }
+
+        /// Runs `f` with the adapters off: the base model (the reference policy of a LoRA
+        /// run). Without adapters, simply runs `f`.
+        pub fn without_adapters<R>(&self, f: impl FnOnce(&Self) -> R) -> R {
+            match &self.lora {
+                Some(l) => l.disabled(|| f(self)),
+                None => f(self),
+            }
+        }
+
+        /// Sets the seed of the adapters' dropout masks for the following training forwards
+        /// (`None`: no dropout, as for log-probs, rollout and evaluation).
+        pub fn set_lora_dropout_seed(&self, seed: Option<u64>) {
+            if let Some(l) = &self.lora {
+                l.set_dropout_seed(seed);
+            }
+        }
+
+        /// Writes the adapters in PEFT's format (`adapter_config.json`,
+        /// `adapter_model.safetensors`); `base` is recorded as `base_model_name_or_path`.
+        pub fn save_adapter(&self, dir: impl AsRef<Path>, base: Option<&str>) -> Result<()> {
+            let l = self.lora.as_ref().ok_or_else(no_adapter)?;
+            l.save(&self.vs, dir.as_ref(), $task, base)
+        }
+
+        /// Loads adapter weights in PEFT's format (ours or PEFT's) into this model's adapters,
+        /// which must target the same layers with the same rank.
+        pub fn load_adapter(&self, dir: impl AsRef<Path>) -> Result<()> {
+            let l = self.lora.as_ref().ok_or_else(no_adapter)?;
+            l.load(&self.vs, dir.as_ref())
+        }
+    };
+}
+
+impl CausalLm {
+    lora_methods!("CAUSAL_LM", &[]);
+
+    /// A base model from `dir` with the PEFT adapter of `adapter_dir` (its
+    /// `adapter_config.json` says where the adapters go).
+    pub fn from_pretrained_with_adapter(
+        dir: impl AsRef<Path>,
+        adapter_dir: impl AsRef<Path>,
+        device: Device,
+        kind: Kind,
+    ) -> Result<CausalLm> {
+        let cfg = lora::read_adapter_config(adapter_dir.as_ref())?;
+        let mut lm = CausalLm::from_pretrained(dir, device, kind)?;
+        lm.add_lora(&cfg)?;
+        lm.load_adapter(adapter_dir)?;
+        Ok(lm)
+    }
 }
 
 impl CausalLm {
@@ -105,7 +208,12 @@ impl CausalLm {
                 )
             })
         })?;
-        Ok(CausalLm { vs, model, lm_head })
+        Ok(CausalLm {
+            vs,
+            model,
+            lm_head,
+            lora: None,
+        })
     }
 
     /// Loads `dir/config.json` and `dir/model.safetensors` (or its sharded index), converting
@@ -120,11 +228,11 @@ impl CausalLm {
     }
 
     /// Writes `config.json` (architectures `*ForCausalLM`) and `model.safetensors`, loadable by
-    /// transformers' `from_pretrained`.
+    /// transformers' `from_pretrained`; LoRA adapters are merged into the weights.
     pub fn save_pretrained(&self, dir: impl AsRef<Path>) -> Result<()> {
         let dir = dir.as_ref();
         write_config(self.config(), "ForCausalLM", self.kind(), dir)?;
-        hf::save_var_store(&self.vs, dir)
+        hf::save_tensors(&export_tensors(&self.vs, self.lora.as_ref()), dir)
     }
 
     /// Logits for every position.
@@ -217,9 +325,12 @@ pub struct ValueModel {
     model: Model,
     score: Linear,
     fresh_head: bool,
+    lora: Option<Attached>,
 }
 
 impl ValueModel {
+    lora_methods!("TOKEN_CLS", &["score"]);
+
     /// A freshly initialised critic.
     pub fn new(cfg: &Config, device: Device, kind: Kind) -> Result<ValueModel> {
         let (vs, model, score) = build(cfg, device, kind, |root, cfg| {
@@ -236,6 +347,7 @@ impl ValueModel {
             model,
             score,
             fresh_head: true,
+            lora: None,
         })
     }
 
@@ -274,7 +386,7 @@ impl ValueModel {
             self.model.embed_tokens().kind(),
             dir,
         )?;
-        hf::save_var_store(&self.vs, dir)
+        hf::save_tensors(&export_tensors(&self.vs, self.lora.as_ref()), dir)
     }
 
     /// Values for every position.
@@ -321,9 +433,12 @@ pub struct RewardModel {
     vs: VarStore,
     model: Model,
     score: Linear,
+    lora: Option<Attached>,
 }
 
 impl RewardModel {
+    lora_methods!("SEQ_CLS", &["score"]);
+
     /// A freshly initialised reward model with `cfg.num_labels()` outputs.
     pub fn new(cfg: &Config, device: Device, kind: Kind) -> Result<RewardModel> {
         let (vs, model, score) = build(cfg, device, kind, |root, cfg| {
@@ -335,7 +450,12 @@ impl RewardModel {
                 cfg.initializer_range,
             )
         })?;
-        Ok(RewardModel { vs, model, score })
+        Ok(RewardModel {
+            vs,
+            model,
+            score,
+            lora: None,
+        })
     }
 
     /// Loads a Hugging Face `*ForSequenceClassification` checkpoint; `score.weight` is required.
@@ -361,7 +481,7 @@ impl RewardModel {
             self.model.embed_tokens().kind(),
             dir,
         )?;
-        hf::save_var_store(&self.vs, dir)
+        hf::save_tensors(&export_tensors(&self.vs, self.lora.as_ref()), dir)
     }
 
     /// Scores at the last real token of each row (the last position whose mask is 1).

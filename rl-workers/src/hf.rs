@@ -276,15 +276,9 @@ pub(crate) fn write_safetensors(tensors: &[(String, Tensor)], path: &Path) -> Re
         .map_err(|e| Error::format(path, e.to_string()))
 }
 
-/// Writes every variable of `vs` to `dir/model.safetensors`, by name.
-pub(crate) fn save_var_store(vs: &VarStore, dir: &Path) -> Result<()> {
-    let mut tensors: Vec<(String, Tensor)> = vs
-        .variables()
-        .into_iter()
-        .map(|(n, t)| (n, t.detach()))
-        .collect();
-    tensors.sort_by(|a, b| a.0.cmp(&b.0));
-    write_safetensors(&tensors, &dir.join(SAFETENSORS))
+/// Writes named tensors to `dir/model.safetensors`.
+pub(crate) fn save_tensors(tensors: &[(String, Tensor)], dir: &Path) -> Result<()> {
+    write_safetensors(tensors, &dir.join(SAFETENSORS))
 }
 
 #[cfg(test)]

@@ -4,6 +4,8 @@
 //! - [`Config`], [`Model`], [`KvCache`]: the decoder stack (`LlamaModel` / `Qwen2Model`).
 //! - [`CausalLm`], [`ValueModel`], [`RewardModel`]: the heads, each with `from_pretrained` /
 //!   `save_pretrained` over a Hugging Face directory.
+//! - [`lora`]: PEFT's LoRA adapters on any of the heads ([`LoraConfig`]), saved and loaded in
+//!   PEFT's format.
 //! - [`gguf::import`]: a llama.cpp GGUF file to a Hugging Face directory.
 //! - [`generate`] with [`RolloutConfig`]: the batched, KV-cached rollout engine.
 //! - [`generate_multi_turn`] with a [`ToolEnv`]: multi-turn rollouts that call tools between
@@ -15,6 +17,7 @@ mod error;
 pub mod gguf;
 mod heads;
 mod hf;
+pub mod lora;
 mod model;
 mod multiturn;
 pub mod roles;
@@ -23,6 +26,7 @@ mod seed;
 
 pub use error::{Error, Result};
 pub use heads::{CONFIG_JSON, CausalLm, RewardModel, ValueModel};
+pub use lora::{LoraConfig, TargetModules};
 pub use model::{Config, Family, KvCache, Model, TokenIds};
 pub use multiturn::{
     ANSWER_TAG, MultiTurnConfig, MultiTurnOutput, StopReason, TextCodec, ToolEnv, TurnStats,

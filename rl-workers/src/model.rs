@@ -357,6 +357,8 @@ impl Config {
 pub(crate) struct Linear {
     pub(crate) weight: Tensor,
     pub(crate) bias: Option<Tensor>,
+    /// A LoRA adapter applied unmerged ([`crate::lora`]).
+    pub(crate) lora: Option<crate::lora::Adapter>,
 }
 
 impl Linear {
@@ -370,11 +372,19 @@ impl Linear {
             },
         );
         let bias = bias.then(|| p.var("bias", &[out_dim], Init::Const(0.0)));
-        Linear { weight, bias }
+        Linear {
+            weight,
+            bias,
+            lora: None,
+        }
     }
 
     pub(crate) fn forward(&self, xs: &Tensor) -> Tensor {
-        xs.linear(&self.weight, self.bias.as_ref())
+        let ys = xs.linear(&self.weight, self.bias.as_ref());
+        match self.lora.as_ref().and_then(|l| l.delta(xs)) {
+            Some(delta) => ys + delta,
+            None => ys,
+        }
     }
 }
 
@@ -534,6 +544,20 @@ struct DecoderLayer {
 }
 
 impl DecoderLayer {
+    /// The layer's linear projections with their Hugging Face names (`self_attn.q_proj`, ...).
+    fn linears_mut(&mut self) -> [(&'static str, &mut Linear); 7] {
+        let (a, m) = (&mut self.self_attn, &mut self.mlp);
+        [
+            ("self_attn.q_proj", &mut a.q_proj),
+            ("self_attn.k_proj", &mut a.k_proj),
+            ("self_attn.v_proj", &mut a.v_proj),
+            ("self_attn.o_proj", &mut a.o_proj),
+            ("mlp.gate_proj", &mut m.gate_proj),
+            ("mlp.up_proj", &mut m.up_proj),
+            ("mlp.down_proj", &mut m.down_proj),
+        ]
+    }
+
     fn new(p: VarPath, cfg: &Config) -> DecoderLayer {
         DecoderLayer {
             self_attn: Attention::new(&p / "self_attn", cfg),
@@ -765,6 +789,21 @@ impl Model {
         &self.cfg
     }
 
+    /// Every linear layer of the stack with its Hugging Face name relative to the stack
+    /// (`layers.0.self_attn.q_proj`), in layer order.
+    pub(crate) fn linears_mut(&mut self) -> Vec<(String, &mut Linear)> {
+        self.layers
+            .iter_mut()
+            .enumerate()
+            .flat_map(|(i, layer)| {
+                layer
+                    .linears_mut()
+                    .into_iter()
+                    .map(move |(n, l)| (format!("layers.{i}.{n}"), l))
+            })
+            .collect()
+    }
+
     /// The input embedding matrix `[vocab, hidden]` (also the tied `lm_head`).
     pub fn embed_tokens(&self) -> &Tensor {
         &self.embed_tokens
@@ -887,8 +926,11 @@ impl Model {
             (out * &grad).sum(Kind::Float).f_backward()?;
             grad = xs.grad();
         }
-        let embedded = Tensor::embedding(&self.embed_tokens, input_ids, -1, false, false);
-        (embedded * &grad).sum(Kind::Float).f_backward()?;
+        // frozen under LoRA: nothing to back-propagate into
+        if self.embed_tokens.requires_grad() {
+            let embedded = Tensor::embedding(&self.embed_tokens, input_ids, -1, false, false);
+            (embedded * &grad).sum(Kind::Float).f_backward()?;
+        }
         Ok(loss.detach())
     }
 
