@@ -165,6 +165,27 @@ macro_rules! lora_methods {
             l.save(&self.vs, dir.as_ref(), $task, base)
         }
 
+        /// Writes what training changes, for a checkpoint: with LoRA the adapters (and a
+        /// trained head) in PEFT's format, else the whole model as a Hugging Face folder.
+        pub fn save_trained(&self, dir: impl AsRef<Path>) -> Result<()> {
+            match &self.lora {
+                Some(l) => l.save(&self.vs, dir.as_ref(), $task, None),
+                None => self.save_pretrained(dir),
+            }
+        }
+
+        /// Restores what [`save_trained`](Self::save_trained) wrote into this model (the
+        /// same adapters, or the same architecture), naming a missing or mis-shaped tensor.
+        pub fn load_trained(&self, dir: impl AsRef<Path>) -> Result<()> {
+            match &self.lora {
+                Some(l) => l.load(&self.vs, dir.as_ref()),
+                None => {
+                    let ckpt = Checkpoint::open(dir.as_ref())?;
+                    hf::load_into(&self.vs, &ckpt, &|_| false).map(|_| ())
+                }
+            }
+        }
+
         /// Loads adapter weights in PEFT's format (ours or PEFT's) into this model's adapters,
         /// which must target the same layers with the same rank.
         pub fn load_adapter(&self, dir: impl AsRef<Path>) -> Result<()> {
@@ -523,5 +544,10 @@ impl RewardModel {
     /// The weights.
     pub fn var_store(&self) -> &VarStore {
         &self.vs
+    }
+
+    /// The weights, mutably.
+    pub fn var_store_mut(&mut self) -> &mut VarStore {
+        &mut self.vs
     }
 }

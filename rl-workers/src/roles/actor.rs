@@ -134,7 +134,12 @@ impl ActorWorker {
                 "must be at least 1",
             )));
         }
-        let optim = AdamW::new(lock(&lm, "actor")?.var_store(), cfg.optim.clone());
+        let optim = AdamW::for_model(
+            lock(&lm, "actor")?.var_store_mut(),
+            cfg.optim.clone(),
+            &cfg.mixed_precision,
+        )
+        .map_err(role_err("actor"))?;
         Ok(ActorWorker {
             lm,
             cfg,
@@ -307,6 +312,7 @@ pub(crate) fn update_loop_dp(
         for m in micros {
             let (l, ms) = loss(&m.batch, info)?;
             l.backward();
+            optim.accumulate_grads();
             mm.extend(ms);
         }
         micro::fold_micro_metrics(&mm, &mut metrics);
@@ -325,10 +331,10 @@ pub(crate) fn update_loop_dp(
     Ok(metrics)
 }
 
-/// Saves weights (`model.safetensors` + `config.json`, loadable as a Hugging Face model) and
-/// optimiser state into `dir`.
+/// Saves what training changed (the model as a Hugging Face folder, or with LoRA only the
+/// adapters in PEFT's format) and the optimiser state into `dir`.
 fn save_lm(lm: &CausalLm, optim: &AdamW, dir: &Path) -> rl_core::Result<()> {
-    lm.save_pretrained(dir).map_err(role_err("actor"))?;
+    lm.save_trained(dir).map_err(role_err("actor"))?;
     optim.save(dir).map_err(role_err("actor"))
 }
 
@@ -380,7 +386,11 @@ impl Actor for ActorWorker {
         let lm = lock(&self.lm, "actor")?;
         let temperature = meta_f64(batch, "temperature", 1.0);
         let entropy = objective.needs_entropy();
-        update_loop_dp(
+        // LoRA dropout: one mask seed per micro-batch, a function of the optimiser's step (so
+        // a resumed run drops what the uninterrupted one did)
+        let base_seed = (self.optim.counters().steps as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let mut micro_index = 0u64;
+        let out = update_loop_dp(
             &self.cfg,
             self.rollout_n,
             batch,
@@ -388,10 +398,14 @@ impl Actor for ActorWorker {
             "actor",
             self.group.as_ref(),
             |micro, info| {
+                micro_index += 1;
+                lm.set_lora_dropout_seed(Some(base_seed.wrapping_add(micro_index)));
                 let (log_prob, entropy) = micro::log_probs(&lm, micro, temperature, entropy)?;
                 objective.loss(micro, &PolicyOutput { log_prob, entropy }, info)
             },
-        )
+        );
+        lm.set_lora_dropout_seed(None);
+        out
     }
 
     fn save_state(&self, dir: &Path) -> rl_core::Result<()> {
@@ -412,12 +426,8 @@ impl Actor for ActorWorker {
     }
 
     fn load_state(&mut self, dir: &Path) -> rl_core::Result<()> {
-        let mut lm = lock(&self.lm, "actor")?;
-        let path = dir.join("model.safetensors");
-        tch::no_grad(|| lm.var_store_mut().load(&path)).map_err(|e| rl_core::Error::Role {
-            role: "actor",
-            source: format!("{}: {e}", path.display()).into(),
-        })?;
+        let lm = lock(&self.lm, "actor")?;
+        lm.load_trained(dir).map_err(role_err("actor"))?;
         self.optim.load(dir).map_err(role_err("actor"))
     }
 }
@@ -638,28 +648,50 @@ fn insert_turn_stats(batch: &mut Batch, stats: &[TurnStats], env: &ToolEnv) -> r
     Ok(())
 }
 
-/// The frozen reference policy: a copy of the initial actor weights.
+/// The frozen reference policy: a copy of the initial actor weights, or, for a LoRA policy,
+/// the policy itself with its adapters switched off (its base weights never train, so no copy
+/// is needed: verl's `ref_in_actor`).
 #[derive(Debug)]
 pub struct ReferenceWorker {
-    lm: CausalLm,
+    lm: RefModel,
     micro_batch_size: Option<usize>,
 }
 
+#[derive(Debug)]
+enum RefModel {
+    /// A frozen model of its own.
+    Own(CausalLm),
+    /// The base model under a LoRA policy's adapters.
+    BaseOf(SharedPolicy),
+}
+
 impl ReferenceWorker {
-    /// A frozen copy of the policy's current weights.
+    /// A frozen copy of the policy's current weights; for a policy with LoRA adapters, the
+    /// policy's base model (adapters off) without a copy.
     pub fn from_policy(
         policy: &SharedPolicy,
         micro_batch_size: Option<usize>,
     ) -> rl_core::Result<Self> {
         let src = lock(policy, "reference")?;
+        if src.lora().is_some() {
+            return Ok(ReferenceWorker {
+                lm: RefModel::BaseOf(policy.clone()),
+                micro_batch_size,
+            });
+        }
         let mut lm =
             CausalLm::new(src.config(), src.device(), src.kind()).map_err(role_err("reference"))?;
         lm.var_store_mut().copy(src.var_store())?;
         lm.var_store_mut().freeze();
         Ok(ReferenceWorker {
-            lm,
+            lm: RefModel::Own(lm),
             micro_batch_size,
         })
+    }
+
+    /// Whether the reference is the LoRA policy's base model rather than a copy.
+    pub fn shares_policy_base(&self) -> bool {
+        matches!(self.lm, RefModel::BaseOf(_))
     }
 
     /// A frozen model loaded from a Hugging Face directory.
@@ -672,7 +704,7 @@ impl ReferenceWorker {
         let mut lm = CausalLm::from_pretrained(dir, device, kind).map_err(role_err("reference"))?;
         lm.var_store_mut().freeze();
         Ok(ReferenceWorker {
-            lm,
+            lm: RefModel::Own(lm),
             micro_batch_size,
         })
     }
@@ -681,10 +713,16 @@ impl ReferenceWorker {
 impl Reference for ReferenceWorker {
     fn compute_ref_log_prob(&mut self, batch: &Batch) -> rl_core::Result<Batch> {
         let temperature = meta_f64(batch, "temperature", 1.0);
-        let lm = &self.lm;
-        let outs = no_grad_per_micro(batch, self.micro_batch_size, None, |m| {
-            Ok(vec![micro::log_probs(lm, m, temperature, false)?.0])
-        })?;
+        let micro_batch_size = self.micro_batch_size;
+        let run = |lm: &CausalLm| {
+            no_grad_per_micro(batch, micro_batch_size, None, |m| {
+                Ok(vec![micro::log_probs(lm, m, temperature, false)?.0])
+            })
+        };
+        let outs = match &self.lm {
+            RefModel::Own(lm) => run(lm)?,
+            RefModel::BaseOf(policy) => lock(policy, "reference")?.without_adapters(run)?,
+        };
         let mut out = Batch::new();
         if let Some(lp) = outs.into_iter().next() {
             out.insert(keys::REF_LOG_PROB, lp)?;

@@ -142,6 +142,44 @@ fn default_token_len() -> usize {
     16384
 }
 
+/// The dtype the trained weights compute in (`mixed_precision.param_dtype`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ParamDtype {
+    /// Float32 throughout: no mixed precision (the default).
+    #[default]
+    Fp32,
+    /// bfloat16 weights and compute, float32 master weights, optimizer state and gradients.
+    Bf16,
+}
+
+/// Mixed precision (verl's `fsdp_config.mixed_precision`, under our own key): the model's
+/// weights and matmuls in `param_dtype`, while the optimizer keeps float32 master weights and
+/// float32 AdamW moments, gradients are accumulated over micro-batches and averaged across
+/// ranks in float32 (verl's `reduce_dtype: fp32`), and log-softmax and the losses run in
+/// float32. The model must be loaded in float32 (`model.dtype`), the masters' source.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MixedPrecision {
+    /// `fp32` (off) or `bf16`. Default `fp32`.
+    pub param_dtype: ParamDtype,
+}
+
+impl MixedPrecision {
+    /// Whether master weights are kept.
+    pub fn enabled(&self) -> bool {
+        self.param_dtype != ParamDtype::Fp32
+    }
+
+    /// The compute dtype.
+    pub fn kind(&self) -> tch::Kind {
+        match self.param_dtype {
+            ParamDtype::Fp32 => tch::Kind::Float,
+            ParamDtype::Bf16 => tch::Kind::BFloat16,
+        }
+    }
+}
+
 /// verl's `actor_rollout_ref.actor` worker keys (the loss keys are rl-algos').
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -172,6 +210,8 @@ pub struct ActorConfig {
     pub log_prob_max_token_len_per_gpu: usize,
     /// AdamW and LR schedule.
     pub optim: OptimConfig,
+    /// Mixed precision of the trained weights. Default off (float32).
+    pub mixed_precision: MixedPrecision,
 }
 
 impl Default for ActorConfig {
@@ -188,6 +228,7 @@ impl Default for ActorConfig {
             log_prob_micro_batch_size_per_gpu: None,
             log_prob_max_token_len_per_gpu: 16384,
             optim: OptimConfig::default(),
+            mixed_precision: MixedPrecision::default(),
         }
     }
 }
@@ -207,6 +248,7 @@ impl ActorConfig {
         "log_prob_micro_batch_size_per_gpu",
         "log_prob_max_token_len_per_gpu",
         "optim",
+        "mixed_precision",
     ];
 
     /// Checks ranges; `prefix` names the group (`actor_rollout_ref.actor`).
@@ -265,6 +307,8 @@ pub struct CriticConfig {
     pub grad_clip: f64,
     /// AdamW and LR schedule; the critic's default `lr` is 1e-5.
     pub optim: OptimConfig,
+    /// Mixed precision of the critic's weights. Default off (float32).
+    pub mixed_precision: MixedPrecision,
 }
 
 impl Default for CriticConfig {
@@ -282,6 +326,7 @@ impl Default for CriticConfig {
                 lr: 1e-5,
                 ..OptimConfig::default()
             },
+            mixed_precision: MixedPrecision::default(),
         }
     }
 }
@@ -298,6 +343,7 @@ impl CriticConfig {
         "data_loader_seed",
         "grad_clip",
         "optim",
+        "mixed_precision",
     ];
 
     /// The same settings as an [`ActorConfig`] (the update loop is shared).
@@ -314,6 +360,7 @@ impl CriticConfig {
             log_prob_micro_batch_size_per_gpu: self.ppo_micro_batch_size_per_gpu,
             log_prob_max_token_len_per_gpu: self.ppo_max_token_len_per_gpu,
             optim: self.optim.clone(),
+            mixed_precision: self.mixed_precision.clone(),
         }
     }
 

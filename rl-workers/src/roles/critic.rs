@@ -46,7 +46,13 @@ impl CriticWorker {
                 "must be at least 1",
             )));
         }
-        let optim = AdamW::new(model.var_store(), cfg.optim.clone());
+        let mut model = model;
+        let optim = AdamW::for_model(
+            model.var_store_mut(),
+            cfg.optim.clone(),
+            &cfg.mixed_precision,
+        )
+        .map_err(role_err("critic"))?;
         Ok(CriticWorker {
             model,
             cfg,
@@ -129,9 +135,7 @@ impl Critic for CriticWorker {
     }
 
     fn save_state(&self, dir: &Path) -> rl_core::Result<()> {
-        self.model
-            .save_pretrained(dir)
-            .map_err(role_err("critic"))?;
+        self.model.save_trained(dir).map_err(role_err("critic"))?;
         self.optim.save(dir).map_err(role_err("critic"))
     }
 
@@ -147,13 +151,7 @@ impl Critic for CriticWorker {
     }
 
     fn load_state(&mut self, dir: &Path) -> rl_core::Result<()> {
-        let path = dir.join("model.safetensors");
-        tch::no_grad(|| self.model.var_store_mut().load(&path)).map_err(|e| {
-            rl_core::Error::Role {
-                role: "critic",
-                source: format!("{}: {e}", path.display()).into(),
-            }
-        })?;
+        self.model.load_trained(dir).map_err(role_err("critic"))?;
         self.optim.load(dir).map_err(role_err("critic"))
     }
 }

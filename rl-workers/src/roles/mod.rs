@@ -13,7 +13,9 @@ mod optim;
 mod reward_model;
 
 pub use actor::{ActorWorker, ProgressHook, ReferenceWorker, RolloutWorker, SharedPolicy, share};
-pub use config::{ActorConfig, CriticConfig, LrSchedule, OptimConfig, ValKwargs};
+pub use config::{
+    ActorConfig, CriticConfig, LrSchedule, MixedPrecision, OptimConfig, ParamDtype, ValKwargs,
+};
 pub use critic::CriticWorker;
 pub use micro::token_balanced_partitions;
 pub use optim::{AdamW, OptimCounters};

@@ -26,14 +26,31 @@ pub struct OptimCounters {
 
 /// AdamW exactly as `torch.optim.AdamW` (decoupled decay `p *= 1 - lr * wd`, bias-corrected
 /// moments, `eps` added after the square root) over every trainable variable, in name order.
+///
+/// With master weights ([`AdamW::with_master_weights`], mixed precision) the optimiser keeps a
+/// float32 copy of each parameter and float32 gradient accumulators: each micro-batch's
+/// gradient (in the compute dtype) is added into its accumulator ([`AdamW::accumulate_grads`]),
+/// averaging across ranks, clipping and the step run in float32 on the masters, and the
+/// parameters are the masters rounded to the compute dtype after each step.
 #[derive(Debug)]
 pub struct AdamW {
     cfg: OptimConfig,
     names: Vec<String>,
     params: Vec<Tensor>,
+    /// Mixed precision: float32 masters and gradient accumulators.
+    master: Option<Master>,
     exp_avg: Vec<Tensor>,
     exp_avg_sq: Vec<Tensor>,
     counters: OptimCounters,
+}
+
+/// Float32 master weights and gradient accumulators, one per parameter.
+#[derive(Debug)]
+struct Master {
+    weights: Vec<Tensor>,
+    grads: Vec<Tensor>,
+    /// Whether a micro-batch gave the parameter a gradient since the last zeroing.
+    touched: Vec<bool>,
 }
 
 impl AdamW {
@@ -58,9 +75,96 @@ impl AdamW {
             cfg,
             names,
             params,
+            master: None,
             exp_avg,
             exp_avg_sq,
             counters: OptimCounters::default(),
+        }
+    }
+
+    /// An optimiser with float32 master weights copied from the trainable variables of `vs`
+    /// now: build it while the model is still in float32, then cast the model to its compute
+    /// dtype.
+    pub fn with_master_weights(vs: &VarStore, cfg: OptimConfig) -> AdamW {
+        let mut optim = AdamW::new(vs, cfg);
+        let _guard = tch::no_grad_guard();
+        let weights: Vec<Tensor> = optim
+            .params
+            .iter()
+            .map(|p| p.detach().to_kind(Kind::Float).copy())
+            .collect();
+        let grads = weights.iter().map(Tensor::zeros_like).collect();
+        optim.master = Some(Master {
+            touched: vec![false; weights.len()],
+            weights,
+            grads,
+        });
+        optim
+    }
+
+    /// The optimiser of a model's trainable variables under `mp`: with mixed precision, float32
+    /// masters are copied from `vs` (which must be float32 then) and `vs` is cast to the compute
+    /// dtype, frozen variables included; without, a plain [`AdamW::new`].
+    pub fn for_model(
+        vs: &mut VarStore,
+        cfg: OptimConfig,
+        mp: &crate::roles::MixedPrecision,
+    ) -> Result<AdamW> {
+        if !mp.enabled() {
+            return Ok(AdamW::new(vs, cfg));
+        }
+        if let Some((name, t)) = vs
+            .variables()
+            .into_iter()
+            .find(|(_, t)| t.requires_grad() && t.kind() != Kind::Float)
+        {
+            return Err(Error::invalid(
+                "mixed_precision.param_dtype",
+                format!(
+                    "needs the model loaded in float32 (the master weights' source), but `{name}` is {:?}: set model.dtype = \"float32\"",
+                    t.kind()
+                ),
+            ));
+        }
+        let optim = AdamW::with_master_weights(vs, cfg);
+        match mp.kind() {
+            Kind::BFloat16 => vs.bfloat16(),
+            Kind::Half => vs.half(),
+            _ => {}
+        }
+        Ok(optim)
+    }
+
+    /// Whether the optimiser keeps float32 master weights.
+    pub fn has_master_weights(&self) -> bool {
+        self.master.is_some()
+    }
+
+    /// Mixed precision: adds each parameter's gradient (compute dtype) into its float32
+    /// accumulator and clears it, so micro-batches accumulate in float32. Call after each
+    /// micro-batch's backward; a no-op without master weights.
+    pub fn accumulate_grads(&mut self) {
+        let Some(m) = &mut self.master else {
+            return;
+        };
+        let _guard = tch::no_grad_guard();
+        for (i, p) in self.params.iter_mut().enumerate() {
+            let g = p.grad();
+            if g.defined() {
+                let _ = m.grads[i].g_add_(&g.to_kind(Kind::Float));
+                m.touched[i] = true;
+                p.zero_grad();
+            }
+        }
+    }
+
+    /// The gradient the step uses for parameter `i`: the float32 accumulator with master
+    /// weights (undefined when no micro-batch touched it), else the parameter's own.
+    fn grad(&self, i: usize) -> Tensor {
+        match &self.master {
+            Some(m) if m.touched[i] => m.grads[i].shallow_clone(),
+            Some(_) => Tensor::new(),
+            None => self.params[i].grad(),
         }
     }
 
@@ -89,6 +193,13 @@ impl AdamW {
         for p in &mut self.params {
             p.zero_grad();
         }
+        if let Some(m) = &mut self.master {
+            let _guard = tch::no_grad_guard();
+            for g in &mut m.grads {
+                let _ = g.zero_();
+            }
+            m.touched.fill(false);
+        }
     }
 
     /// The trained parameters, in name order (for broadcasts and replica checks).
@@ -105,6 +216,11 @@ impl AdamW {
     ) -> rl_core::Result<()> {
         if group.world_size() == 1 {
             return Ok(());
+        }
+        if let Some(m) = &mut self.master {
+            // float32 accumulators, defined (zero) for every parameter on every rank
+            m.touched.fill(true);
+            return group.all_reduce(&mut m.grads, rl_core::dist::ReduceOp::Avg);
         }
         let missing: Vec<Tensor> = self
             .params
@@ -125,8 +241,8 @@ impl AdamW {
     pub fn grad_norm(&self) -> f64 {
         let _guard = tch::no_grad_guard();
         let mut total = 0f64;
-        for p in &self.params {
-            let g = p.grad();
+        for i in 0..self.params.len() {
+            let g = self.grad(i);
             if g.defined() {
                 let n = g.to_kind(Kind::Double).norm().double_value(&[]);
                 total += n * n;
@@ -148,8 +264,8 @@ impl AdamW {
         let _guard = tch::no_grad_guard();
         let coef = (max_norm / (norm + 1e-6)).min(1.0);
         if coef < 1.0 {
-            for p in &self.params {
-                let mut g = p.grad();
+            for i in 0..self.params.len() {
+                let mut g = self.grad(i);
                 if g.defined() {
                     let _ = g.g_mul_scalar_(coef);
                 }
@@ -168,12 +284,12 @@ impl AdamW {
         let bc1 = 1.0 - b1.powf(t);
         let bc2 = 1.0 - b2.powf(t);
         for i in 0..self.params.len() {
-            let p = &mut self.params[i];
-            let g = p.grad();
+            let g = self.grad(i);
             if !g.defined() {
                 continue;
             }
             let g = g.to_kind(Kind::Float);
+            let p = &mut self.params[i];
             let m = &mut self.exp_avg[i];
             let v = &mut self.exp_avg_sq[i];
             let _ = m.g_mul_scalar_(b1);
@@ -182,22 +298,39 @@ impl AdamW {
             let _ = v.g_add_(&(g.square() * (1.0 - b2)));
             let denom = v.sqrt() / bc2.sqrt() + self.cfg.eps;
             let update = (&*m / denom) * (lr / bc1);
-            let mut pf = p.to_kind(Kind::Float);
-            if self.cfg.weight_decay != 0.0 {
-                pf *= 1.0 - lr * self.cfg.weight_decay;
+            let decay = 1.0 - lr * self.cfg.weight_decay;
+            match &mut self.master {
+                Some(master) => {
+                    let w = &mut master.weights[i];
+                    if self.cfg.weight_decay != 0.0 {
+                        let _ = w.g_mul_scalar_(decay);
+                    }
+                    let _ = w.g_sub_(&update);
+                    p.copy_(&w.to_kind(p.kind()));
+                }
+                None => {
+                    let mut pf = p.to_kind(Kind::Float);
+                    if self.cfg.weight_decay != 0.0 {
+                        pf *= decay;
+                    }
+                    let new = (pf - update).to_kind(p.kind());
+                    p.copy_(&new);
+                }
             }
-            let new = (pf - update).to_kind(p.kind());
-            p.copy_(&new);
         }
     }
 
-    /// Writes `optim.safetensors` (the moments, named `exp_avg.<param>` / `exp_avg_sq.<param>`)
-    /// and `optim.json` (the counters) into `dir`.
+    /// Writes `optim.safetensors` (the moments, named `exp_avg.<param>` / `exp_avg_sq.<param>`,
+    /// and the float32 master weights `master.<param>` when kept) and `optim.json` (the
+    /// counters) into `dir`.
     pub fn save(&self, dir: &Path) -> Result<()> {
         let mut named: Vec<(String, &Tensor)> = Vec::new();
         for (i, name) in self.names.iter().enumerate() {
             named.push((format!("exp_avg.{name}"), &self.exp_avg[i]));
             named.push((format!("exp_avg_sq.{name}"), &self.exp_avg_sq[i]));
+            if let Some(m) = &self.master {
+                named.push((format!("master.{name}"), &m.weights[i]));
+            }
         }
         Tensor::write_safetensors(&named, dir.join("optim.safetensors"))?;
         let path = dir.join("optim.json");
@@ -219,10 +352,14 @@ impl AdamW {
             Tensor::read_safetensors(&path)?.into_iter().collect();
         let _guard = tch::no_grad_guard();
         for (i, name) in self.names.iter().enumerate() {
-            for (prefix, slot) in [
+            let mut slots = vec![
                 ("exp_avg", &mut self.exp_avg[i]),
                 ("exp_avg_sq", &mut self.exp_avg_sq[i]),
-            ] {
+            ];
+            if let Some(m) = &mut self.master {
+                slots.push(("master", &mut m.weights[i]));
+            }
+            for (prefix, slot) in slots {
                 let key = format!("{prefix}.{name}");
                 let t = tensors.get(&key).ok_or_else(|| Error::MissingTensor {
                     path: path.display().to_string(),
@@ -237,6 +374,11 @@ impl AdamW {
                     });
                 }
                 slot.copy_(&t.to_device(slot.device()).to_kind(slot.kind()));
+            }
+            if let Some(m) = &self.master {
+                // the parameters are the masters rounded, exactly as after the saved step
+                let p = &mut self.params[i];
+                p.copy_(&m.weights[i].to_kind(p.kind()));
             }
         }
         let jpath = dir.join("optim.json");
@@ -290,6 +432,86 @@ mod tests {
             assert!((got[i] as f64 - xr[i]).abs() < 1e-5, "{got:?} vs {xr:?}");
         }
         assert_eq!(opt.counters().steps, 3);
+    }
+
+    #[test]
+    fn master_weights_take_float32_steps_and_round_into_bf16_params() {
+        // many small steps: a bf16 parameter alone would stall (each update under its ulp),
+        // the float32 master accumulates them; the parameter is always the master rounded
+        let cfg = OptimConfig {
+            lr: 1e-4,
+            weight_decay: 0.0,
+            ..OptimConfig::default()
+        };
+        let run = |master: bool| {
+            let mut vs = VarStore::new(Device::Cpu);
+            let x = vs.root().var("x", &[2], Init::Const(0.0));
+            tch::no_grad(|| x.shallow_clone().copy_(&Tensor::from_slice(&[4.0f32, -3.0])));
+            let mut opt = if master {
+                let mp = crate::roles::MixedPrecision {
+                    param_dtype: crate::roles::ParamDtype::Bf16,
+                };
+                AdamW::for_model(&mut vs, cfg.clone(), &mp).unwrap()
+            } else {
+                vs.bfloat16();
+                AdamW::new(&vs, cfg.clone())
+            };
+            assert_eq!(x.kind(), Kind::BFloat16);
+            for _ in 0..50 {
+                opt.zero_grad();
+                x.to_kind(Kind::Float).square().sum(Kind::Float).backward();
+                opt.accumulate_grads();
+                assert!(opt.clip_and_step(1e9, 1e-4).1);
+            }
+            let master_x = opt.master.as_ref().map(|m| m.weights[0].copy());
+            (x.to_kind(Kind::Float), master_x)
+        };
+        let (plain, none) = run(false);
+        assert!(none.is_none());
+        // 4.0 in bf16 has an ulp of 1/32: fifty steps of 1e-4 leave it where it was
+        assert_eq!(Vec::<f32>::try_from(&plain).unwrap(), vec![4.0, -3.0]);
+        let (param, master) = run(true);
+        let master = master.unwrap();
+        let m = Vec::<f32>::try_from(&master).unwrap();
+        assert!((m[0] - (4.0 - 50.0 * 1e-4)).abs() < 1e-5, "{m:?}");
+        assert!((m[1] - (-3.0 + 50.0 * 1e-4)).abs() < 1e-5, "{m:?}");
+        assert!(param.equal(&master.to_kind(Kind::BFloat16).to_kind(Kind::Float)));
+    }
+
+    #[test]
+    fn mixed_precision_needs_a_float32_model() {
+        let mut vs = VarStore::new(Device::Cpu);
+        let _x = vs.root().var("x", &[2], Init::Const(1.0));
+        vs.bfloat16();
+        let mp = crate::roles::MixedPrecision {
+            param_dtype: crate::roles::ParamDtype::Bf16,
+        };
+        let e = AdamW::for_model(&mut vs, OptimConfig::default(), &mp)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("float32") && e.contains("`x`"), "{e}");
+    }
+
+    #[test]
+    fn master_weights_round_trip_through_save_and_load() {
+        let dir = tempfile::tempdir().unwrap();
+        let mp = crate::roles::MixedPrecision {
+            param_dtype: crate::roles::ParamDtype::Bf16,
+        };
+        let mut vs = VarStore::new(Device::Cpu);
+        let x = vs.root().var("x", &[3], Init::Const(1.0));
+        let mut opt = AdamW::for_model(&mut vs, OptimConfig::default(), &mp).unwrap();
+        x.to_kind(Kind::Float).square().sum(Kind::Float).backward();
+        opt.accumulate_grads();
+        opt.clip_and_step(1.0, 0.1);
+        opt.save(dir.path()).unwrap();
+        let mut vs2 = VarStore::new(Device::Cpu);
+        let y = vs2.root().var("x", &[3], Init::Const(5.0));
+        let mut other = AdamW::for_model(&mut vs2, OptimConfig::default(), &mp).unwrap();
+        other.load(dir.path()).unwrap();
+        let (a, b) = (opt.master.as_ref().unwrap(), other.master.as_ref().unwrap());
+        assert!(a.weights[0].equal(&b.weights[0]));
+        assert!(x.equal(&y), "the parameter is the loaded master rounded");
     }
 
     #[test]

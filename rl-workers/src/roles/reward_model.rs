@@ -16,6 +16,7 @@ use crate::error::{Error, Result};
 use crate::heads::{CONFIG_JSON, RewardModel};
 use crate::hf::{self, Checkpoint};
 use crate::model::Config;
+use crate::roles::MixedPrecision;
 use crate::roles::actor::{broadcast_from_rank0, lock, sorted_vars, update_loop, update_loop_dp};
 use crate::roles::config::{ActorConfig, OptimConfig};
 use crate::roles::micro;
@@ -265,6 +266,8 @@ pub struct RmWorkerConfig {
     /// AdamW and LR schedule; defaults `lr` 9e-6 and `weight_decay` 0 (OpenRLHF's).
     #[serde(default = "default_rm_lr_optim")]
     pub optim: OptimConfig,
+    /// Mixed precision of the reward model's weights. Default off (float32).
+    pub mixed_precision: MixedPrecision,
 }
 
 impl Default for RmWorkerConfig {
@@ -274,6 +277,7 @@ impl Default for RmWorkerConfig {
             micro_train_batch_size: None,
             grad_clip: 1.0,
             optim: default_rm_lr_optim(),
+            mixed_precision: MixedPrecision::default(),
         }
     }
 }
@@ -290,6 +294,7 @@ impl RmWorkerConfig {
             grad_clip: self.grad_clip,
             log_prob_micro_batch_size_per_gpu: self.micro_train_batch_size.map(|p| 2 * p),
             optim: self.optim.clone(),
+            mixed_precision: self.mixed_precision.clone(),
             ..ActorConfig::default()
         }
     }
@@ -345,7 +350,13 @@ impl RmWorker {
         cfg.validate("reward_model")
             .map_err(role_err("reward_model"))?;
         check_one_label(&model).map_err(role_err("reward_model"))?;
-        let optim = AdamW::new(model.var_store(), cfg.optim.clone());
+        let mut model = model;
+        let optim = AdamW::for_model(
+            model.var_store_mut(),
+            cfg.optim.clone(),
+            &cfg.mixed_precision,
+        )
+        .map_err(role_err("reward_model"))?;
         Ok(RmWorker {
             model: Arc::new(Mutex::new(model)),
             cfg,
@@ -423,19 +434,15 @@ impl Critic for RmWorker {
 
     fn save_state(&self, dir: &Path) -> rl_core::Result<()> {
         lock(&self.model, "reward_model")?
-            .save_pretrained(dir)
+            .save_trained(dir)
             .map_err(role_err("reward_model"))?;
         self.optim.save(dir).map_err(role_err("reward_model"))
     }
 
     fn load_state(&mut self, dir: &Path) -> rl_core::Result<()> {
-        let ckpt = Checkpoint::open(dir).map_err(role_err("reward_model"))?;
-        hf::load_into(
-            lock(&self.model, "reward_model")?.var_store(),
-            &ckpt,
-            &|_| false,
-        )
-        .map_err(role_err("reward_model"))?;
+        lock(&self.model, "reward_model")?
+            .load_trained(dir)
+            .map_err(role_err("reward_model"))?;
         self.optim.load(dir).map_err(role_err("reward_model"))
     }
 
