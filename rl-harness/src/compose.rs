@@ -93,7 +93,15 @@ impl TrainedModel {
     fn save_pretrained(&self, out: &Path) -> Result<()> {
         let poisoned = || anyhow!("the {}'s lock is poisoned", self.name());
         match self {
-            TrainedModel::Policy(p) => p.lock().map_err(|_| poisoned())?.save_pretrained(out),
+            TrainedModel::Policy(p) => {
+                let lm = p.lock().map_err(|_| poisoned())?;
+                // a LoRA policy: merged weights (a plain folder), plus the adapter in PEFT's
+                // format under `adapter/`
+                lm.save_pretrained(out).and_then(|()| match lm.lora() {
+                    Some(_) => lm.save_adapter(out.join("adapter"), None),
+                    None => Ok(()),
+                })
+            }
             TrainedModel::RewardModel(m) => m.lock().map_err(|_| poisoned())?.save_pretrained(out),
         }
         .with_context(|| format!("exporting the {} to {}", self.name(), out.display()))
@@ -148,6 +156,7 @@ pub fn check(cfg: &ExperimentConfig) -> Result<()> {
 /// The checks of the groups trainer `kind` reads, whatever `trainer.algorithm` says (the
 /// builders below run them: they are also called directly, with a policy already loaded).
 pub fn check_groups(cfg: &ExperimentConfig, kind: TrainerKind) -> Result<()> {
+    check_lora(cfg, kind)?;
     if kind == TrainerKind::RewardModel {
         return check_reward_model(cfg);
     }
@@ -218,6 +227,26 @@ pub fn check_groups(cfg: &ExperimentConfig, kind: TrainerKind) -> Result<()> {
     on_policy_config(cfg, 1)
         .check()
         .map_err(|e| anyhow!("{e}"))?;
+    Ok(())
+}
+
+/// LoRA's keys in range, and the combinations not built.
+fn check_lora(cfg: &ExperimentConfig, kind: TrainerKind) -> Result<()> {
+    let m = &cfg.actor_rollout_ref.model;
+    let lora = m.lora()?;
+    if kind == TrainerKind::OnPolicy && cfg.algorithm.adv_estimator.needs_critic() {
+        cfg.critic.model.lora("critic.model")?;
+    }
+    if kind == TrainerKind::Spin && (lora.is_some() || m.lora_adapter_path.is_some()) {
+        bail!(
+            "config key `actor_rollout_ref.model.lora_rank`: SPIN with LoRA is not built (its reference becomes the adapted policy every dpo.ref_update_freq steps, which needs a second set of adapters); use full fine-tuning for SPIN"
+        );
+    }
+    if kind == TrainerKind::RewardModel && m.lora_adapter_path.is_some() {
+        bail!(
+            "config key `actor_rollout_ref.model.lora_adapter_path`: a reward model starts from fresh adapters (set lora_rank) or from a merged model folder"
+        );
+    }
     Ok(())
 }
 
@@ -382,19 +411,18 @@ pub fn build_with_group(
             source_dir: Some(tok_dir),
         });
     }
-    let policy = share(
-        CausalLm::from_pretrained(&dir, device, kind)
-            .with_context(|| format!("loading actor_rollout_ref.model.path {}", dir.display()))?,
-    );
+    let policy = share(load_policy(cfg, device)?);
     let trainer: Box<dyn Trainer> = match cfg.trainer.algorithm {
         TrainerKind::Sft => Box::new(build_sft_in(cfg, policy.clone(), &tokenizer, group)?),
         TrainerKind::OnPolicy => {
             let critic = if cfg.algorithm.adv_estimator.needs_critic() {
                 let path = cfg.critic.model.path.clone().unwrap_or_else(|| dir.clone());
-                Some(
-                    ValueModel::from_pretrained(&path, device, kind)
-                        .with_context(|| format!("loading critic.model.path {}", path.display()))?,
-                )
+                let mut critic = ValueModel::from_pretrained(&path, device, kind)
+                    .with_context(|| format!("loading critic.model.path {}", path.display()))?;
+                if let Some(lora) = cfg.critic.model.lora("critic.model")? {
+                    critic.add_lora(&lora).context("critic.model.lora_rank")?;
+                }
+                Some(critic)
             } else {
                 None
             };
@@ -431,6 +459,48 @@ pub fn build_with_group(
         model: Some(TrainedModel::Policy(policy)),
         source_dir: Some(tok_dir),
     })
+}
+
+/// The policy of `actor_rollout_ref.model`: its weights from `path` in `dtype`, with LoRA
+/// adapters when `lora_rank` > 0 (fresh, PEFT's initialisation) or `lora_adapter_path` is set
+/// (that adapter, whose rank, alpha and targets are used).
+pub fn load_policy(cfg: &ExperimentConfig, device: Device) -> Result<CausalLm> {
+    let m = &cfg.actor_rollout_ref.model;
+    let mut lm = CausalLm::from_pretrained(&m.path, device, m.dtype.kind())
+        .with_context(|| format!("loading actor_rollout_ref.model.path {}", m.path.display()))?;
+    let lora = m.lora()?;
+    match (&m.lora_adapter_path, lora) {
+        (Some(adapter), lora) => {
+            let from_file = rl_workers::lora::read_adapter_config(adapter)?;
+            if let Some(l) = &lora
+                && l.rank != from_file.rank
+            {
+                bail!(
+                    "config key `actor_rollout_ref.model.lora_rank`: {} differs from the rank {} of the adapter in lora_adapter_path {} (leave lora_rank at 0 or set it to {})",
+                    l.rank,
+                    from_file.rank,
+                    adapter.display(),
+                    from_file.rank
+                );
+            }
+            lm.add_lora(&rl_workers::LoraConfig {
+                dropout: m.lora_dropout,
+                ..from_file
+            })
+            .context("actor_rollout_ref.model.lora_adapter_path")?;
+            lm.load_adapter(adapter).with_context(|| {
+                format!(
+                    "loading actor_rollout_ref.model.lora_adapter_path {}",
+                    adapter.display()
+                )
+            })?;
+        }
+        (None, Some(lora)) => lm
+            .add_lora(&lora)
+            .context("actor_rollout_ref.model.target_modules")?,
+        (None, None) => {}
+    }
+    Ok(lm)
 }
 
 /// rl-data's loader as a [`BatchSource`] of prompt batches.
@@ -738,15 +808,6 @@ pub fn build_on_policy_in(
     }
     let arr = &cfg.actor_rollout_ref;
     let n = arr.rollout.n;
-    let need_ref = arr.actor_loss.use_kl_loss || cfg.algorithm.use_kl_in_reward;
-    let reference = if need_ref {
-        Some(Box::new(ReferenceWorker::from_policy(
-            &policy,
-            arr.ref_micro_batch_size,
-        )?) as Box<dyn rl_core::roles::Reference>)
-    } else {
-        None
-    };
     let eos = tokenizer
         .eos_token_id()
         .ok_or_else(|| anyhow!("the tokenizer has no eos token (tokenizer_config.json)"))?;
@@ -768,10 +829,21 @@ pub fn build_on_policy_in(
         .lock()
         .map_err(|_| anyhow!("the policy's lock is poisoned"))?
         .device();
+    // the actor first: with mixed precision it casts the shared weights to their compute
+    // dtype, which the reference's copy must have too
     let mut actor = ActorWorker::new(policy, arr.actor.clone(), n)?;
     if let Some(g) = group {
         actor = actor.with_group(g.clone())?;
     }
+    let need_ref = arr.actor_loss.use_kl_loss || cfg.algorithm.use_kl_in_reward;
+    let reference = if need_ref {
+        Some(Box::new(ReferenceWorker::from_policy(
+            &actor.policy(),
+            arr.ref_micro_batch_size,
+        )?) as Box<dyn rl_core::roles::Reference>)
+    } else {
+        None
+    };
     let critic = match (cfg.algorithm.adv_estimator.needs_critic(), critic_init) {
         (true, Some(vm)) => {
             let mut c = CriticWorker::new(vm, cfg.critic.worker.clone(), n)?;
@@ -1080,8 +1152,13 @@ pub fn build_reward_model_in(
         .total_training_steps
         .unwrap_or(cfg.trainer.total_epochs * source.sampler.batches_per_epoch() as u64);
     let dir = &cfg.actor_rollout_ref.model.path;
-    let model = reward_model_from_lm(dir, device, cfg.actor_rollout_ref.model.dtype.kind())
+    let mut model = reward_model_from_lm(dir, device, cfg.actor_rollout_ref.model.dtype.kind())
         .with_context(|| format!("loading actor_rollout_ref.model.path {}", dir.display()))?;
+    if let Some(lora) = cfg.actor_rollout_ref.model.lora()? {
+        model
+            .add_lora(&lora)
+            .context("actor_rollout_ref.model.target_modules")?;
+    }
     let rm = &cfg.reward_model.own.train;
     let mut worker = RmWorker::new(model, rm.worker(cfg.preference_data.train_batch_size))?;
     if let Some(g) = group {
@@ -1197,8 +1274,8 @@ pub fn build_dpo_in(
     check_groups(cfg, TrainerKind::Dpo)?;
     let (source, val_batches) = preference_sources(cfg, tokenizer, group)?;
     let dcfg = dpo_config(cfg, source.sampler.batches_per_epoch())?;
-    let reference = frozen_reference(cfg, &policy)?;
     let mut actor = pair_actor(cfg, policy)?;
+    let reference = frozen_reference(cfg, &actor.policy())?;
     if let Some(g) = group {
         actor = actor.with_group(g.clone())?;
     }
@@ -1275,9 +1352,9 @@ pub fn build_online_dpo_in(
     }
     let dcfg = dpo_config(cfg, train.0.batches_per_epoch())?;
     let rollout = rollout_worker(cfg, &policy, tokenizer, dcfg.n, progress)?;
-    let reference = frozen_reference(cfg, &policy)?;
     let pairs = cfg.actor_rollout_ref.actor.ppo_mini_batch_size;
     let mut actor = pair_actor(cfg, policy)?;
+    let reference = frozen_reference(cfg, &actor.policy())?;
     if let Some(g) = group {
         actor = actor.with_group(g.clone())?;
     }

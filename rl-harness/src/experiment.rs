@@ -15,9 +15,10 @@ use serde_json::{Map, Value};
 use rl_algos::OverlongBufferConfig;
 use rl_algos::trainer::{ActorLossConfig, CriticLossConfig, RmTrainerConfig};
 use rl_workers::roles::{
-    ActorConfig, CriticConfig, OptimConfig, RewardModelConfig, RmWorkerConfig, ValKwargs,
+    ActorConfig, CriticConfig, MixedPrecision, OptimConfig, RewardModelConfig, RmWorkerConfig,
+    ValKwargs,
 };
-use rl_workers::{MultiTurnConfig, RolloutConfig};
+use rl_workers::{LoraConfig, MultiTurnConfig, RolloutConfig, TargetModules};
 
 /// How [`Merged`] starts the message of a value its struct refuses: ``bad value at `PATH`: WHY``
 /// with the path below the table (the config loader adds the table's own path).
@@ -202,8 +203,8 @@ impl Dtype {
     }
 }
 
-/// `actor_rollout_ref.model`: the Hugging Face checkpoint the policy starts from.
-#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+/// `actor_rollout_ref.model`: the Hugging Face checkpoint the policy starts from, and LoRA.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ModelConfig {
     /// A Hugging Face model folder (`config.json`, `model.safetensors` or a sharded index,
@@ -211,15 +212,143 @@ pub struct ModelConfig {
     pub path: PathBuf,
     /// Weight precision. Default `float32`.
     pub dtype: Dtype,
+    /// LoRA rank; 0 = full fine-tuning, > 0 = train PEFT-style adapters of this rank on a
+    /// frozen base (docs/lora.md). Default 0.
+    pub lora_rank: i64,
+    /// LoRA alpha: the adapters' update is scaled by `lora_alpha / lora_rank`. Default 16.
+    pub lora_alpha: f64,
+    /// The linear layers that get adapters: `"all-linear"` or a list of module names
+    /// (`["q_proj", "v_proj"]`, PEFT's matching). Default `"all-linear"`.
+    pub target_modules: TargetModules,
+    /// Layers left without adapters among the targeted ones (PEFT's matching). Default none.
+    pub exclude_modules: Option<Vec<String>>,
+    /// Dropout on the adapters' input during updates, in `[0, 1)`. Default 0.
+    pub lora_dropout: f64,
+    /// A PEFT adapter folder (`adapter_config.json`, `adapter_model.safetensors`) to continue
+    /// training from; its rank, alpha and targets are used. Default none.
+    pub lora_adapter_path: Option<PathBuf>,
 }
 
-/// `critic.model`: where the critic starts; absent path = the policy's checkpoint with a fresh
-/// value head (verl's default).
-#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+impl Default for ModelConfig {
+    fn default() -> Self {
+        let lora = LoraKeys::default();
+        ModelConfig {
+            path: PathBuf::new(),
+            dtype: Dtype::default(),
+            lora_rank: lora.rank,
+            lora_alpha: lora.alpha,
+            target_modules: lora.target_modules,
+            exclude_modules: None,
+            lora_dropout: lora.dropout,
+            lora_adapter_path: None,
+        }
+    }
+}
+
+/// verl's LoRA defaults.
+struct LoraKeys {
+    rank: i64,
+    alpha: f64,
+    target_modules: TargetModules,
+    dropout: f64,
+}
+
+impl Default for LoraKeys {
+    fn default() -> Self {
+        LoraKeys {
+            rank: 0,
+            alpha: 16.0,
+            target_modules: TargetModules::AllLinear,
+            dropout: 0.0,
+        }
+    }
+}
+
+/// The LoRA configuration of `lora_*` keys, `None` when `lora_rank` is 0; `prefix` names the
+/// group in errors.
+fn lora_config(
+    prefix: &str,
+    rank: i64,
+    alpha: f64,
+    target_modules: &TargetModules,
+    exclude_modules: &Option<Vec<String>>,
+    dropout: f64,
+) -> Result<Option<LoraConfig>, rl_workers::Error> {
+    if rank == 0 {
+        return Ok(None);
+    }
+    let cfg = LoraConfig {
+        rank,
+        alpha,
+        target_modules: target_modules.clone(),
+        exclude_modules: exclude_modules.clone().unwrap_or_default(),
+        dropout,
+        use_rslora: false,
+    };
+    cfg.validate(prefix)?;
+    Ok(Some(cfg))
+}
+
+impl ModelConfig {
+    /// The policy's LoRA configuration (`None`: full fine-tuning); a bad value names its key.
+    pub fn lora(&self) -> Result<Option<LoraConfig>, rl_workers::Error> {
+        lora_config(
+            "actor_rollout_ref.model",
+            self.lora_rank,
+            self.lora_alpha,
+            &self.target_modules,
+            &self.exclude_modules,
+            self.lora_dropout,
+        )
+    }
+}
+
+/// `critic.model` (and `reward_model.model`): where the model starts, and LoRA; absent path =
+/// the policy's checkpoint with a fresh value head (verl's default for the critic).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct CriticModelConfig {
     /// A Hugging Face folder; absent = `actor_rollout_ref.model.path`.
     pub path: Option<PathBuf>,
+    /// LoRA rank; 0 = full fine-tuning. With LoRA the value or score head trains in full beside
+    /// the adapters (PEFT's `modules_to_save`). Default 0.
+    pub lora_rank: i64,
+    /// LoRA alpha. Default 16.
+    pub lora_alpha: f64,
+    /// `"all-linear"` or a list of module names. Default `"all-linear"`.
+    pub target_modules: TargetModules,
+    /// Layers left without adapters. Default none.
+    pub exclude_modules: Option<Vec<String>>,
+    /// Dropout on the adapters' input during updates. Default 0.
+    pub lora_dropout: f64,
+}
+
+impl Default for CriticModelConfig {
+    fn default() -> Self {
+        let lora = LoraKeys::default();
+        CriticModelConfig {
+            path: None,
+            lora_rank: lora.rank,
+            lora_alpha: lora.alpha,
+            target_modules: lora.target_modules,
+            exclude_modules: None,
+            lora_dropout: lora.dropout,
+        }
+    }
+}
+
+impl CriticModelConfig {
+    /// The LoRA configuration; `prefix` is this group's path (`critic.model`).
+    pub fn lora(&self, prefix: &str) -> Result<Option<LoraConfig>, rl_workers::Error> {
+        lora_config(
+            prefix,
+            self.lora_rank,
+            self.lora_alpha,
+            &self.target_modules,
+            &self.exclude_modules,
+            self.lora_dropout,
+        )
+    }
 }
 
 /// The keys of `critic` beyond the worker's and the loss's.
@@ -436,6 +565,8 @@ pub struct RmTrainGroup {
     /// AdamW and LR schedule (verl's `optim` keys); defaults `lr` 9e-6 and `weight_decay` 0
     /// (OpenRLHF's).
     pub optim: OptimConfig,
+    /// Mixed precision of the reward model's weights (`param_dtype = "bf16"`). Default off.
+    pub mixed_precision: MixedPrecision,
 }
 
 impl Default for RmTrainGroup {
@@ -447,6 +578,7 @@ impl Default for RmTrainGroup {
             micro_train_batch_size: w.micro_train_batch_size,
             grad_clip: w.grad_clip,
             optim: w.optim,
+            mixed_precision: w.mixed_precision,
         }
     }
 }
@@ -459,6 +591,7 @@ impl RmTrainGroup {
             micro_train_batch_size: self.micro_train_batch_size,
             grad_clip: self.grad_clip,
             optim: self.optim.clone(),
+            mixed_precision: self.mixed_precision.clone(),
         }
     }
 

@@ -33,11 +33,12 @@ pub const ADAPTER_WEIGHTS: &str = "adapter_model.safetensors";
 const PEFT_PREFIX: &str = "base_model.model.";
 
 /// Which linear layers get adapters (PEFT's `target_modules`).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub enum TargetModules {
     /// Every linear layer of the decoder stack (PEFT's `"all-linear"`: all but the output
     /// layer); for Llama/Qwen2 `q_proj`, `k_proj`, `v_proj`, `o_proj`, `gate_proj`, `up_proj`,
     /// `down_proj`.
+    #[default]
     AllLinear,
     /// Layers whose name equals one of these or ends with `.` and one of these (PEFT's rule:
     /// `q_proj` is every layer's query projection, `layers.0.self_attn.q_proj` one of them).
@@ -81,6 +82,10 @@ pub struct LoraConfig {
     pub alpha: f64,
     /// Which linear layers get adapters.
     pub target_modules: TargetModules,
+    /// Layers left without adapters among the targeted ones (PEFT's `exclude_modules`, the
+    /// same matching rule).
+    #[serde(default)]
+    pub exclude_modules: Vec<String>,
     /// Dropout on the adapter's input while training, in `[0, 1)`.
     pub dropout: f64,
     /// rsLoRA: scale by `alpha / √r` instead.
@@ -274,6 +279,16 @@ pub(crate) fn attach(
             }
         }
     }
+    chosen.retain(|&i| {
+        let name = format!("{prefix}.{}", linears[i].0);
+        !cfg.exclude_modules.iter().any(|key| matches(&name, key))
+    });
+    if chosen.is_empty() {
+        return Err(Error::invalid(
+            "exclude_modules",
+            format!("{:?} excludes every targeted layer", cfg.exclude_modules),
+        ));
+    }
     chosen.sort_unstable();
     chosen.dedup();
     let _generator = crate::seed::hold_generator();
@@ -433,11 +448,17 @@ impl Attached {
         } else {
             json!(self.modules_to_save)
         };
+        let exclude_modules = if self.cfg.exclude_modules.is_empty() {
+            Value::Null
+        } else {
+            json!(self.cfg.exclude_modules)
+        };
         let config = json!({
             "alpha_pattern": {},
             "auto_mapping": null,
             "base_model_name_or_path": base,
             "bias": "none",
+            "exclude_modules": exclude_modules,
             "fan_in_fan_out": false,
             "inference_mode": true,
             "init_lora_weights": true,
@@ -578,10 +599,18 @@ pub fn read_adapter_config(dir: &Path) -> Result<LoraConfig> {
             .ok_or_else(|| bad("target_modules", "missing".into()))?,
     )
     .map_err(|e| bad("target_modules", e.to_string()))?;
+    let exclude_modules = match get("exclude_modules") {
+        None => Vec::new(),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(v) => {
+            serde_json::from_value(v.clone()).map_err(|e| bad("exclude_modules", e.to_string()))?
+        }
+    };
     let cfg = LoraConfig {
         rank,
         alpha,
         target_modules,
+        exclude_modules,
         dropout: get("lora_dropout").and_then(Value::as_f64).unwrap_or(0.0),
         use_rslora: get("use_rslora").and_then(Value::as_bool).unwrap_or(false),
     };

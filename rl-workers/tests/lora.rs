@@ -23,6 +23,7 @@ fn lora(rank: i64, targets: TargetModules) -> LoraConfig {
         rank,
         alpha: 2.0 * rank as f64,
         target_modules: targets,
+        exclude_modules: Vec::new(),
         dropout: 0.0,
         use_rslora: false,
     }
@@ -129,6 +130,23 @@ fn target_modules_follow_peft_matching_and_a_miss_is_an_error_listing_the_layers
         .filter(|n| n.contains(".lora_A."))
         .collect();
     assert_eq!(names, vec!["model.layers.1.mlp.up_proj.lora_A.weight"]);
+    // exclude_modules takes layers out of the targets, by the same rule
+    let mut cfg = lora(2, TargetModules::AllLinear);
+    cfg.exclude_modules = vec!["layers.0.mlp.down_proj".into(), "o_proj".into()];
+    let mut lm = CausalLm::new(&Config::tiny(), Device::Cpu, Kind::Float).unwrap();
+    lm.add_lora(&cfg).unwrap();
+    let adapted: Vec<String> = lm
+        .var_store()
+        .variables()
+        .into_keys()
+        .filter(|n| n.contains(".lora_A."))
+        .collect();
+    assert_eq!(adapted.len(), 14 - 1 - 2);
+    assert!(
+        !adapted
+            .iter()
+            .any(|n| n.contains("o_proj") || n.contains("0.mlp.down_proj"))
+    );
     let mut lm = CausalLm::new(&Config::tiny(), Device::Cpu, Kind::Float).unwrap();
     let e = lm
         .add_lora(&lora(4, TargetModules::Names(vec!["query".into()])))

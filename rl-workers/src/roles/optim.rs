@@ -446,7 +446,10 @@ mod tests {
         let run = |master: bool| {
             let mut vs = VarStore::new(Device::Cpu);
             let x = vs.root().var("x", &[2], Init::Const(0.0));
-            tch::no_grad(|| x.shallow_clone().copy_(&Tensor::from_slice(&[4.0f32, -3.0])));
+            tch::no_grad(|| {
+                x.shallow_clone()
+                    .copy_(&Tensor::from_slice(&[4.0f32, -3.0]))
+            });
             let mut opt = if master {
                 let mp = crate::roles::MixedPrecision {
                     param_dtype: crate::roles::ParamDtype::Bf16,

@@ -78,7 +78,13 @@ struct Run {
 /// after.
 fn train(name: &str, init_seed: u64, cfg: &ExperimentConfig) -> Run {
     let w = warm(init_seed);
-    let policy = load_policy(&w.ckpt).unwrap();
+    // as `harness train` loads it: LoRA adapters when the config asks for them
+    let policy = rl_workers::roles::share(
+        seeded(SEED as i64, || {
+            rl_harness::compose::load_policy(cfg, Device::Cpu)
+        })
+        .unwrap(),
+    );
     let critic = cfg.algorithm.adv_estimator.needs_critic().then(|| {
         seeded(SEED as i64, || {
             ValueModel::from_pretrained(&w.ckpt, Device::Cpu, Kind::Float).unwrap()
@@ -141,15 +147,112 @@ fn assert_gain(
     runs.into_iter().map(|r| r.steps).collect()
 }
 
+/// GRPO with a KL loss, the quickstart's recipe.
+fn grpo_config(w: &Warm) -> ExperimentConfig {
+    let mut cfg = base_config(w, AdvEstimator::Grpo);
+    cfg.actor_rollout_ref.actor_loss.use_kl_loss = true;
+    cfg.actor_rollout_ref.actor_loss.kl_loss_type = KlPenalty::LowVarKl;
+    cfg
+}
+
+/// The full fine-tuning GRPO runs of every seed, trained once for the tests that compare with
+/// them.
+fn grpo_full_runs() -> &'static [Run] {
+    static RUNS: std::sync::OnceLock<Vec<Run>> = std::sync::OnceLock::new();
+    RUNS.get_or_init(|| {
+        per_seed(&INIT_SEEDS, |seed| {
+            train("grpo", seed, &grpo_config(warm(seed)))
+        })
+    })
+}
+
 #[test]
 fn grpo_raises_accuracy() {
-    let steps = assert_gain("grpo", |w| {
-        let mut cfg = base_config(w, AdvEstimator::Grpo);
-        cfg.actor_rollout_ref.actor_loss.use_kl_loss = true;
-        cfg.actor_rollout_ref.actor_loss.kl_loss_type = KlPenalty::LowVarKl;
-        cfg
+    let runs = grpo_full_runs();
+    let results: Vec<SeedResult> = runs.iter().map(|r| r.result).collect();
+    assert_gain_over_seeds("grpo", &results, MEDIAN_GAIN, WORST_GAIN);
+    assert!(runs.iter().all(|r| r.steps[0].contains_key("timing_s/ref")));
+}
+
+/// LoRA: adapters of rank 8 (alpha 16) on every linear layer of a frozen base, at ten times
+/// full fine-tuning's learning rate (LoRA's usual practice: the update is low-rank and starts
+/// from zero), with the reference being the base model (adapters off). Its median gain over
+/// the seeds must be within 5 points of full fine-tuning's, with under a tenth of the
+/// trainable parameters.
+#[test]
+fn lora_grpo_learns_within_five_points_of_full_fine_tuning() {
+    let full: Vec<SeedResult> = grpo_full_runs().iter().map(|r| r.result).collect();
+    let lora = per_seed(&INIT_SEEDS, |seed| {
+        let mut cfg = grpo_config(warm(seed));
+        let m = &mut cfg.actor_rollout_ref.model;
+        m.lora_rank = env_or("LEARN_LORA_RANK", 8) as i64;
+        m.lora_alpha = env_or("LEARN_LORA_ALPHA", 16) as f64;
+        cfg.actor_rollout_ref.actor.optim.lr = env_or("LEARN_LORA_LR_E4", 100) as f64 * 1e-4;
+        train("grpo lora", seed, &cfg)
     });
-    assert!(steps.iter().all(|s| s[0].contains_key("timing_s/ref")));
+    let results: Vec<SeedResult> = lora.iter().map(|r| r.result).collect();
+    let lora_median = assert_gain_over_seeds("grpo lora", &results, MEDIAN_GAIN, WORST_GAIN);
+    let full_median = median(&full.iter().map(SeedResult::gain).collect::<Vec<_>>());
+    println!(
+        "grpo: median gain full fine-tuning {:.1} points, LoRA r=8 {:.1} points",
+        full_median * 100.0,
+        lora_median * 100.0
+    );
+    assert!(
+        lora_median >= full_median - 0.05,
+        "LoRA's median gain {lora_median:.3} is more than 5 points under full fine-tuning's {full_median:.3}"
+    );
+    for run in &lora {
+        assert!(run.steps[0].contains_key("actor/grad_norm"));
+    }
+}
+
+/// Mixed precision: bfloat16 weights and compute with float32 master weights and optimizer
+/// state reach the float32 run's outcome (median gain within 5 points, no collapse), and its
+/// per-step score curve stays close to float32's. Ignored in the default suite: bfloat16
+/// matmuls are slow on this CPU (7.5 s a step against float32's 1.2 s, so the three seeds take
+/// six minutes); `cargo test -p rl-e2e --test learning -- --ignored bf16 --nocapture` runs it,
+/// and docs/learning.md records its figures.
+#[test]
+#[ignore = "six minutes on 2 CPU cores (bfloat16 matmuls are slow on CPU); docs/learning.md has its figures"]
+fn bf16_mixed_precision_grpo_learns_like_float32() {
+    let full = grpo_full_runs();
+    let bf16 = per_seed(&INIT_SEEDS, |seed| {
+        let mut cfg = grpo_config(warm(seed));
+        cfg.actor_rollout_ref.actor.mixed_precision.param_dtype =
+            rl_workers::roles::ParamDtype::Bf16;
+        train("grpo bf16", seed, &cfg)
+    });
+    let results: Vec<SeedResult> = bf16.iter().map(|r| r.result).collect();
+    let bf16_median = assert_gain_over_seeds("grpo bf16", &results, MEDIAN_GAIN, WORST_GAIN);
+    let full_median = median(&full.iter().map(|r| r.result.gain()).collect::<Vec<_>>());
+    for (f, b) in full.iter().zip(&bf16) {
+        let curve =
+            |r: &Run| -> Vec<f64> { r.steps.iter().map(|m| m["critic/score/mean"]).collect() };
+        let (cf, cb) = (curve(f), curve(b));
+        let max_dev = cf
+            .iter()
+            .zip(&cb)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f64::max);
+        let (mf, mb) = (
+            cf.iter().sum::<f64>() / cf.len() as f64,
+            cb.iter().sum::<f64>() / cb.len() as f64,
+        );
+        println!(
+            "grpo bf16 vs fp32 (init seed {}): critic/score/mean averaged over steps fp32 {mf:.3}, bf16 {mb:.3}, max step deviation {max_dev:.3}; fp32 {cf:.2?}; bf16 {cb:.2?}",
+            f.result.seed
+        );
+    }
+    println!(
+        "grpo: median gain float32 {:.1} points, bf16 mixed {:.1} points",
+        full_median * 100.0,
+        bf16_median * 100.0
+    );
+    assert!(
+        bf16_median >= full_median - 0.05,
+        "bf16's median gain {bf16_median:.3} is more than 5 points under float32's {full_median:.3}"
+    );
 }
 
 #[test]
