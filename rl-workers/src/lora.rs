@@ -560,6 +560,7 @@ pub fn read_adapter_config(dir: &Path) -> Result<LoraConfig> {
         ("use_dora", Value::Bool(false)),
         ("fan_in_fan_out", Value::Bool(false)),
         ("bias", Value::from("none")),
+        ("lora_bias", Value::Bool(false)),
     ];
     for (key, want) in unsupported {
         if let Some(v) = get(key)
@@ -576,6 +577,18 @@ pub fn read_adapter_config(dir: &Path) -> Result<LoraConfig> {
             return Err(bad(
                 key,
                 "per-layer ranks and alphas are not supported".into(),
+            ));
+        }
+    }
+    for key in [
+        "target_parameters",
+        "layer_replication",
+        "trainable_token_indices",
+    ] {
+        if get(key).is_some_and(|v| v.as_array().is_none_or(|a| !a.is_empty())) {
+            return Err(bad(
+                key,
+                "is not supported (LoRA on linear layers only)".into(),
             ));
         }
     }
