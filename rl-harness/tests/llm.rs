@@ -1,12 +1,16 @@
 //! `harness train` driving the LLM trainers on the tiny character-level Llama: the quickstart's
 //! SFT → GRPO path through the CLI (the exported policy is a Hugging Face folder the next run
-//! loads), the kill -9 exactness test against a real GRPO run, and verl's
+//! loads), the kill -9 exactness tests against real GRPO runs (full, LoRA, bf16 mixed precision),
+//! and verl's
 //! `custom_reward_function`: a GRPO run scored by a reward file that imports a PyPI package
 //! (math-verify, from `.venv-reward`, which `scripts/reward-env` installs).
 
 mod common;
 
+use std::path::Path;
 use std::time::Duration;
+
+use tch::Tensor;
 
 use common::{Env, metrics_of, repo_root, tiny_llm, wait_for};
 
@@ -131,6 +135,48 @@ fn an_llm_config_error_names_the_key_before_any_model_loads() {
 /// mid-step after a checkpoint then resumed, record identical metrics (timings aside).
 #[test]
 fn kill_9_mid_grpo_step_after_a_checkpoint_then_resume_matches_an_uninterrupted_run() {
+    let _ = kill_9_then_resume_matches(&[]);
+}
+
+/// The same with LoRA adapters (with dropout, whose masks must follow the step) and KL to the
+/// base model: the checkpoints hold the adapters in PEFT's format, not the model.
+#[test]
+fn kill_9_then_resume_of_a_lora_run_matches_an_uninterrupted_run() {
+    let (_env, checkpoint) = kill_9_then_resume_matches(&[
+        "actor_rollout_ref.model.lora_rank=4",
+        "actor_rollout_ref.model.lora_alpha=8",
+        "actor_rollout_ref.model.lora_dropout=0.1",
+        "actor_rollout_ref.actor.optim.lr=1e-2",
+    ]);
+    let actor = Path::new(&checkpoint).join("trainer/actor");
+    assert!(actor.join("adapter_model.safetensors").is_file());
+    assert!(actor.join("adapter_config.json").is_file());
+    assert!(
+        !actor.join("model.safetensors").exists(),
+        "a LoRA checkpoint holds the adapters only"
+    );
+}
+
+/// The same under bf16 mixed precision: the float32 master weights are in the checkpoint, so
+/// the resumed run continues from them, not from the bf16-rounded weights.
+#[test]
+fn kill_9_then_resume_of_a_bf16_mixed_precision_run_matches_an_uninterrupted_run() {
+    let (_env, checkpoint) =
+        kill_9_then_resume_matches(&["actor_rollout_ref.actor.mixed_precision.param_dtype=bf16"]);
+    let optim =
+        Tensor::read_safetensors(Path::new(&checkpoint).join("trainer/actor/optim.safetensors"))
+            .unwrap();
+    let master = optim
+        .iter()
+        .find(|(n, _)| n.starts_with("master."))
+        .expect("master weights in the checkpoint");
+    assert_eq!(master.1.kind(), tch::Kind::Float);
+}
+
+/// Runs GRPO twice with `extra` settings, the second killed with SIGKILL mid-step after a
+/// checkpoint and resumed; asserts identical metrics and returns the environment (its folder
+/// lives as long as it) and the last checkpoint's path.
+fn kill_9_then_resume_matches(extra: &[&'static str]) -> (Env, String) {
     let env = Env::new();
     tiny_llm(&env, 128, 16);
     let grpo = repo_root().join("experiments/quickstart.toml");
@@ -149,6 +195,7 @@ fn kill_9_mid_grpo_step_after_a_checkpoint_then_resume_matches_an_uninterrupted_
     let args = |name: &'static str| {
         let mut a = vec!["train", grpo];
         a.extend(common);
+        a.extend(extra);
         a.push(name);
         a
     };
@@ -203,6 +250,14 @@ fn kill_9_mid_grpo_step_after_a_checkpoint_then_resume_matches_an_uninterrupted_
         (b.status.as_str(), b.resumed_from),
         ("finished", Some(last))
     );
+    let path = rt
+        .block_on(store.checkpoints(2))
+        .unwrap()
+        .last()
+        .unwrap()
+        .path
+        .clone();
+    (env, path)
 }
 
 /// `reward_model.enable`: a reward model's score and the rule score, combined as configured
