@@ -93,6 +93,127 @@ fn every_experiment_file_is_exercised_here() {
     assert_eq!(listed, on_disk, "experiments/ and this test disagree");
 }
 
+/// LoRA and bf16 mixed precision through `harness train` for every trainer that takes them:
+/// SFT, DPO, online DPO, PPO with a LoRA critic, reward-model training; SPIN with LoRA is
+/// refused by key. A LoRA policy is exported merged with its adapter beside it.
+#[test]
+fn lora_and_mixed_precision_train_every_trainer_through_the_cli() {
+    let env = Env::new();
+    tiny_llm(&env, 64, 16);
+    env.ok(&[
+        "data",
+        "tiny-addition",
+        "data/tiny-addition",
+        "--train",
+        "64",
+        "--test",
+        "16",
+        "--seed",
+        "7",
+        "--pairs",
+    ]);
+    env.ok(&["model", "init-tiny", "models/tiny-llama-sft", "--seed", "7"]);
+    const LORA: &[&str] = &[
+        "actor_rollout_ref.model.lora_rank=4",
+        "actor_rollout_ref.model.lora_alpha=8",
+        "actor_rollout_ref.model.target_modules=[\"q_proj\",\"v_proj\",\"up_proj\"]",
+    ];
+    const BF16: &str = "actor_rollout_ref.actor.mixed_precision.param_dtype=bf16";
+    let (exercised, (rt, store)) = (exercised(), env.store());
+    let overrides = |name: &str| {
+        exercised
+            .iter()
+            .find(|(n, _)| *n == name)
+            .unwrap()
+            .1
+            .clone()
+    };
+    let cases: Vec<(&str, Vec<&str>, bool)> = vec![
+        (
+            "quickstart_sft",
+            [overrides("quickstart_sft"), LORA.to_vec()].concat(),
+            true,
+        ),
+        (
+            "dpo",
+            [overrides("dpo"), LORA.to_vec(), vec![BF16]].concat(),
+            true,
+        ),
+        (
+            "online_dpo",
+            [overrides("online_dpo"), LORA.to_vec()].concat(),
+            true,
+        ),
+        (
+            "ppo_critic",
+            [
+                overrides("ppo_critic"),
+                LORA.to_vec(),
+                vec![
+                    BF16,
+                    "critic.model.lora_rank=4",
+                    "critic.mixed_precision.param_dtype=bf16",
+                ],
+            ]
+            .concat(),
+            true,
+        ),
+        (
+            "reward_model",
+            [
+                LORA.to_vec(),
+                vec![
+                    "preference_data.train_batch_size=4",
+                    "reward_model.train.mixed_precision.param_dtype=bf16",
+                ],
+            ]
+            .concat(),
+            false,
+        ),
+    ];
+    for (id, (name, extra, policy)) in cases.into_iter().enumerate() {
+        let file = repo_root().join(format!("experiments/{name}.toml"));
+        let mut args = vec![
+            "train",
+            file.to_str().unwrap(),
+            "trainer.total_training_steps=2",
+            "trainer.test_freq=2",
+            "trainer.save_freq=2",
+        ];
+        args.extend(extra);
+        env.ok(&args);
+        let run = rt.block_on(store.run(id as i64 + 1)).unwrap().unwrap();
+        assert_eq!(run.status, "finished", "{name}");
+        let model = std::path::Path::new(&run.run_dir).join("model");
+        assert!(model.join("model.safetensors").is_file(), "{name}");
+        // the policy's adapter beside its merged export; a reward model is exported merged
+        assert_eq!(
+            model.join("adapter/adapter_model.safetensors").is_file(),
+            policy,
+            "{name}"
+        );
+        let ckpt = rt.block_on(store.checkpoints(run.id)).unwrap();
+        let actor = std::path::Path::new(&ckpt.last().unwrap().path).join("trainer");
+        let trained = if policy { "actor" } else { "rm" };
+        assert!(
+            actor
+                .join(trained)
+                .join("adapter_model.safetensors")
+                .is_file(),
+            "{name}: the checkpoint holds adapters: {:?}",
+            std::fs::read_dir(&actor).map(|d| d.map(|e| e.unwrap().path()).collect::<Vec<_>>())
+        );
+        if name == "ppo_critic" {
+            assert!(actor.join("critic/adapter_model.safetensors").is_file());
+        }
+    }
+    let spin = repo_root().join("experiments/spin.toml");
+    let mut args = vec!["train", spin.to_str().unwrap()];
+    args.extend(LORA);
+    let err = env.fails(&args);
+    assert!(err.contains("lora_rank") && err.contains("SPIN"), "{err}");
+}
+
 #[test]
 fn every_llm_experiment_trains_on_the_tiny_model() {
     let env = Env::new();
