@@ -303,8 +303,8 @@ impl ModelConfig {
     }
 }
 
-/// `critic.model` (and `reward_model.model`): where the model starts, and LoRA; absent path =
-/// the policy's checkpoint with a fresh value head (verl's default for the critic).
+/// `critic.model`: where the critic starts, and LoRA; absent path = the policy's checkpoint
+/// with a fresh value head (verl's default).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct CriticModelConfig {
@@ -514,6 +514,15 @@ impl From<CriticGroup> for Merged<CriticConfig, Merged<CriticLossConfig, CriticM
     }
 }
 
+/// `reward_model.model`: the scoring reward model's folder. (Training one reads LoRA from
+/// `actor_rollout_ref.model`, the model it trains.)
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RmModelConfig {
+    /// A Hugging Face `*ForSequenceClassification` folder.
+    pub path: Option<PathBuf>,
+}
+
 /// The keys of `reward_model` beyond the scoring worker's.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -521,7 +530,7 @@ pub struct RewardModelOwn {
     /// Score responses with a reward model too. Default false.
     pub enable: bool,
     /// `reward_model.model.path`: a Hugging Face `*ForSequenceClassification` folder.
-    pub model: CriticModelConfig,
+    pub model: RmModelConfig,
     /// Weight of the reward model's score in the combined reward. Default 1.
     pub rm_coef: f64,
     /// Weight of the rule reward (`data.reward_fn_key`) in the combined reward; 0 trains on
@@ -537,7 +546,7 @@ impl Default for RewardModelOwn {
     fn default() -> Self {
         RewardModelOwn {
             enable: false,
-            model: CriticModelConfig::default(),
+            model: RmModelConfig::default(),
             rm_coef: 1.0,
             rule_coef: 1.0,
             overlong_buffer: OverlongBufferConfig::default(),

@@ -660,7 +660,7 @@ pub struct ReferenceWorker {
 #[derive(Debug)]
 enum RefModel {
     /// A frozen model of its own.
-    Own(CausalLm),
+    Own(Box<CausalLm>),
     /// The base model under a LoRA policy's adapters.
     BaseOf(SharedPolicy),
 }
@@ -684,7 +684,7 @@ impl ReferenceWorker {
         lm.var_store_mut().copy(src.var_store())?;
         lm.var_store_mut().freeze();
         Ok(ReferenceWorker {
-            lm: RefModel::Own(lm),
+            lm: RefModel::Own(Box::new(lm)),
             micro_batch_size,
         })
     }
@@ -704,7 +704,7 @@ impl ReferenceWorker {
         let mut lm = CausalLm::from_pretrained(dir, device, kind).map_err(role_err("reference"))?;
         lm.var_store_mut().freeze();
         Ok(ReferenceWorker {
-            lm: RefModel::Own(lm),
+            lm: RefModel::Own(Box::new(lm)),
             micro_batch_size,
         })
     }
