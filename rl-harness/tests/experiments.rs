@@ -93,11 +93,8 @@ fn every_experiment_file_is_exercised_here() {
     assert_eq!(listed, on_disk, "experiments/ and this test disagree");
 }
 
-/// LoRA and bf16 mixed precision through `harness train` for every trainer that takes them:
-/// SFT, DPO, online DPO, PPO with a LoRA critic, reward-model training; SPIN with LoRA is
-/// refused by key. A LoRA policy is exported merged with its adapter beside it.
-#[test]
-fn lora_and_mixed_precision_train_every_trainer_through_the_cli() {
+/// The tiny model and the quickstart's data (prompts and pairs) the catalogue trains on.
+fn catalogue_env() -> Env {
     let env = Env::new();
     tiny_llm(&env, 64, 16);
     env.ok(&[
@@ -112,6 +109,15 @@ fn lora_and_mixed_precision_train_every_trainer_through_the_cli() {
         "7",
         "--pairs",
     ]);
+    env
+}
+
+/// LoRA and bf16 mixed precision through `harness train` for every trainer that takes them:
+/// SFT, DPO, online DPO, PPO with a LoRA critic, reward-model training; SPIN with LoRA is
+/// refused by key. A LoRA policy is exported merged with its adapter beside it.
+#[test]
+fn lora_and_mixed_precision_train_every_trainer_through_the_cli() {
+    let env = catalogue_env();
     env.ok(&["model", "init-tiny", "models/tiny-llama-sft", "--seed", "7"]);
     const LORA: &[&str] = &[
         "actor_rollout_ref.model.lora_rank=4",
@@ -216,20 +222,7 @@ fn lora_and_mixed_precision_train_every_trainer_through_the_cli() {
 
 #[test]
 fn every_llm_experiment_trains_on_the_tiny_model() {
-    let env = Env::new();
-    tiny_llm(&env, 64, 16);
-    env.ok(&[
-        "data",
-        "tiny-addition",
-        "data/tiny-addition",
-        "--train",
-        "64",
-        "--test",
-        "16",
-        "--seed",
-        "7",
-        "--pairs",
-    ]);
+    let env = catalogue_env();
     // the SFT checkpoint the catalogue starts from, here fresh weights
     env.ok(&["model", "init-tiny", "models/tiny-llama-sft", "--seed", "7"]);
     let (rt, store) = env.store();

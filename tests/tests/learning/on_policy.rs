@@ -177,8 +177,8 @@ fn grpo_raises_accuracy() {
 /// LoRA: adapters of rank 8 (alpha 16) on every linear layer of a frozen base, at ten times
 /// full fine-tuning's learning rate (LoRA's usual practice: the update is low-rank and starts
 /// from zero), with the reference being the base model (adapters off). Its median gain over
-/// the seeds must be within 5 points of full fine-tuning's, with under a tenth of the
-/// trainable parameters.
+/// the seeds must be within 5 points of full fine-tuning's, training 20,480 parameters (the
+/// adapters) of the tiny model's 113,216.
 #[test]
 fn lora_grpo_learns_within_five_points_of_full_fine_tuning() {
     let full: Vec<SeedResult> = grpo_full_runs().iter().map(|r| r.result).collect();
