@@ -117,6 +117,10 @@ pub enum Command {
         #[arg(long, default_value_t = 120.0)]
         timeout_s: f64,
     },
+    /// Estimate the memory a run needs before starting it (parameters, weights, gradients,
+    /// optimizer state, reference, critic, KV cache, activations), from the resolved config and
+    /// the model's config.json; no weights are read.
+    Plan(PlanArgs),
     /// Inspect configs.
     #[command(subcommand)]
     Config(ConfigCommand),
@@ -178,6 +182,19 @@ impl TrainArgs {
         }
         args
     }
+}
+
+/// `harness plan`.
+#[derive(Debug, Args)]
+pub struct PlanArgs {
+    /// The experiment TOML file (resolved as `harness train` resolves it).
+    pub config: PathBuf,
+    /// `key.path=value` overrides, applied last.
+    pub overrides: Vec<String>,
+    /// Estimate for a public model shape instead of `actor_rollout_ref.model.path`'s
+    /// config.json: Qwen2.5-0.5B, 1.5B or 7B-Instruct.
+    #[arg(long, value_enum, value_name = "SIZE")]
+    pub model_size: Option<crate::plan::ModelSize>,
 }
 
 /// `harness compare`.
@@ -521,6 +538,9 @@ pub(crate) fn run(cli: Cli) -> Result<()> {
                     p.metrics
                 );
             }
+        }
+        Command::Plan(a) => {
+            crate::plan::run(a.config, parse_overrides(&a.overrides)?, a.model_size)?
         }
         Command::Config(ConfigCommand::Show {
             config: file,

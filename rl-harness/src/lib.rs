@@ -24,6 +24,7 @@ pub mod experiment;
 pub mod filter;
 pub mod launch;
 mod logging;
+pub mod plan;
 mod retriever;
 mod store;
 pub mod sweep;

@@ -23,6 +23,7 @@ fn every_command_has_help() {
         vec!["compare", "--help"],
         vec!["export", "--help"],
         vec!["sync", "--help"],
+        vec!["plan", "--help"],
         vec!["config", "show", "--help"],
         vec!["config", "from-verl", "--help"],
         vec!["data", "--help"],
@@ -35,6 +36,63 @@ fn every_command_has_help() {
         let out = env.ok(&args);
         assert!(out.contains("Usage:"), "{args:?}: {out}");
     }
+}
+
+/// `harness plan` estimates from config.json alone (the model folder holds no weights), with
+/// the overrides `harness train` takes, and for the Qwen2.5 shapes by name; other trainers are
+/// refused in one line.
+#[test]
+fn plan_estimates_memory_from_config_json_alone() {
+    let env = Env::new();
+    std::fs::create_dir_all(env.path().join("model")).unwrap();
+    env.file(
+        "model/config.json",
+        r#"{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128,
+            "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2}"#,
+    );
+    let cfg = env.file(
+        "grpo.toml",
+        r#"
+[trainer]
+algorithm = "on_policy"
+[algorithm]
+adv_estimator = "grpo"
+[data]
+train_batch_size = 8
+max_prompt_length = 16
+[actor_rollout_ref.model]
+path = "model"
+[actor_rollout_ref.actor]
+ppo_mini_batch_size = 8
+use_kl_loss = true
+[actor_rollout_ref.rollout]
+n = 4
+response_length = 8
+"#,
+    );
+    let cfg = cfg.to_str().unwrap();
+    // 2 layers x (32x32 + 2 x 32x16 + 32x32 + 3 x 32x64 + 2 x 32) + 2 x 128x32 + 32
+    let full = env.ok(&["plan", cfg]);
+    assert!(
+        full.contains("parameters 26,784 total, 26,784 trainable"),
+        "{full}"
+    );
+    assert!(full.contains("a frozen copy"), "{full}");
+    assert!(full.contains("peak estimate"), "{full}");
+    // LoRA r=4 on all 7 linear layers of both layers: 4 x (in + out) each
+    let lora = env.ok(&["plan", cfg, "actor_rollout_ref.model.lora_rank=4"]);
+    // (2 x 4 x (64 + 2 x 48 + 64 + 3 x 96) = 4,096; the total counts them too)
+    assert!(
+        lora.contains("parameters 30,880 total, 4,096 trainable"),
+        "{lora}"
+    );
+    assert!(lora.contains("adapters off"), "{lora}");
+    let big = env.ok(&["plan", cfg, "--model-size", "7b"]);
+    assert!(big.contains("7,615,616,512 total"), "{big}");
+    let err = env.fails(&["plan", cfg, "trainer.algorithm=sft"]);
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(err.contains("on-policy"), "{err}");
 }
 
 #[test]

@@ -1,0 +1,71 @@
+//! One training step of an experiment, measured: the peak resident set size (Linux `VmHWM`)
+//! while the trainer is built and while it takes its first step, for `scripts/memory-table`
+//! (issue 21), which compares them with `harness plan`'s estimate.
+//!
+//! The config is resolved as `harness train` resolves it (defaults, the file, `RL_` variables,
+//! the overrides) and the trainer is built by the same `compose::build`; then one `step()` runs,
+//! without validation, checkpoints, the run store or the final export, so that the figure is
+//! the step's and nothing else's. The peak is reset between the two (`/proc/self/clear_refs`).
+//!
+//! `memory_step CONFIG [key=value ...]` prints one line of `key=value` fields:
+//! `start_kib` (RSS before anything), `build_peak_kib`, `built_kib` (RSS once built),
+//! `step_peak_kib`, `peak_kib` (the larger peak: the process's), `step_s`.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use rl_harness::config::{self, Override, Sources};
+
+/// A `VmHWM:` / `VmRSS:` field of /proc/self/status, in KiB.
+fn status_kib(field: &str) -> Result<u64> {
+    let text = std::fs::read_to_string("/proc/self/status").context("reading /proc/self/status")?;
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix(field) {
+            let kib = rest.trim().trim_end_matches("kB").trim();
+            return kib
+                .parse()
+                .with_context(|| format!("{field} {kib:?} is not a number"));
+        }
+    }
+    bail!("no {field} in /proc/self/status (Linux only)")
+}
+
+/// Resets the peak RSS to the current RSS (Linux >= 4.0).
+fn reset_peak() -> Result<()> {
+    std::fs::write("/proc/self/clear_refs", "5")
+        .context("resetting VmHWM via /proc/self/clear_refs")
+}
+
+fn main() -> Result<()> {
+    let start = status_kib("VmRSS:")?;
+    let mut args = std::env::args().skip(1);
+    let Some(file) = args.next() else {
+        bail!("usage: memory_step CONFIG [key=value ...]");
+    };
+    let overrides = args
+        .map(|a| Override::parse(&a))
+        .collect::<Result<Vec<_>>>()?;
+    let cfg = config::load(&Sources {
+        file: Some(PathBuf::from(file)),
+        env: true,
+        overrides,
+    })?;
+    let device = rl_harness::device::open(&cfg.trainer.device)?;
+    let mut built = rl_harness::compose::build(&cfg, device, None)?;
+    let build_peak = status_kib("VmHWM:")?;
+    let built_rss = status_kib("VmRSS:")?;
+    reset_peak()?;
+    let t0 = Instant::now();
+    built
+        .trainer
+        .step()
+        .map_err(|e| anyhow::anyhow!("the step failed: {e}"))?;
+    let step_s = t0.elapsed().as_secs_f64();
+    let step_peak = status_kib("VmHWM:")?;
+    println!(
+        "start_kib={start} build_peak_kib={build_peak} built_kib={built_rss} step_peak_kib={step_peak} peak_kib={} step_s={step_s:.1}",
+        build_peak.max(step_peak)
+    );
+    Ok(())
+}
