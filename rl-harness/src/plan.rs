@@ -836,9 +836,11 @@ pub fn estimate(exp: &ExperimentConfig, m: &Models) -> Result<Plan> {
     };
     phases.push(line(
         "optimizer step",
-        largest_trained * 4 * 4,
+        // AdamW::step holds three float32 tensors of a parameter's size at once (the
+        // denominator, the update, the new value), one parameter at a time
+        largest_trained * 3 * 4,
         format!(
-            "float32 temporaries of the largest trained tensor ({} x 4 x 4 B)",
+            "AdamW's float32 temporaries (denominator, update, new value) of the largest trained tensor ({} x 3 x 4 B)",
             short(largest_trained as i64)
         ),
     ));
