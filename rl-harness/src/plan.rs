@@ -31,7 +31,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 use clap::ValueEnum;
-use rl_workers::{Config, Family, LoraConfig, TargetModules};
+use rl_workers::{Config, Family, LinearShape, LoraConfig};
 use serde_json::{Map, Value};
 
 use crate::config::{ExperimentConfig, TrainerKind};
@@ -114,61 +114,16 @@ pub enum Head {
     },
 }
 
-/// One linear layer of the stack as LoRA sees it: its full name
-/// (`model.layers.0.self_attn.q_proj`) and its input and output widths.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LinearLayer {
-    /// The name rl-workers matches `target_modules` against.
-    pub name: String,
-    /// Input width.
-    pub input: i64,
-    /// Output width.
-    pub output: i64,
-}
-
 fn family(cfg: &Config) -> Family {
     cfg.family().unwrap_or(Family::Llama)
-}
-
-fn qkv_bias(cfg: &Config) -> bool {
-    family(cfg) == Family::Qwen2 || cfg.attention_bias
-}
-
-fn o_bias(cfg: &Config) -> bool {
-    family(cfg) == Family::Llama && cfg.attention_bias
-}
-
-/// The linear layers of the stack in rl-workers' order (per layer q, k, v, o, gate, up, down).
-pub fn linear_layers(cfg: &Config) -> Vec<LinearLayer> {
-    let (h, i, hd) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim());
-    let (q, kv) = (cfg.num_attention_heads * hd, cfg.n_kv_heads() * hd);
-    let mut out = Vec::new();
-    for l in 0..cfg.num_hidden_layers {
-        for (name, input, output) in [
-            ("self_attn.q_proj", h, q),
-            ("self_attn.k_proj", h, kv),
-            ("self_attn.v_proj", h, kv),
-            ("self_attn.o_proj", q, h),
-            ("mlp.gate_proj", h, i),
-            ("mlp.up_proj", h, i),
-            ("mlp.down_proj", i, h),
-        ] {
-            out.push(LinearLayer {
-                name: format!("model.layers.{l}.{name}"),
-                input,
-                output,
-            });
-        }
-    }
-    out
 }
 
 /// Parameters of one decoder layer.
 fn layer_params(cfg: &Config) -> i64 {
     let (h, i, hd) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim());
     let (q, kv) = (cfg.num_attention_heads * hd, cfg.n_kv_heads() * hd);
-    let qkv_b = if qkv_bias(cfg) { q + 2 * kv } else { 0 };
-    let o_b = if o_bias(cfg) { h } else { 0 };
+    let qkv_b = if cfg.qkv_bias() { q + 2 * kv } else { 0 };
+    let o_b = if cfg.o_bias() { h } else { 0 };
     let mlp_b = if cfg.mlp_bias { 2 * i + h } else { 0 };
     h * (q + 2 * kv) + qkv_b + q * h + o_b + 3 * h * i + mlp_b + 2 * h
 }
@@ -192,60 +147,17 @@ fn largest_tensor(cfg: &Config) -> i64 {
         .max(h * cfg.num_attention_heads * hd)
 }
 
-/// PEFT's matching rule as rl-workers applies it: the name, or a `.`-separated suffix of it.
-fn matches(name: &str, key: &str) -> bool {
-    name == key || name.ends_with(&format!(".{key}"))
-}
-
-/// The linear layers `lora` puts adapters on, by rl-workers' rules: `"all-linear"` is every
-/// linear layer of the stack (not `lm_head`), a list matches names by suffix, and
-/// `exclude_modules` removes layers again. A key matching no layer is an error, as it is when
-/// the adapters are attached.
-pub fn lora_targets(cfg: &Config, lora: &LoraConfig) -> Result<Vec<LinearLayer>> {
-    let linears = linear_layers(cfg);
-    let mut chosen: Vec<bool> = match &lora.target_modules {
-        TargetModules::AllLinear => vec![true; linears.len()],
-        TargetModules::Names(keys) => {
-            let mut chosen = vec![false; linears.len()];
-            for key in keys {
-                let mut hit = false;
-                for (c, l) in chosen.iter_mut().zip(&linears) {
-                    if matches(&l.name, key) {
-                        *c = true;
-                        hit = true;
-                    }
-                }
-                if !hit {
-                    bail!("target_modules: {key:?} matches no linear layer of the model");
-                }
-            }
-            chosen
-        }
-    };
-    for (c, l) in chosen.iter_mut().zip(&linears) {
-        if lora.exclude_modules.iter().any(|k| matches(&l.name, k)) {
-            *c = false;
-        }
-    }
-    let targets: Vec<LinearLayer> = linears
-        .into_iter()
-        .zip(chosen)
-        .filter_map(|(l, c)| c.then_some(l))
-        .collect();
-    if targets.is_empty() {
-        bail!(
-            "exclude_modules: {:?} excludes every targeted layer",
-            lora.exclude_modules
-        );
-    }
-    Ok(targets)
+/// The linear layers `lora` puts adapters on: rl-workers' own selection
+/// ([`rl_workers::lora::targets`]), computed from the config.
+pub fn lora_targets(cfg: &Config, lora: &LoraConfig) -> Result<Vec<LinearShape>> {
+    Ok(rl_workers::lora::targets(cfg, lora)?)
 }
 
 /// Parameters of the adapters: `A` `[r, in]` and `B` `[out, r]` of each targeted layer.
 pub fn lora_params(cfg: &Config, lora: &LoraConfig) -> Result<i64> {
     Ok(lora_targets(cfg, lora)?
         .iter()
-        .map(|l| lora.rank * (l.input + l.output))
+        .map(|l| lora.rank * (l.in_dim + l.out_dim))
         .sum())
 }
 
@@ -330,12 +242,12 @@ fn layer_bytes_per_token(cfg: &Config, c: u64) -> u64 {
 
 /// What each adapter adds to the graph per token: its `[r]` intermediate, and with dropout the
 /// mask and the dropped input (`[in]` each).
-fn adapter_bytes_per_token(targets: &[LinearLayer], lora: &LoraConfig, c: u64) -> u64 {
+fn adapter_bytes_per_token(targets: &[LinearShape], lora: &LoraConfig, c: u64) -> u64 {
     targets
         .iter()
         .map(|l| {
             let dropout = if lora.dropout > 0.0 {
-                2 * c * l.input as u64
+                2 * c * l.in_dim as u64
             } else {
                 0
             };
@@ -828,7 +740,7 @@ pub fn estimate(exp: &ExperimentConfig, m: &Models) -> Result<Plan> {
     let largest_trained = if let Some(l) = &policy.lora {
         targets
             .iter()
-            .map(|t| (t.input.max(t.output) * l.rank) as u64)
+            .map(|t| (t.in_dim.max(t.out_dim) * l.rank) as u64)
             .max()
             .unwrap_or(0)
     } else {
@@ -998,7 +910,7 @@ pub fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rl_workers::CausalLm;
+    use rl_workers::{CausalLm, TargetModules};
     use tch::{Device, Kind};
 
     fn numel(vs: &tch::nn::VarStore, pick: impl Fn(&str) -> bool) -> i64 {

@@ -27,7 +27,7 @@ mod seed;
 pub use error::{Error, Result};
 pub use heads::{CONFIG_JSON, CausalLm, RewardModel, ValueModel};
 pub use lora::{LoraConfig, TargetModules};
-pub use model::{Config, Family, KvCache, Model, TokenIds};
+pub use model::{Config, Family, KvCache, LinearShape, Model, TokenIds};
 pub use multiturn::{
     ANSWER_TAG, MultiTurnConfig, MultiTurnOutput, StopReason, TextCodec, ToolEnv, TurnStats,
     generate_multi_turn, token_ids_u32,

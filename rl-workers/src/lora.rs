@@ -233,9 +233,78 @@ pub(crate) struct Attached {
     modules_to_save: Vec<String>,
 }
 
+/// Whether the variable `name` trains under LoRA (and goes into the adapter file): an adapter
+/// tensor, or a module of `modules_to_save`.
+fn is_trained(name: &str, modules_to_save: &[impl AsRef<str>]) -> bool {
+    name.contains(".lora_A.")
+        || name.contains(".lora_B.")
+        || modules_to_save
+            .iter()
+            .any(|m| name.starts_with(&format!("{}.", m.as_ref())))
+}
+
 /// Whether PEFT's rule picks the layer `name` for `key`.
 fn matches(name: &str, key: &str) -> bool {
     name == key || name.ends_with(&format!(".{key}"))
+}
+
+/// The indices of `names` (full layer names, in order) that `cfg` targets: `all-linear` or
+/// PEFT's matching of `target_modules`, minus `exclude_modules`. A target matching nothing, or
+/// exclusions leaving nothing, is an error naming the key.
+fn select(names: &[String], cfg: &LoraConfig) -> Result<Vec<usize>> {
+    let mut chosen: Vec<usize> = match &cfg.target_modules {
+        TargetModules::AllLinear => (0..names.len()).collect(),
+        TargetModules::Names(keys) => {
+            let mut chosen = Vec::new();
+            for key in keys {
+                let hits: Vec<usize> = (0..names.len())
+                    .filter(|&i| matches(&names[i], key))
+                    .collect();
+                if hits.is_empty() {
+                    let mut kinds: Vec<&str> = names
+                        .iter()
+                        .map(|n| n.rsplit('.').next().unwrap_or(n))
+                        .collect();
+                    kinds.sort_unstable();
+                    kinds.dedup();
+                    return Err(Error::invalid(
+                        "target_modules",
+                        format!(
+                            "{key:?} matches no linear layer of the model (its linear layers: {}; or \"all-linear\")",
+                            kinds.join(", ")
+                        ),
+                    ));
+                }
+                chosen.extend(hits);
+            }
+            chosen
+        }
+    };
+    chosen.retain(|&i| {
+        !cfg.exclude_modules
+            .iter()
+            .any(|key| matches(&names[i], key))
+    });
+    if chosen.is_empty() {
+        return Err(Error::invalid(
+            "exclude_modules",
+            format!("{:?} excludes every targeted layer", cfg.exclude_modules),
+        ));
+    }
+    chosen.sort_unstable();
+    chosen.dedup();
+    Ok(chosen)
+}
+
+/// The layers `lora` puts adapters on in a model of `config`, computed from the config alone
+/// by the same rules as [`CausalLm::add_lora`](crate::CausalLm::add_lora) (what `harness plan`
+/// counts).
+pub fn targets(config: &crate::Config, lora: &LoraConfig) -> Result<Vec<crate::LinearShape>> {
+    lora.validate("lora")?;
+    let layers = config.linear_layers();
+    let names: Vec<String> = layers.iter().map(|l| l.name.clone()).collect();
+    let chosen = select(&names, lora)?;
+    Ok(chosen.into_iter().map(|i| layers[i].clone()).collect())
 }
 
 /// Adds adapters to the linear layers of `model` (built under `vs.root() / prefix`) that `cfg`
@@ -252,45 +321,11 @@ pub(crate) fn attach(
     let kind = model.embed_tokens().kind();
     let switch = Arc::new(LoraSwitch::new());
     let mut linears = model.linears_mut();
-    let mut chosen: Vec<usize> = Vec::new();
-    match &cfg.target_modules {
-        TargetModules::AllLinear => chosen.extend(0..linears.len()),
-        TargetModules::Names(keys) => {
-            for key in keys {
-                let hits: Vec<usize> = (0..linears.len())
-                    .filter(|&i| matches(&format!("{prefix}.{}", linears[i].0), key))
-                    .collect();
-                if hits.is_empty() {
-                    let mut kinds: Vec<&str> = linears
-                        .iter()
-                        .map(|(n, _)| n.rsplit('.').next().unwrap_or(n))
-                        .collect();
-                    kinds.sort_unstable();
-                    kinds.dedup();
-                    return Err(Error::invalid(
-                        "target_modules",
-                        format!(
-                            "{key:?} matches no linear layer of the model (its linear layers: {}; or \"all-linear\")",
-                            kinds.join(", ")
-                        ),
-                    ));
-                }
-                chosen.extend(hits);
-            }
-        }
-    }
-    chosen.retain(|&i| {
-        let name = format!("{prefix}.{}", linears[i].0);
-        !cfg.exclude_modules.iter().any(|key| matches(&name, key))
-    });
-    if chosen.is_empty() {
-        return Err(Error::invalid(
-            "exclude_modules",
-            format!("{:?} excludes every targeted layer", cfg.exclude_modules),
-        ));
-    }
-    chosen.sort_unstable();
-    chosen.dedup();
+    let names: Vec<String> = linears
+        .iter()
+        .map(|(n, _)| format!("{prefix}.{n}"))
+        .collect();
+    let chosen = select(&names, cfg)?;
     let _generator = crate::seed::hold_generator();
     let mut targets = Vec::with_capacity(chosen.len());
     for (id, &i) in chosen.iter().enumerate() {
@@ -328,12 +363,7 @@ pub(crate) fn attach(
         targets.push(full);
     }
     for (name, t) in vs.variables() {
-        let trainable = name.contains(".lora_A.")
-            || name.contains(".lora_B.")
-            || modules_to_save
-                .iter()
-                .any(|m| name.starts_with(&format!("{m}.")));
-        if !trainable {
+        if !is_trained(&name, modules_to_save) {
             let _ = t.set_requires_grad(false);
         }
     }
@@ -371,21 +401,11 @@ impl Attached {
             .store(seed.is_some(), Ordering::Release);
     }
 
-    /// Whether `name` (a VarStore name) is an adapter tensor or a module trained beside them.
-    fn is_saved(&self, name: &str) -> bool {
-        name.contains(".lora_A.")
-            || name.contains(".lora_B.")
-            || self
-                .modules_to_save
-                .iter()
-                .any(|m| name.starts_with(&format!("{m}.")))
-    }
-
     /// The variables an adapter file holds, by VarStore name, sorted.
     fn saved_vars(&self, vs: &VarStore) -> BTreeMap<String, Tensor> {
         vs.variables()
             .into_iter()
-            .filter(|(n, _)| self.is_saved(n))
+            .filter(|(n, _)| is_trained(n, &self.modules_to_save))
             .collect()
     }
 

@@ -343,13 +343,55 @@ impl Config {
             .insert("label2id".to_owned(), Value::Object(label2id));
     }
 
-    fn qkv_bias(&self) -> bool {
+    /// The decoder stack's linear layers, as [`Model`] builds them: per layer q, k, v, o,
+    /// gate, up, down, named as in Hugging Face checkpoints (`model.layers.0.self_attn.q_proj`).
+    /// Computed from the config alone (what `harness plan` counts without loading weights).
+    pub fn linear_layers(&self) -> Vec<LinearShape> {
+        let (h, i, hd) = (self.hidden_size, self.intermediate_size, self.head_dim());
+        let (q, kv) = (self.num_attention_heads * hd, self.n_kv_heads() * hd);
+        (0..self.num_hidden_layers)
+            .flat_map(|l| {
+                [
+                    ("self_attn.q_proj", h, q, self.qkv_bias()),
+                    ("self_attn.k_proj", h, kv, self.qkv_bias()),
+                    ("self_attn.v_proj", h, kv, self.qkv_bias()),
+                    ("self_attn.o_proj", q, h, self.o_bias()),
+                    ("mlp.gate_proj", h, i, self.mlp_bias),
+                    ("mlp.up_proj", h, i, self.mlp_bias),
+                    ("mlp.down_proj", i, h, self.mlp_bias),
+                ]
+                .map(|(name, in_dim, out_dim, bias)| LinearShape {
+                    name: format!("model.layers.{l}.{name}"),
+                    in_dim,
+                    out_dim,
+                    bias,
+                })
+            })
+            .collect()
+    }
+
+    /// Whether q, k and v projections have biases (Qwen2 always, Llama with `attention_bias`).
+    pub fn qkv_bias(&self) -> bool {
         self.family().map(|f| f == Family::Qwen2).unwrap_or(false) || self.attention_bias
     }
 
-    fn o_bias(&self) -> bool {
+    /// Whether the output projection has a bias (Llama with `attention_bias`).
+    pub fn o_bias(&self) -> bool {
         self.family().map(|f| f == Family::Llama).unwrap_or(true) && self.attention_bias
     }
+}
+
+/// One linear layer of the stack by its config: name and widths ([`Config::linear_layers`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LinearShape {
+    /// The checkpoint name without `.weight` (`model.layers.0.self_attn.q_proj`).
+    pub name: String,
+    /// Input width.
+    pub in_dim: i64,
+    /// Output width.
+    pub out_dim: i64,
+    /// Whether it has a bias.
+    pub bias: bool,
 }
 
 /// A dense projection with Hugging Face's `weight` `[out, in]` and optional `bias` `[out]`.

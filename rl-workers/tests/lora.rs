@@ -339,3 +339,46 @@ fn a_critic_trains_adapters_and_its_value_head() {
     trainable.sort();
     assert_eq!(trainable, vec!["score.bias", "score.weight"]);
 }
+
+#[test]
+fn the_config_alone_names_the_layers_and_targets_the_model_builds() {
+    let mut qwen = Config::tiny();
+    qwen.architectures = vec!["Qwen2ForCausalLM".into()];
+    qwen.model_type = "qwen2".into();
+    for cfg in [Config::tiny(), qwen] {
+        let mut lm = CausalLm::new(&cfg, Device::Cpu, Kind::Float).unwrap();
+        let vars = lm.var_store().variables();
+        let layers = cfg.linear_layers();
+        assert_eq!(layers.len(), 7 * 2);
+        for l in &layers {
+            assert_eq!(
+                vars[&format!("{}.weight", l.name)].size(),
+                vec![l.out_dim, l.in_dim]
+            );
+            assert_eq!(
+                vars.contains_key(&format!("{}.bias", l.name)),
+                l.bias,
+                "{}",
+                l.name
+            );
+        }
+        let mut lora_cfg = lora(
+            2,
+            TargetModules::Names(vec!["v_proj".into(), "mlp.up_proj".into()]),
+        );
+        lora_cfg.exclude_modules = vec!["layers.1.self_attn.v_proj".into()];
+        let planned = rl_workers::lora::targets(&cfg, &lora_cfg).unwrap();
+        lm.add_lora(&lora_cfg).unwrap();
+        let mut built: Vec<String> = lm
+            .var_store()
+            .variables()
+            .into_keys()
+            .filter_map(|n| n.strip_suffix(".lora_A.weight").map(str::to_owned))
+            .collect();
+        built.sort();
+        let mut planned: Vec<String> = planned.into_iter().map(|l| l.name).collect();
+        planned.sort();
+        assert_eq!(planned, built);
+        assert_eq!(built.len(), 3);
+    }
+}
