@@ -65,6 +65,41 @@ pub trait Collective: Send {
     fn broadcast(&mut self, tensor: &mut Tensor, src: usize) -> Result<()>;
     /// Returns once every rank has called it.
     fn barrier(&mut self) -> Result<()>;
+    /// Reduces every rank's 1-D `input` and returns this rank's `1 / world_size` of the result:
+    /// rank `r` gets the elements `[r * n, (r + 1) * n)` (ZeRO's gradient reduce-scatter).
+    ///
+    /// The default reduces everything and keeps this rank's part; `rl_dist::ProcessGroup` runs
+    /// c10d's reduce-scatter, which moves `1 / world_size` of the bytes to each rank.
+    ///
+    /// # Shapes
+    /// - `input`: `[world_size * n]`, the same on every rank
+    /// - returns `[n]`
+    fn reduce_scatter(&mut self, input: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        let world = self.world_size();
+        if input.dim() != 1 || !(input.numel()).is_multiple_of(world) {
+            return Err(Error::Role {
+                role: "dist",
+                source: format!(
+                    "reduce_scatter needs a 1-D tensor whose length splits over {world} ranks, got shape {:?}",
+                    input.size()
+                )
+                .into(),
+            });
+        }
+        let mut all = [input.copy()];
+        self.all_reduce(&mut all, op)?;
+        let n = (input.numel() / world) as i64;
+        Ok(all[0].narrow(0, self.rank() as i64 * n, n).copy())
+    }
+    /// Every rank's 1-D `input` concatenated in rank order (ZeRO's parameter all-gather).
+    ///
+    /// # Shapes
+    /// - `input`: `[n]`, the same on every rank
+    /// - returns `[world_size * n]`
+    fn all_gather_flat(&mut self, input: &Tensor) -> Result<Tensor> {
+        let parts = self.all_gather(input)?;
+        Ok(Tensor::cat(&parts, 0))
+    }
 }
 
 /// A collective shared by the roles and the trainer of one rank.

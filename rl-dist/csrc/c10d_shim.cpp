@@ -187,6 +187,38 @@ char* rl_c10d_all_gather(
   });
 }
 
+char* rl_c10d_reduce_scatter(
+    rl_c10d_group* group,
+    void* output,
+    void* input,
+    int op,
+    int64_t timeout_ms) {
+  return guarded([&] {
+    c10d::ReduceScatterOptions opts;
+    opts.reduceOp = reduce_op(op);
+    opts.timeout = std::chrono::milliseconds(timeout_ms);
+    wait_for(
+        group->backend->_reduce_scatter_base(
+            *static_cast<at::Tensor*>(output), *static_cast<at::Tensor*>(input), opts),
+        timeout_ms);
+  });
+}
+
+char* rl_c10d_all_gather_flat(
+    rl_c10d_group* group,
+    void* output,
+    void* input,
+    int64_t timeout_ms) {
+  return guarded([&] {
+    c10d::AllgatherOptions opts;
+    opts.timeout = std::chrono::milliseconds(timeout_ms);
+    wait_for(
+        group->backend->_allgather_base(
+            *static_cast<at::Tensor*>(output), *static_cast<at::Tensor*>(input), opts),
+        timeout_ms);
+  });
+}
+
 char* rl_c10d_barrier(rl_c10d_group* group, int64_t timeout_ms) {
   return guarded([&] {
     c10d::BarrierOptions opts;

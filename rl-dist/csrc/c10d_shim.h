@@ -44,6 +44,21 @@ char* rl_c10d_all_gather(
     int n_outputs,
     void* input,
     int64_t timeout_ms);
+// `input` is 1-D of `world_size * n` elements, `output` 1-D of `n`: rank r receives the
+// reduction of every rank's elements `[r * n, (r + 1) * n)` (c10d's `_reduce_scatter_base`).
+char* rl_c10d_reduce_scatter(
+    rl_c10d_group* group,
+    void* output,
+    void* input,
+    int op,
+    int64_t timeout_ms);
+// `input` is 1-D of `n` elements, `output` 1-D of `world_size * n`: every rank's `input`
+// concatenated in rank order (c10d's `_allgather_base`).
+char* rl_c10d_all_gather_flat(
+    rl_c10d_group* group,
+    void* output,
+    void* input,
+    int64_t timeout_ms);
 char* rl_c10d_barrier(rl_c10d_group* group, int64_t timeout_ms);
 // Changes the backend's bound on every later collective.
 char* rl_c10d_set_timeout(rl_c10d_group* group, int64_t timeout_ms);

@@ -61,4 +61,12 @@ impl Collective for ProcessGroup {
     fn barrier(&mut self) -> rl_core::Result<()> {
         ProcessGroup::barrier(self).map_err(core_err)
     }
+
+    fn reduce_scatter(&mut self, input: &Tensor, o: CoreOp) -> rl_core::Result<Tensor> {
+        ProcessGroup::reduce_scatter(self, input, op(o)).map_err(core_err)
+    }
+
+    fn all_gather_flat(&mut self, input: &Tensor) -> rl_core::Result<Tensor> {
+        ProcessGroup::all_gather_flat(self, input).map_err(core_err)
+    }
 }

@@ -51,6 +51,19 @@ unsafe extern "C" {
         input: *mut c_void,
         timeout_ms: i64,
     ) -> *mut c_char;
+    fn rl_c10d_reduce_scatter(
+        group: *mut RawGroup,
+        output: *mut c_void,
+        input: *mut c_void,
+        op: c_int,
+        timeout_ms: i64,
+    ) -> *mut c_char;
+    fn rl_c10d_all_gather_flat(
+        group: *mut RawGroup,
+        output: *mut c_void,
+        input: *mut c_void,
+        timeout_ms: i64,
+    ) -> *mut c_char;
     fn rl_c10d_barrier(group: *mut RawGroup, timeout_ms: i64) -> *mut c_char;
     fn rl_c10d_set_timeout(group: *mut RawGroup, timeout_ms: i64) -> *mut c_char;
     fn rl_c10d_free_error(error: *mut c_char);
@@ -183,6 +196,42 @@ impl Group {
                 self.0.as_ptr(),
                 ptrs.as_ptr(),
                 n,
+                tensor_ptr(input),
+                millis(timeout),
+            )
+        })
+    }
+
+    pub(crate) fn reduce_scatter(
+        &mut self,
+        output: &mut Tensor,
+        input: &Tensor,
+        op: c_int,
+        timeout: Duration,
+    ) -> Result<(), String> {
+        // SAFETY: as in `all_reduce`; the input is only read by the backend.
+        status(unsafe {
+            rl_c10d_reduce_scatter(
+                self.0.as_ptr(),
+                tensor_ptr(output),
+                tensor_ptr(input),
+                op,
+                millis(timeout),
+            )
+        })
+    }
+
+    pub(crate) fn all_gather_flat(
+        &mut self,
+        output: &mut Tensor,
+        input: &Tensor,
+        timeout: Duration,
+    ) -> Result<(), String> {
+        // SAFETY: as in `all_reduce`; the input is only read by the backend.
+        status(unsafe {
+            rl_c10d_all_gather_flat(
+                self.0.as_ptr(),
+                tensor_ptr(output),
                 tensor_ptr(input),
                 millis(timeout),
             )

@@ -416,6 +416,81 @@ impl ProcessGroup {
             .map_err(self.failed(OP))
     }
 
+    /// Reduces every rank's 1-D `input` and hands rank `r` the elements `[r * n, (r + 1) * n)`
+    /// of the result, `n = input.numel() / world_size` (ZeRO's gradient reduce-scatter).
+    ///
+    /// # Shapes
+    /// - `input`: `[world_size * n]`, the same shape and dtype on every rank; `Avg` needs a
+    ///   floating-point dtype
+    /// - returns `[n]`
+    pub fn reduce_scatter(&mut self, input: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        const OP: &str = "reduce_scatter";
+        let input = input.f_contiguous().map_err(self.tensor_err(OP))?;
+        let numel = input.numel();
+        if input.dim() != 1 || !numel.is_multiple_of(self.world_size) {
+            return Err(Error::InvalidArgument {
+                rank: self.rank,
+                op: OP,
+                reason: format!(
+                    "needs a 1-D tensor whose length splits over {} ranks, got shape {:?}",
+                    self.world_size,
+                    input.size()
+                ),
+            });
+        }
+        if op == ReduceOp::Avg && !is_float(input.kind()) {
+            return Err(Error::InvalidArgument {
+                rank: self.rank,
+                op: OP,
+                reason: format!(
+                    "ReduceOp::Avg needs a floating-point tensor, got {:?}",
+                    input.kind()
+                ),
+            });
+        }
+        let n = (numel / self.world_size) as i64;
+        let mut out =
+            Tensor::f_empty([n], (input.kind(), input.device())).map_err(self.tensor_err(OP))?;
+        let code = match op {
+            ReduceOp::Sum | ReduceOp::Avg => ffi::OP_SUM,
+            ReduceOp::Max => ffi::OP_MAX,
+            ReduceOp::Min => ffi::OP_MIN,
+        };
+        self.raw
+            .reduce_scatter(&mut out, &input, code, self.timeout)
+            .map_err(self.failed(OP))?;
+        if op == ReduceOp::Avg {
+            let world = self.world_size as f64;
+            tch::no_grad(|| out.f_div_scalar_(world).map(drop)).map_err(self.tensor_err(OP))?;
+        }
+        Ok(out)
+    }
+
+    /// Every rank's 1-D `input` concatenated in rank order, in one flat tensor (ZeRO's
+    /// parameter all-gather).
+    ///
+    /// # Shapes
+    /// - `input`: `[n]`, the same shape and dtype on every rank
+    /// - returns `[world_size * n]`
+    pub fn all_gather_flat(&mut self, input: &Tensor) -> Result<Tensor> {
+        const OP: &str = "all_gather_flat";
+        let input = input.f_contiguous().map_err(self.tensor_err(OP))?;
+        if input.dim() != 1 {
+            return Err(Error::InvalidArgument {
+                rank: self.rank,
+                op: OP,
+                reason: format!("needs a 1-D tensor, got shape {:?}", input.size()),
+            });
+        }
+        let total = input.numel() as i64 * self.world_size as i64;
+        let mut out = Tensor::f_empty([total], (input.kind(), input.device()))
+            .map_err(self.tensor_err(OP))?;
+        self.raw
+            .all_gather_flat(&mut out, &input, self.timeout)
+            .map_err(self.failed(OP))?;
+        Ok(out)
+    }
+
     /// Returns once every rank has called `barrier`.
     pub fn barrier(&mut self) -> Result<()> {
         self.raw

@@ -150,6 +150,31 @@ fn to_f64(t: &Tensor) -> Vec<f64> {
     Vec::<f64>::try_from(t.to_kind(Kind::Double).flatten(0, -1)).expect("to vec")
 }
 
+/// A collective that only forwards the trait's required methods, so the trait's default
+/// `reduce_scatter` and `all_gather_flat` run over a real group.
+struct AllReduceOnly<'a>(&'a mut ProcessGroup);
+
+impl rl_core::dist::Collective for AllReduceOnly<'_> {
+    fn rank(&self) -> usize {
+        self.0.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.0.world_size()
+    }
+    fn all_reduce(&mut self, t: &mut [Tensor], op: rl_core::dist::ReduceOp) -> rl_core::Result<()> {
+        rl_core::dist::Collective::all_reduce(self.0, t, op)
+    }
+    fn all_gather(&mut self, t: &Tensor) -> rl_core::Result<Vec<Tensor>> {
+        rl_core::dist::Collective::all_gather(self.0, t)
+    }
+    fn broadcast(&mut self, t: &mut Tensor, src: usize) -> rl_core::Result<()> {
+        rl_core::dist::Collective::broadcast(self.0, t, src)
+    }
+    fn barrier(&mut self) -> rl_core::Result<()> {
+        rl_core::dist::Collective::barrier(self.0)
+    }
+}
+
 fn collectives() {
     let mut pg = ProcessGroup::from_env(SLOW_OK).expect("join the group");
     let (rank, world) = (pg.rank(), pg.world_size());
@@ -226,6 +251,58 @@ fn collectives() {
     ));
 
     pg.barrier().expect("barrier");
+
+    // reduce_scatter: rank r holds [0, 1, .., 2w - 1] * (r + 1); rank r gets elements
+    // [2r, 2r + 2) of the sum, and the trait's default (all-reduce, keep a part) agrees.
+    let flat = |kind: Kind| {
+        (Tensor::arange(2 * world as i64, (Kind::Double, Device::Cpu)) * (r + 1.0)).to_kind(kind)
+    };
+    let tri = w * (w + 1.0) / 2.0;
+    for kind in [Kind::Float, Kind::BFloat16, Kind::Int64] {
+        let got = pg
+            .reduce_scatter(&flat(kind), ReduceOp::Sum)
+            .expect("reduce_scatter");
+        assert_eq!(got.kind(), kind);
+        assert_eq!(
+            to_f64(&got),
+            [2.0 * r * tri, (2.0 * r + 1.0) * tri],
+            "{kind:?}"
+        );
+    }
+    let avg = pg
+        .reduce_scatter(&flat(Kind::Float), ReduceOp::Avg)
+        .expect("reduce_scatter avg");
+    assert_eq!(to_f64(&avg), [2.0 * r * tri / w, (2.0 * r + 1.0) * tri / w]);
+    let default = rl_core::dist::Collective::reduce_scatter(
+        &mut AllReduceOnly(&mut pg),
+        &flat(Kind::Float),
+        rl_core::dist::ReduceOp::Avg,
+    )
+    .expect("default reduce_scatter");
+    assert_eq!(to_f64(&default), to_f64(&avg));
+    assert!(matches!(
+        pg.reduce_scatter(
+            &Tensor::zeros([2 * world as i64 + 1], (Kind::Float, Device::Cpu)),
+            ReduceOp::Sum
+        ),
+        Err(Error::InvalidArgument {
+            op: "reduce_scatter",
+            ..
+        })
+    ));
+
+    // all_gather_flat: rank r contributes [r, r, r]; the result is every rank's, in order.
+    let gathered = pg
+        .all_gather_flat(&Tensor::full([3], r, (Kind::Float, Device::Cpu)))
+        .expect("all_gather_flat");
+    let want: Vec<f64> = (0..world).flat_map(|i| [i as f64; 3]).collect();
+    assert_eq!(to_f64(&gathered), want);
+    let default = rl_core::dist::Collective::all_gather_flat(
+        &mut AllReduceOnly(&mut pg),
+        &Tensor::full([3], r, (Kind::Float, Device::Cpu)),
+    )
+    .expect("default all_gather_flat");
+    assert_eq!(to_f64(&default), want);
 
     // Bucketed all-reduce equals per-tensor all-reduce, with mixed dtypes and a bucket so small
     // that the list spans several buckets.
