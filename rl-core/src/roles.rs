@@ -146,6 +146,8 @@ pub trait Actor {
     fn update(&mut self, batch: &Batch, objective: &dyn PolicyObjective) -> Result<Metrics>;
     /// Writes the trained state (weights, optimizer moments and step, LR-schedule position)
     /// into the existing folder `dir`. The default returns an error: not checkpointable.
+    /// Data parallel, every rank calls it; rank 0 writes and the others only join the
+    /// gathering of a sharded optimiser state (they never touch `dir`).
     fn save_state(&self, dir: &Path) -> Result<()> {
         let _ = dir;
         Err(not_checkpointable("actor"))

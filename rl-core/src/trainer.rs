@@ -44,6 +44,11 @@ pub trait Trainer {
     fn validate(&mut self) -> Result<(StepMetrics, Vec<Sample>)>;
     /// Writes everything an exact resume needs into the existing, empty folder `dir`
     /// (weights, optimizer state, LR schedule, data loader, RNGs, KL controller, step).
+    ///
+    /// Data parallel, every rank calls it at the same step: rank 0 writes into `dir`, the other
+    /// ranks only take part in the collectives that gather a sharded (ZeRO) optimiser state and
+    /// never touch `dir`. With replicated state those ranks issue no collective, so a driver
+    /// may then call it on rank 0 alone.
     fn save_checkpoint(&self, dir: &Path) -> Result<()>;
     /// Restores the state written by [`save_checkpoint`](Self::save_checkpoint).
     fn load_checkpoint(&mut self, dir: &Path) -> Result<()>;

@@ -277,6 +277,10 @@ pub const RESUME_SAFE_KEYS: &[&str] = &[
     "trainer.tracker.",
     "trainer.log_val_generations",
     "trainer.export_dir",
+    // how the optimiser state is laid out over the ranks, as the world size may change
+    "actor_rollout_ref.actor.zero_stage",
+    "critic.zero_stage",
+    "reward_model.train.zero_stage",
     "bandit.step_delay_ms",
     "bandit.val_delay_ms",
     "bandit.diverge_at_step",

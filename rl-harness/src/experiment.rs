@@ -576,6 +576,9 @@ pub struct RmTrainGroup {
     pub optim: OptimConfig,
     /// Mixed precision of the reward model's weights (`param_dtype = "bf16"`). Default off.
     pub mixed_precision: MixedPrecision,
+    /// ZeRO stage over the data-parallel ranks: 0 replicated, 1 optimizer state sharded, 2
+    /// gradients too (docs/distributed.md, "Sharding"). Default 0.
+    pub zero_stage: u8,
 }
 
 impl Default for RmTrainGroup {
@@ -588,6 +591,7 @@ impl Default for RmTrainGroup {
             grad_clip: w.grad_clip,
             optim: w.optim,
             mixed_precision: w.mixed_precision,
+            zero_stage: w.zero_stage,
         }
     }
 }
@@ -601,6 +605,7 @@ impl RmTrainGroup {
             grad_clip: self.grad_clip,
             optim: self.optim.clone(),
             mixed_precision: self.mixed_precision.clone(),
+            zero_stage: self.zero_stage,
         }
     }
 

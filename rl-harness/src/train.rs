@@ -1202,6 +1202,29 @@ struct Place<'a> {
     group: Option<&'a SharedCollective>,
 }
 
+/// Checkpoints the current step: rank 0, which holds the store, writes and records it; the
+/// other ranks of a group only take part in the trainer's collectives (gathering a
+/// ZeRO-sharded optimiser state) and write nothing.
+fn checkpoint_now(
+    rt: &Runtime,
+    place: &Place<'_>,
+    run_id: i64,
+    run_dir: &Path,
+    cfg: &ExperimentConfig,
+    trainer: &dyn rl_core::Trainer,
+) -> Result<()> {
+    match (place.store, place.group) {
+        (Some(store), _) => checkpoint::save(rt, store, run_id, run_dir, cfg, trainer),
+        (None, Some(_)) => trainer.save_checkpoint(Path::new("")).with_context(|| {
+            format!(
+                "joining rank 0's checkpoint of step {}",
+                trainer.global_step()
+            )
+        }),
+        (None, None) => Ok(()),
+    }
+}
+
 /// Whether any rank of `group` saw a stop signal (every rank stops after the same step); `stop`
 /// itself without a group.
 fn agreed_stop(group: Option<&SharedCollective>, stop: bool) -> Result<bool> {
@@ -1399,12 +1422,12 @@ fn drive(
         while trainer.global_step() < total {
             if agreed_stop(place.group, stop.load(Ordering::SeqCst))? {
                 let step = trainer.global_step();
+                // a stop before the first step checkpoints step 0, so that the resume the
+                // message offers has something to continue from
+                if last_ckpt.is_none_or(|c| step > c) && diverged.since.is_none() {
+                    checkpoint_now(rt, &place, run_id, run_dir, cfg, trainer.as_ref())?;
+                }
                 if let Some(store) = store {
-                    // a stop before the first step checkpoints step 0, so that the resume the
-                    // message offers has something to continue from
-                    if last_ckpt.is_none_or(|c| step > c) && diverged.since.is_none() {
-                        checkpoint::save(rt, store, run_id, run_dir, cfg, trainer.as_ref())?;
-                    }
                     store.event(
                         Some(run_id),
                         "signal",
@@ -1445,18 +1468,22 @@ fn drive(
                 // Rows it refuses wait and are retried; a store that refuses for too long
                 // fails the run instead of letting it train on unrecorded.
                 store.check(t.store_patience_s)?;
-                let due = is_due(t.save_freq, step, total)
-                    || (stopped_early.is_some() && last_ckpt.is_none_or(|c| step > c));
-                if due && !healthy {
+            }
+            // every rank decides alike (the metrics and the validation are reduced), so the
+            // ranks gather a sharded optimiser state together
+            let due = is_due(t.save_freq, step, total)
+                || (stopped_early.is_some() && last_ckpt.is_none_or(|c| step > c));
+            if due && !healthy {
+                if let Some(store) = store {
                     store.event(
                         Some(run_id),
                         "nonfinite",
                         format!("no checkpoint of step {step}: its loss is not finite"),
                     )?;
-                } else if due {
-                    checkpoint::save(rt, store, run_id, run_dir, cfg, trainer.as_ref())?;
-                    last_ckpt = Some(step);
                 }
+            } else if due {
+                checkpoint_now(rt, &place, run_id, run_dir, cfg, trainer.as_ref())?;
+                last_ckpt = Some(step);
             }
             if let Some(why) = diverged.verdict(step == total) {
                 let resume = match last_ckpt {

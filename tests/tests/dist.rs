@@ -8,7 +8,10 @@
 //! - a 2-rank GRPO run keeps bit-identical weights on both ranks;
 //! - checkpoints are independent of the world size: 2 ranks -> 1 and 1 -> 2 resume from the
 //!   same weights and the same global loader position, and 2 -> 2 resumes exactly (the same
-//!   metrics as the uninterrupted 2-rank run).
+//!   metrics as the uninterrupted 2-rank run);
+//! - ZeRO stages 1 and 2 update like replicated data parallelism and like one process, hold
+//!   a fraction of the optimiser state, and checkpoint the whole state: 2 ranks at stage 2 ->
+//!   1 process -> 3 ranks at stage 1.
 
 use std::collections::BTreeMap;
 use std::net::TcpListener;
@@ -168,6 +171,8 @@ fn child_entry() {
         "lost_rank" => lost_rank_child(&group, rank),
         "miswired" => miswired_child(&group),
         "resume" => resume_child(&group, rank, &out),
+        "zero" => zero_child(&group, rank, world, &out),
+        "zero_resume" => zero_resume_child(&group, rank, world, &out),
         other => panic!("unknown role {other}"),
     }
     println!("role ok");
@@ -1039,4 +1044,315 @@ fn checkpoints_resume_at_another_world_size() {
     let a0 = read(&out.path().join("after2-rank0.safetensors"));
     let a1 = read(&out.path().join("after2-rank1.safetensors"));
     assert_eq!(max_diff(&a0, &a1), 0.0);
+}
+
+// ---------------------------------------------------------------- ZeRO stages 1 and 2
+
+/// The cases of the ZeRO tests: a plain actor with several micro-batches a rank (so stage 2
+/// reduce-scatters more than once a mini-batch), bf16 mixed precision (sharded float32
+/// masters), LoRA (only the adapters train) and the critic.
+const ZERO_CASES: [&str; 4] = ["actor", "actor-bf16", "actor-lora", "critic"];
+
+/// An actor or critic of `case` at ZeRO `stage` over `group`, from the same initial weights
+/// on every process.
+enum ZeroRole {
+    Actor(ActorWorker, SharedPolicy),
+    Critic(CriticWorker),
+}
+
+impl ZeroRole {
+    fn new(case: &str, stage: u8, group: Option<&SharedCollective>, prompts: usize) -> ZeroRole {
+        if case == "critic" {
+            let mut cfg = critic_cfg();
+            cfg.ppo_mini_batch_size = prompts;
+            cfg.ppo_micro_batch_size_per_gpu = Some(2);
+            cfg.zero_stage = stage;
+            let mut c = CriticWorker::new(tiny_critic(), cfg, N).unwrap();
+            if let Some(g) = group {
+                c = c.with_group(g.clone()).unwrap();
+            }
+            return ZeroRole::Critic(c);
+        }
+        let p = tiny_policy();
+        let mut cfg = actor_cfg();
+        cfg.ppo_mini_batch_size = prompts;
+        cfg.ppo_micro_batch_size_per_gpu = Some(2);
+        cfg.zero_stage = stage;
+        if case == "actor-bf16" {
+            cfg.mixed_precision.param_dtype = rl_workers::roles::ParamDtype::Bf16;
+        }
+        if case == "actor-lora" {
+            let _generator = rl_workers::hold_generator();
+            tch::manual_seed(8);
+            p.lock()
+                .unwrap()
+                .add_lora(&rl_workers::LoraConfig {
+                    rank: 4,
+                    alpha: 8.0,
+                    target_modules: rl_workers::TargetModules::AllLinear,
+                    exclude_modules: Vec::new(),
+                    dropout: 0.0,
+                    use_rslora: false,
+                })
+                .unwrap();
+        }
+        let mut a = ActorWorker::new(p.clone(), cfg, N).unwrap();
+        if let Some(g) = group {
+            a = a.with_group(g.clone()).unwrap();
+        }
+        ZeroRole::Actor(a, p)
+    }
+
+    fn update(&mut self, rows: &Batch) {
+        match self {
+            ZeroRole::Actor(a, _) => {
+                a.update(rows, &policy_objective(LossAggMode::TokenMean))
+                    .unwrap();
+                a.check_replicas().unwrap();
+            }
+            ZeroRole::Critic(c) => {
+                c.update(rows, &value_objective()).unwrap();
+                c.check_replicas().unwrap();
+            }
+        }
+    }
+
+    /// The weights, float32.
+    fn params(&self) -> Vec<(String, Tensor)> {
+        let ps = match self {
+            ZeroRole::Actor(_, p) => policy_params(p),
+            ZeroRole::Critic(c) => named_params(c.model().var_store()),
+        };
+        ps.into_iter()
+            .map(|(n, t)| (n, t.to_kind(Kind::Float)))
+            .collect()
+    }
+
+    fn state_bytes(&self) -> i64 {
+        match self {
+            ZeroRole::Actor(a, _) => a.optimizer().state_bytes(),
+            ZeroRole::Critic(c) => c.optimizer().state_bytes(),
+        }
+    }
+
+    fn save(&self, dir: &Path) {
+        match self {
+            ZeroRole::Actor(a, _) => a.save_state(dir).unwrap(),
+            ZeroRole::Critic(c) => c.save_state(dir).unwrap(),
+        }
+    }
+
+    fn load(&mut self, dir: &Path) {
+        match self {
+            ZeroRole::Actor(a, _) => a.load_state(dir).unwrap(),
+            ZeroRole::Critic(c) => c.load_state(dir).unwrap(),
+        }
+    }
+}
+
+/// Two updates of every case at ZeRO `stage` on this process's rows of the fixed batch; each
+/// case's state is saved under `saves/<case>` (every rank calls save, rank 0 writes; rank 1
+/// is handed a folder that does not exist, which it must not need). Returns the weights and
+/// this rank's optimiser-state bytes per case.
+fn zero_updates(
+    group: Option<(&SharedCollective, usize, usize)>,
+    stage: u8,
+    saves: &Path,
+) -> Vec<(String, Vec<(String, Tensor)>, i64)> {
+    let batch = fixed_batch();
+    let mine = my_rows(&batch, group);
+    let rank = group.map_or(0, |g| g.1);
+    ZERO_CASES
+        .iter()
+        .map(|&case| {
+            let mut role = ZeroRole::new(case, stage, group.map(|g| g.0), PROMPTS);
+            for _ in 0..2 {
+                role.update(&mine);
+            }
+            let dir = saves.join(case);
+            if rank == 0 {
+                std::fs::create_dir_all(&dir).unwrap();
+                role.save(&dir);
+            } else {
+                let nowhere = saves.join(format!("{case}-not-for-rank-{rank}"));
+                role.save(&nowhere);
+                assert!(!nowhere.exists(), "rank {rank} wrote a checkpoint");
+            }
+            (case.to_owned(), role.params(), role.state_bytes())
+        })
+        .collect()
+}
+
+fn zero_child(group: &SharedCollective, rank: usize, world: usize, out: &Path) {
+    let mut bytes = serde_json::Map::new();
+    for stage in 0..=2u8 {
+        let saves = out.join(format!("stage{stage}"));
+        for (case, params, b) in zero_updates(Some((group, rank, world)), stage, &saves) {
+            write(
+                &out.join(format!("{case}-stage{stage}-rank{rank}.safetensors")),
+                &params,
+            );
+            bytes.insert(format!("{case}-stage{stage}"), b.into());
+        }
+    }
+    std::fs::write(
+        out.join(format!("bytes-rank{rank}.json")),
+        Value::Object(bytes).to_string(),
+    )
+    .unwrap();
+}
+
+/// The first 3 prompts of the fixed batch (12 rows, a multiple of 1 and 3 ranks).
+fn three_prompts() -> Batch {
+    fixed_batch().slice(0..3 * N).unwrap()
+}
+
+/// Every case from the stage-2 checkpoint of the 2-rank run (`out/stage2`), one more update
+/// at ZeRO stage 1 over `group` (or alone), saved under `saves`.
+fn zero_resumed(
+    group: Option<(&SharedCollective, usize, usize)>,
+    out: &Path,
+    saves: &Path,
+) -> Vec<(String, Vec<(String, Tensor)>)> {
+    let mine = my_rows(&three_prompts(), group);
+    let rank = group.map_or(0, |g| g.1);
+    ZERO_CASES
+        .iter()
+        .map(|&case| {
+            let mut role = ZeroRole::new(case, 1, group.map(|g| g.0), 3);
+            role.load(&out.join("stage2").join(case));
+            role.update(&mine);
+            let dir = saves.join(case);
+            if rank == 0 {
+                std::fs::create_dir_all(&dir).unwrap();
+            }
+            role.save(&dir);
+            (case.to_owned(), role.params())
+        })
+        .collect()
+}
+
+fn zero_resume_child(group: &SharedCollective, rank: usize, world: usize, out: &Path) {
+    let saves = out.join("resumed3");
+    for (case, params) in zero_resumed(Some((group, rank, world)), out, &saves) {
+        write(
+            &out.join(format!("{case}-resumed-rank{rank}.safetensors")),
+            &params,
+        );
+    }
+}
+
+/// Largest absolute difference of two saved optimiser states (`optim.safetensors`).
+fn optim_diff(a: &Path, b: &Path) -> f64 {
+    max_diff(
+        &read(&a.join("optim.safetensors")),
+        &read(&b.join("optim.safetensors")),
+    )
+}
+
+#[test]
+fn zero_stages_one_and_two_update_like_replicated_data_parallelism_and_checkpoint_whole() {
+    tch::set_num_threads(1);
+    let out = tempfile::tempdir().unwrap();
+    let out = out.path();
+    spawn_group("zero", 2, out);
+    let solo_dir = out.join("solo");
+    let solo: BTreeMap<String, BTreeMap<String, Tensor>> = zero_updates(None, 0, &solo_dir)
+        .into_iter()
+        .map(|(case, params, _)| (case, as_map(params)))
+        .collect();
+    let bytes: Vec<Value> = (0..2)
+        .map(|r| {
+            serde_json::from_str(
+                &std::fs::read_to_string(out.join(format!("bytes-rank{r}.json"))).unwrap(),
+            )
+            .unwrap()
+        })
+        .collect();
+    for case in ZERO_CASES {
+        let at = |stage: u8, rank: usize| {
+            read(&out.join(format!("{case}-stage{stage}-rank{rank}.safetensors")))
+        };
+        let replicated = at(0, 0);
+        // bf16 weights are the float32 masters rounded: where stage 2's masters differ in the
+        // last float32 bits (its sums round in another order), a weight may land one bf16 ulp
+        // away (~1e-4 at these weights' size)
+        let bound = if case == "actor-bf16" { 1e-3 } else { 1e-6 };
+        for stage in [1u8, 2] {
+            let (r0, r1) = (at(stage, 0), at(stage, 1));
+            assert_eq!(
+                max_diff(&r0, &r1),
+                0.0,
+                "{case} stage {stage}: ranks differ"
+            );
+            let d = max_diff(&r0, &replicated);
+            let d1 = max_diff(&r0, &solo[case]);
+            // the whole optimiser state is written, whatever the stage
+            let od = optim_diff(
+                &out.join(format!("stage{stage}/{case}")),
+                &out.join(format!("stage0/{case}")),
+            );
+            let b = |s: u8| bytes[0][format!("{case}-stage{s}")].as_i64().unwrap();
+            println!(
+                "{case} stage {stage}: weights vs replicated {d:.1e}, vs one process {d1:.1e}; \
+                 saved optimiser state vs replicated {od:.1e}; state bytes per rank {} of {}",
+                b(stage),
+                b(0)
+            );
+            assert!(d <= bound, "{case} stage {stage}: {d} from replicated");
+            assert!(
+                d1 <= bound.max(1e-5),
+                "{case} stage {stage}: {d1} from one process"
+            );
+            assert!(
+                od <= 1e-6,
+                "{case} stage {stage}: saved state differs by {od}"
+            );
+            // in float32 values per trained parameter: replicated, the two moments (and with
+            // mixed precision the masters and the gradient accumulators); sharded, half the
+            // moments and masters, plus (stage 1, mixed precision) the whole accumulators or
+            // (stage 2) half the gradient; buckets pad to a multiple of the ranks
+            let (whole, mine) = (b(0) as f64, b(stage) as f64);
+            let per_param = match (case == "actor-bf16", stage) {
+                (false, 1) => 2.0 / 2.0,
+                (false, _) => 2.0 / 2.0 + 0.5,
+                (true, 1) => 3.0 / 2.0 + 1.0,
+                (true, _) => 3.0 / 2.0 + 0.5,
+            };
+            let values = if case == "actor-bf16" { 4.0 } else { 2.0 };
+            let want = whole / values * per_param;
+            assert!(
+                (mine - want).abs() <= 0.01 * whole,
+                "{case} stage {stage}: {mine} bytes of state, expected about {want}"
+            );
+        }
+    }
+    // the stage-2 checkpoint of 2 ranks loads on 3 ranks at stage 1 and on one process alike
+    spawn_group("zero_resume", 3, out);
+    let alone = zero_resumed(None, out, &out.join("resumed1"));
+    for (case, want) in alone {
+        let want = as_map(want);
+        let ranks: Vec<_> = (0..3)
+            .map(|r| read(&out.join(format!("{case}-resumed-rank{r}.safetensors"))))
+            .collect();
+        assert_eq!(max_diff(&ranks[0], &ranks[2]), 0.0, "{case}: ranks differ");
+        let d = max_diff(&ranks[0], &want);
+        let od = optim_diff(
+            &out.join(format!("resumed3/{case}")),
+            &out.join(format!("resumed1/{case}")),
+        );
+        println!(
+            "{case}: resumed on 3 ranks at stage 1 vs 1 process: weights {d:.1e}, optimiser state {od:.1e}"
+        );
+        // bf16: the three ranks' float32 gradient sums round differently from one process's,
+        // and Adam turns that rounding into full steps (~lr) for the weights whose gradient
+        // is near zero, whose bf16 copies then move by an ulp (measured 2.4e-4 at lr 1e-3, the
+        // same with the 3 ranks replicated: not the sharding's doing)
+        let bound = if case == "actor-bf16" { 1e-3 } else { 1e-5 };
+        assert!(d <= bound, "{case}: resumed on 3 ranks differs by {d}");
+        assert!(
+            od <= bound,
+            "{case}: resumed optimiser state differs by {od}"
+        );
+    }
 }

@@ -978,8 +978,13 @@ impl Trainer for OnPolicyTrainer {
     }
 
     fn save_checkpoint(&self, dir: &Path) -> rl_core::Result<()> {
-        // every rank holds the same weights and the same global loader state: rank 0 writes
+        // every rank holds the same weights and the same global loader state: rank 0 writes;
+        // the others only join the gathering of a ZeRO-sharded optimiser state
         if self.rank_and_world()?.0 != 0 {
+            self.roles.actor.save_state(&dir.join("actor"))?;
+            if let Some(critic) = self.roles.critic.as_ref() {
+                critic.save_state(&dir.join("critic"))?;
+            }
             return Ok(());
         }
         let io = |path: &Path, source| rl_core::Error::Io {

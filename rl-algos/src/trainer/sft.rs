@@ -172,9 +172,10 @@ impl Trainer for SftTrainer {
     }
 
     fn save_checkpoint(&self, dir: &Path) -> rl_core::Result<()> {
-        // every rank holds the same weights and the same global source state: rank 0 writes
+        // every rank holds the same weights and the same global source state: rank 0 writes;
+        // the others only join the gathering of a ZeRO-sharded optimiser state
         if self.dp.as_ref().is_some_and(|d| d.rank != 0) {
-            return Ok(());
+            return self.actor.save_state(&dir.join("actor"));
         }
         let actor = dir.join("actor");
         std::fs::create_dir_all(&actor).map_err(|source| rl_core::Error::Io {

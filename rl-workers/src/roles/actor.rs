@@ -20,6 +20,7 @@ use crate::roles::config::{ActorConfig, ValKwargs};
 use crate::roles::micro::{self, Micro};
 use crate::roles::optim::AdamW;
 use crate::roles::role_err;
+use crate::roles::zero::ZeroStage;
 use crate::rollout::Progress;
 use crate::rollout::{GenerateOptions, RolloutConfig, RolloutOutput, generate};
 
@@ -167,6 +168,10 @@ impl ActorWorker {
             let vars: Vec<tch::Tensor> = sorted_vars(lm.var_store());
             broadcast_from_rank0(&group, &vars)?;
         }
+        let stage =
+            ZeroStage::from_config("actor_rollout_ref.actor.zero_stage", self.cfg.zero_stage)
+                .map_err(role_err("actor"))?;
+        self.optim.shard(group.clone(), stage)?;
         self.group = Some(group);
         Ok(self)
     }
@@ -308,18 +313,31 @@ pub(crate) fn update_loop_dp(
             }
         }
         optim.zero_grad();
+        // ZeRO stage 2 reduces every micro-batch's gradient, so the ranks must run as many
+        // (token-balanced micro-batches can differ in number): the extra ones add nothing
+        let rounds = match group {
+            Some(g) if optim.reduces_per_micro_batch() => {
+                let mut n = [micros.len() as f64];
+                dist::all_reduce_f64(&mut *dist::lock(g)?, &mut n, dist::ReduceOp::Max)?;
+                n[0] as usize
+            }
+            _ => micros.len(),
+        };
         let mut mm = Metrics::new();
-        for m in micros {
+        for m in &micros {
             let (l, ms) = loss(&m.batch, info)?;
             l.backward();
-            optim.accumulate_grads();
+            optim.accumulate_grads()?;
             mm.extend(ms);
+        }
+        for _ in micros.len()..rounds {
+            optim.accumulate_grads()?;
         }
         micro::fold_micro_metrics(&mm, &mut metrics);
         if let Some(g) = group {
             optim.average_grads(&mut *dist::lock(g)?)?;
         }
-        let (norm, _took) = optim.clip_and_step(cfg.grad_clip, lr);
+        let (norm, _took) = optim.clip_and_step(cfg.grad_clip, lr)?;
         metrics.push(format!("{prefix}/grad_norm"), norm);
     }
     optim.schedule_step();
@@ -331,11 +349,26 @@ pub(crate) fn update_loop_dp(
     Ok(metrics)
 }
 
-/// Saves what training changed (the model as a Hugging Face folder, or with LoRA only the
-/// adapters in PEFT's format) and the optimiser state into `dir`.
-fn save_lm(lm: &CausalLm, optim: &AdamW, dir: &Path) -> rl_core::Result<()> {
-    lm.save_trained(dir).map_err(role_err("actor"))?;
-    optim.save(dir).map_err(role_err("actor"))
+/// Saves a trained role's state into `dir`: `model` writes what training changed (the model,
+/// or with LoRA only the adapters), then the optimiser state. Data parallel, every rank calls
+/// it and rank 0 alone writes; the others only take part in gathering a ZeRO-sharded
+/// optimiser state.
+pub(crate) fn save_trained_state(
+    role: &'static str,
+    group: Option<&SharedCollective>,
+    optim: &AdamW,
+    dir: &Path,
+    model: impl FnOnce(&Path) -> crate::error::Result<()>,
+) -> rl_core::Result<()> {
+    let writer = match group {
+        Some(g) => dist::lock(g)?.rank() == 0,
+        None => true,
+    };
+    if !writer {
+        return optim.join_save();
+    }
+    model(dir).map_err(role_err(role))?;
+    optim.save(dir).map_err(role_err(role))
 }
 
 impl Actor for ActorWorker {
@@ -410,7 +443,9 @@ impl Actor for ActorWorker {
 
     fn save_state(&self, dir: &Path) -> rl_core::Result<()> {
         let lm = lock(&self.lm, "actor")?;
-        save_lm(&lm, &self.optim, dir)
+        save_trained_state("actor", self.group.as_ref(), &self.optim, dir, |d| {
+            lm.save_trained(d)
+        })
     }
 
     fn data_parallel_ranks(&self) -> usize {

@@ -212,6 +212,10 @@ pub struct ActorConfig {
     pub optim: OptimConfig,
     /// Mixed precision of the trained weights. Default off (float32).
     pub mixed_precision: MixedPrecision,
+    /// ZeRO stage of the data-parallel training state (DeepSpeed's and OpenRLHF's
+    /// `zero_stage`): 0 every rank holds everything, 1 AdamW's moments and the master weights
+    /// are split over the ranks, 2 the gradients too. Default 0. Ignored on one rank.
+    pub zero_stage: u8,
 }
 
 impl Default for ActorConfig {
@@ -229,6 +233,7 @@ impl Default for ActorConfig {
             log_prob_max_token_len_per_gpu: 16384,
             optim: OptimConfig::default(),
             mixed_precision: MixedPrecision::default(),
+            zero_stage: 0,
         }
     }
 }
@@ -249,6 +254,7 @@ impl ActorConfig {
         "log_prob_max_token_len_per_gpu",
         "optim",
         "mixed_precision",
+        "zero_stage",
     ];
 
     /// Checks ranges; `prefix` names the group (`actor_rollout_ref.actor`).
@@ -281,6 +287,7 @@ impl ActorConfig {
                 format!("must be positive, got {}", self.grad_clip),
             );
         }
+        crate::roles::ZeroStage::from_config(&format!("{prefix}.zero_stage"), self.zero_stage)?;
         self.optim.validate(&format!("{prefix}.optim"))
     }
 }
@@ -309,6 +316,10 @@ pub struct CriticConfig {
     pub optim: OptimConfig,
     /// Mixed precision of the critic's weights. Default off (float32).
     pub mixed_precision: MixedPrecision,
+    /// ZeRO stage of the data-parallel training state (DeepSpeed's and OpenRLHF's
+    /// `zero_stage`): 0 every rank holds everything, 1 AdamW's moments and the master weights
+    /// are split over the ranks, 2 the gradients too. Default 0. Ignored on one rank.
+    pub zero_stage: u8,
 }
 
 impl Default for CriticConfig {
@@ -327,6 +338,7 @@ impl Default for CriticConfig {
                 ..OptimConfig::default()
             },
             mixed_precision: MixedPrecision::default(),
+            zero_stage: 0,
         }
     }
 }
@@ -344,6 +356,7 @@ impl CriticConfig {
         "grad_clip",
         "optim",
         "mixed_precision",
+        "zero_stage",
     ];
 
     /// The same settings as an [`ActorConfig`] (the update loop is shared).
@@ -361,6 +374,7 @@ impl CriticConfig {
             log_prob_max_token_len_per_gpu: self.ppo_max_token_len_per_gpu,
             optim: self.optim.clone(),
             mixed_precision: self.mixed_precision.clone(),
+            zero_stage: self.zero_stage,
         }
     }
 

@@ -8,11 +8,14 @@ use rl_core::{Batch, keys};
 
 use crate::error::Error;
 use crate::heads::ValueModel;
-use crate::roles::actor::{broadcast_from_rank0, check_dp_mini_batch, sorted_vars, update_loop_dp};
+use crate::roles::actor::{
+    broadcast_from_rank0, check_dp_mini_batch, save_trained_state, sorted_vars, update_loop_dp,
+};
 use crate::roles::config::CriticConfig;
 use crate::roles::micro;
 use crate::roles::optim::AdamW;
 use crate::roles::role_err;
+use crate::roles::zero::ZeroStage;
 
 /// The value model of PPO: `values` for the states before each response token, and clipped
 /// value-loss updates with the same mini/micro-batch loop as the actor (data parallel with
@@ -73,6 +76,9 @@ impl CriticWorker {
             "critic",
         )?;
         broadcast_from_rank0(&group, &sorted_vars(self.model.var_store()))?;
+        let stage = ZeroStage::from_config("critic.zero_stage", self.cfg.zero_stage)
+            .map_err(role_err("critic"))?;
+        self.optim.shard(group.clone(), stage)?;
         self.group = Some(group);
         Ok(self)
     }
@@ -90,6 +96,11 @@ impl CriticWorker {
     /// The value model.
     pub fn model(&self) -> &ValueModel {
         &self.model
+    }
+
+    /// The optimiser (for its counters and state size).
+    pub fn optimizer(&self) -> &AdamW {
+        &self.optim
     }
 }
 
@@ -135,8 +146,9 @@ impl Critic for CriticWorker {
     }
 
     fn save_state(&self, dir: &Path) -> rl_core::Result<()> {
-        self.model.save_trained(dir).map_err(role_err("critic"))?;
-        self.optim.save(dir).map_err(role_err("critic"))
+        save_trained_state("critic", self.group.as_ref(), &self.optim, dir, |d| {
+            self.model.save_trained(d)
+        })
     }
 
     fn data_parallel_ranks(&self) -> usize {

@@ -11,6 +11,7 @@ mod critic;
 mod micro;
 mod optim;
 mod reward_model;
+pub mod zero;
 
 pub use actor::{ActorWorker, ProgressHook, ReferenceWorker, RolloutWorker, SharedPolicy, share};
 pub use config::{
@@ -22,6 +23,7 @@ pub use optim::{AdamW, OptimCounters};
 pub use reward_model::{
     RewardModelConfig, RewardModelWorker, RmWorker, RmWorkerConfig, reward_model_from_lm,
 };
+pub use zero::ZeroStage;
 
 /// Wraps an rl-workers error as the `rl_core::Error::Role` of `role`.
 pub(crate) fn role_err(role: &'static str) -> impl Fn(crate::Error) -> rl_core::Error {

@@ -12,6 +12,7 @@ use tch::{Kind, Tensor};
 
 use crate::error::{Error, Result};
 use crate::roles::config::OptimConfig;
+use crate::roles::zero::{Sharded, StepConsts, WholeState, ZeroStage, adamw_};
 
 /// The counters of an [`AdamW`], saved as JSON next to the moments.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -39,9 +40,40 @@ pub struct AdamW {
     params: Vec<Tensor>,
     /// Mixed precision: float32 masters and gradient accumulators.
     master: Option<Master>,
+    /// AdamW's moments, one float32 tensor per parameter; empty until first needed (and
+    /// always under ZeRO, whose [`Sharded`] state holds this rank's part instead).
     exp_avg: Vec<Tensor>,
     exp_avg_sq: Vec<Tensor>,
+    /// ZeRO stage 1 or 2 over a data-parallel group.
+    sharded: Option<Sharded>,
+    /// Sets the parameters' gradients to none (libtorch's `zero_grad(set_to_none)`), freeing
+    /// them where ZeRO has taken what it needs from them.
+    releaser: Option<GradReleaser>,
     counters: OptimCounters,
+}
+
+/// A libtorch optimiser over the parameters, used only for its `zero_grad`, which sets
+/// gradients to none (tch has no call that frees a gradient).
+struct GradReleaser(tch::COptimizer);
+
+impl std::fmt::Debug for GradReleaser {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("GradReleaser")
+    }
+}
+
+impl GradReleaser {
+    fn new(params: &[Tensor]) -> Result<GradReleaser> {
+        let mut opt = tch::COptimizer::sgd(0.0, 0.0, 0.0, 0.0, false)?;
+        for p in params {
+            opt.add_parameters(p, 0)?;
+        }
+        Ok(GradReleaser(opt))
+    }
+
+    fn release(&self) -> Result<()> {
+        Ok(self.0.zero_grad()?)
+    }
 }
 
 /// Float32 master weights and gradient accumulators, one per parameter.
@@ -62,24 +94,112 @@ impl AdamW {
             .filter(|(_, t)| t.requires_grad())
             .collect();
         vars.sort_by(|a, b| a.0.cmp(&b.0));
-        let exp_avg = vars
-            .iter()
-            .map(|(_, t)| t.zeros_like().to_kind(Kind::Float))
-            .collect();
-        let exp_avg_sq = vars
-            .iter()
-            .map(|(_, t)| t.zeros_like().to_kind(Kind::Float))
-            .collect();
         let (names, params) = vars.into_iter().unzip();
         AdamW {
             cfg,
             names,
             params,
             master: None,
-            exp_avg,
-            exp_avg_sq,
+            exp_avg: Vec::new(),
+            exp_avg_sq: Vec::new(),
+            sharded: None,
+            releaser: None,
             counters: OptimCounters::default(),
         }
+    }
+
+    /// Allocates the (zero) moments of an unsharded optimiser on first use.
+    fn ensure_moments(&mut self) {
+        if self.sharded.is_some() || !self.exp_avg.is_empty() {
+            return;
+        }
+        let zeros = |ps: &[Tensor]| -> Vec<Tensor> {
+            ps.iter()
+                .map(|t| Tensor::zeros(t.size(), (Kind::Float, t.device())))
+                .collect()
+        };
+        self.exp_avg = zeros(&self.params);
+        self.exp_avg_sq = zeros(&self.params);
+    }
+
+    /// Splits the optimiser state over the ranks of `group` (ZeRO `stage` 1 or 2, see
+    /// [`crate::roles::zero`]); a no-op for [`ZeroStage::Replicated`] or a world of one. A
+    /// collective only in that every rank must call it with the same parameters; call it
+    /// before the first step (after loading or broadcasting the weights).
+    pub fn shard(
+        &mut self,
+        group: rl_core::dist::SharedCollective,
+        stage: ZeroStage,
+    ) -> rl_core::Result<()> {
+        if stage == ZeroStage::Replicated || rl_core::dist::lock(&group)?.world_size() == 1 {
+            return Ok(());
+        }
+        if self.sharded.is_some() {
+            return Err(rl_core::Error::Role {
+                role: "optimizer",
+                source: "the optimizer state is already sharded".into(),
+            });
+        }
+        let moments = !self.exp_avg.is_empty();
+        let (m, v) = (&self.exp_avg, &self.exp_avg_sq);
+        let exp_avg = |i: usize| {
+            if moments {
+                m[i].shallow_clone()
+            } else {
+                Tensor::new()
+            }
+        };
+        let exp_avg_sq = |i: usize| {
+            if moments {
+                v[i].shallow_clone()
+            } else {
+                Tensor::new()
+            }
+        };
+        let masters = self.master.as_ref().map(|m| &m.weights);
+        let master = |i: usize| masters.map_or_else(Tensor::new, |w| w[i].shallow_clone());
+        let whole = WholeState {
+            exp_avg: &exp_avg,
+            exp_avg_sq: &exp_avg_sq,
+            master: masters
+                .is_some()
+                .then_some(&master as &dyn Fn(usize) -> Tensor),
+        };
+        let sharded = Sharded::new(group, stage, &self.params, &whole)?;
+        self.releaser = Some(GradReleaser::new(&self.params).map_err(role)?);
+        self.sharded = Some(sharded);
+        // the whole state is now this rank's part: free the rest
+        self.exp_avg = Vec::new();
+        self.exp_avg_sq = Vec::new();
+        self.master = None;
+        Ok(())
+    }
+
+    /// The ZeRO stage the state is split by ([`ZeroStage::Replicated`] when not sharded).
+    pub fn zero_stage(&self) -> ZeroStage {
+        self.sharded
+            .as_ref()
+            .map_or(ZeroStage::Replicated, |s| s.stage)
+    }
+
+    /// Whether every micro-batch's gradient is reduced across the ranks (ZeRO stage 2): every
+    /// rank must then call [`AdamW::accumulate_grads`] equally often in a mini-batch.
+    pub fn reduces_per_micro_batch(&self) -> bool {
+        self.sharded
+            .as_ref()
+            .is_some_and(Sharded::reduces_per_micro_batch)
+    }
+
+    /// Bytes of optimiser state this rank holds: AdamW's moments, the float32 master weights
+    /// and gradient accumulators (with mixed precision), and under ZeRO stage 2 the owned
+    /// gradient part. The parameters and their own gradients are not counted.
+    pub fn state_bytes(&self) -> i64 {
+        if let Some(s) = &self.sharded {
+            return s.state_bytes();
+        }
+        let floats: i64 = self.params.iter().map(|p| p.numel() as i64).sum();
+        let per = if self.master.is_some() { 4 } else { 2 };
+        floats * 4 * per
     }
 
     /// An optimiser with float32 master weights copied from the trainable variables of `vs`
@@ -137,15 +257,22 @@ impl AdamW {
 
     /// Whether the optimiser keeps float32 master weights.
     pub fn has_master_weights(&self) -> bool {
-        self.master.is_some()
+        self.master.is_some() || self.sharded.as_ref().is_some_and(Sharded::has_master)
     }
 
-    /// Mixed precision: adds each parameter's gradient (compute dtype) into its float32
-    /// accumulator and clears it, so micro-batches accumulate in float32. Call after each
-    /// micro-batch's backward; a no-op without master weights.
-    pub fn accumulate_grads(&mut self) {
+    /// Call after each micro-batch's backward. Mixed precision: adds each parameter's gradient
+    /// (compute dtype) into its float32 accumulator and clears it, so micro-batches accumulate
+    /// in float32. ZeRO stage 2: reduce-scatters the gradient into this rank's part and
+    /// releases the parameters' gradients (a collective). Otherwise a no-op.
+    pub fn accumulate_grads(&mut self) -> rl_core::Result<()> {
+        if let Some(s) = &mut self.sharded {
+            if s.accumulate(&mut self.params)? {
+                self.release_grads()?;
+            }
+            return Ok(());
+        }
         let Some(m) = &mut self.master else {
-            return;
+            return Ok(());
         };
         let _guard = tch::no_grad_guard();
         for (i, p) in self.params.iter_mut().enumerate() {
@@ -155,6 +282,15 @@ impl AdamW {
                 m.touched[i] = true;
                 p.zero_grad();
             }
+        }
+        Ok(())
+    }
+
+    /// Sets the parameters' gradients to none (ZeRO, once it has taken them).
+    fn release_grads(&self) -> rl_core::Result<()> {
+        match &self.releaser {
+            Some(r) => r.release().map_err(role),
+            None => Ok(()),
         }
     }
 
@@ -200,6 +336,9 @@ impl AdamW {
             }
             m.touched.fill(false);
         }
+        if let Some(s) = &mut self.sharded {
+            s.zero_grad();
+        }
     }
 
     /// The trained parameters, in name order (for broadcasts and replica checks).
@@ -217,28 +356,23 @@ impl AdamW {
         if group.world_size() == 1 {
             return Ok(());
         }
+        if let Some(s) = &mut self.sharded {
+            return s.average(&self.params, group);
+        }
         if let Some(m) = &mut self.master {
             // float32 accumulators, defined (zero) for every parameter on every rank
             m.touched.fill(true);
             return group.all_reduce(&mut m.grads, rl_core::dist::ReduceOp::Avg);
         }
-        let missing: Vec<Tensor> = self
-            .params
-            .iter()
-            .filter(|p| !p.grad().defined())
-            .map(|p| (p * 0.0).sum(Kind::Float))
-            .collect();
-        if !missing.is_empty() {
-            // defines the gradients (as zeros) through autograd, the only way tch offers
-            Tensor::stack(&missing, 0).sum(Kind::Float).backward();
-        }
-        let _guard = tch::no_grad_guard();
-        let mut grads: Vec<Tensor> = self.params.iter().map(Tensor::grad).collect();
-        group.all_reduce(&mut grads, rl_core::dist::ReduceOp::Avg)
+        define_and_average(&self.params, group)
     }
 
-    /// The global L2 norm of the gradients (0 for parameters without a gradient).
-    pub fn grad_norm(&self) -> f64 {
+    /// The global L2 norm of the gradients (0 for parameters without a gradient); a
+    /// collective under ZeRO stage 2.
+    pub fn grad_norm(&self) -> rl_core::Result<f64> {
+        if let Some(s) = &self.sharded {
+            return s.grad_norm(&self.params);
+        }
         let _guard = tch::no_grad_guard();
         let mut total = 0f64;
         for i in 0..self.params.len() {
@@ -248,41 +382,59 @@ impl AdamW {
                 total += n * n;
             }
         }
-        total.sqrt()
+        Ok(total.sqrt())
     }
 
     /// Clips the gradients to global norm `max_norm` (as `clip_grad_norm_`), then takes a step
     /// at learning rate `lr` when the norm is finite; returns the norm before clipping and
     /// whether the step was taken. A skipped step is counted and the gradients are zeroed.
-    pub fn clip_and_step(&mut self, max_norm: f64, lr: f64) -> (f64, bool) {
-        let norm = self.grad_norm();
+    /// Under ZeRO a collective: every rank calls it.
+    pub fn clip_and_step(&mut self, max_norm: f64, lr: f64) -> rl_core::Result<(f64, bool)> {
+        let norm = self.grad_norm()?;
         if !norm.is_finite() {
             self.counters.skipped_steps += 1;
             self.zero_grad();
-            return (norm, false);
+            return Ok((norm, false));
         }
         let _guard = tch::no_grad_guard();
         let coef = (max_norm / (norm + 1e-6)).min(1.0);
         if coef < 1.0 {
-            for i in 0..self.params.len() {
-                let mut g = self.grad(i);
-                if g.defined() {
-                    let _ = g.g_mul_scalar_(coef);
+            if let Some(s) = &mut self.sharded {
+                s.scale_grads(&self.params, coef);
+            } else {
+                for i in 0..self.params.len() {
+                    let mut g = self.grad(i);
+                    if g.defined() {
+                        let _ = g.g_mul_scalar_(coef);
+                    }
                 }
             }
         }
-        self.step(lr);
-        (norm, true)
+        self.step(lr)?;
+        Ok((norm, true))
     }
 
     /// One AdamW step at `lr` with the current gradients.
-    fn step(&mut self, lr: f64) {
+    fn step(&mut self, lr: f64) -> rl_core::Result<()> {
         let _guard = tch::no_grad_guard();
         self.counters.steps += 1;
         let t = self.counters.steps as f64;
         let [b1, b2] = self.cfg.betas;
-        let bc1 = 1.0 - b1.powf(t);
-        let bc2 = 1.0 - b2.powf(t);
+        let k = StepConsts {
+            b1,
+            b2,
+            bc1: 1.0 - b1.powf(t),
+            bc2: 1.0 - b2.powf(t),
+            eps: self.cfg.eps,
+            lr,
+            weight_decay: self.cfg.weight_decay,
+        };
+        if let Some(s) = &mut self.sharded {
+            s.step(&mut self.params, &k)?;
+            // the whole gradients are spent: free them until the next backward
+            return self.release_grads();
+        }
+        self.ensure_moments();
         for i in 0..self.params.len() {
             let g = self.grad(i);
             if !g.defined() {
@@ -290,46 +442,63 @@ impl AdamW {
             }
             let g = g.to_kind(Kind::Float);
             let p = &mut self.params[i];
-            let m = &mut self.exp_avg[i];
-            let v = &mut self.exp_avg_sq[i];
-            let _ = m.g_mul_scalar_(b1);
-            let _ = m.g_add_(&(&g * (1.0 - b1)));
-            let _ = v.g_mul_scalar_(b2);
-            let _ = v.g_add_(&(g.square() * (1.0 - b2)));
-            let denom = v.sqrt() / bc2.sqrt() + self.cfg.eps;
-            let update = (&*m / denom) * (lr / bc1);
-            let decay = 1.0 - lr * self.cfg.weight_decay;
+            let (m, v) = (&mut self.exp_avg[i], &mut self.exp_avg_sq[i]);
             match &mut self.master {
                 Some(master) => {
                     let w = &mut master.weights[i];
-                    if self.cfg.weight_decay != 0.0 {
-                        let _ = w.g_mul_scalar_(decay);
-                    }
-                    let _ = w.g_sub_(&update);
+                    adamw_(w, &g, m, v, &k);
                     p.copy_(&w.to_kind(p.kind()));
                 }
                 None => {
-                    let mut pf = p.to_kind(Kind::Float);
-                    if self.cfg.weight_decay != 0.0 {
-                        pf *= decay;
-                    }
-                    let new = (pf - update).to_kind(p.kind());
-                    p.copy_(&new);
+                    let mut w = p.to_kind(Kind::Float).copy();
+                    adamw_(&mut w, &g, m, v, &k);
+                    p.copy_(&w.to_kind(p.kind()));
                 }
             }
         }
+        Ok(())
     }
 
     /// Writes `optim.safetensors` (the moments, named `exp_avg.<param>` / `exp_avg_sq.<param>`,
     /// and the float32 master weights `master.<param>` when kept) and `optim.json` (the
     /// counters) into `dir`.
+    ///
+    /// The file holds the whole state whatever the ZeRO stage, so it loads at any world size
+    /// and stage. Under ZeRO this is a collective: every rank calls it, the state is gathered
+    /// bucket by bucket, and rank 0 alone writes (the other ranks never touch `dir`).
     pub fn save(&self, dir: &Path) -> Result<()> {
+        let whole: Vec<(Tensor, Tensor, Option<Tensor>)> = match &self.sharded {
+            Some(s) => {
+                let whole = s.gather(&self.params)?;
+                if rl_core::dist::lock(&s.group)?.rank() != 0 {
+                    return Ok(());
+                }
+                whole
+            }
+            None => (0..self.params.len())
+                .map(|i| {
+                    let (m, v) = match self.exp_avg.get(i) {
+                        Some(m) => (m.shallow_clone(), self.exp_avg_sq[i].shallow_clone()),
+                        // never stepped: zero moments
+                        None => {
+                            let z = Tensor::zeros(
+                                self.params[i].size(),
+                                (Kind::Float, self.params[i].device()),
+                            );
+                            (z.shallow_clone(), z)
+                        }
+                    };
+                    let w = self.master.as_ref().map(|m| m.weights[i].shallow_clone());
+                    (m, v, w)
+                })
+                .collect(),
+        };
         let mut named: Vec<(String, &Tensor)> = Vec::new();
-        for (i, name) in self.names.iter().enumerate() {
-            named.push((format!("exp_avg.{name}"), &self.exp_avg[i]));
-            named.push((format!("exp_avg_sq.{name}"), &self.exp_avg_sq[i]));
-            if let Some(m) = &self.master {
-                named.push((format!("master.{name}"), &m.weights[i]));
+        for (name, (m, v, w)) in self.names.iter().zip(&whole) {
+            named.push((format!("exp_avg.{name}"), m));
+            named.push((format!("exp_avg_sq.{name}"), v));
+            if let Some(w) = w {
+                named.push((format!("master.{name}"), w));
             }
         }
         Tensor::write_safetensors(&named, dir.join("optim.safetensors"))?;
@@ -339,7 +508,18 @@ impl AdamW {
         std::fs::write(&path, text).map_err(|e| Error::io(&path, e))
     }
 
-    /// Restores what [`save`](Self::save) wrote; a missing or mis-shaped moment names it.
+    /// What a rank other than 0 does where rank 0 calls [`save`](Self::save): under ZeRO it
+    /// takes part in gathering the state (a collective), otherwise nothing; it never writes.
+    pub fn join_save(&self) -> rl_core::Result<()> {
+        match &self.sharded {
+            Some(s) => s.gather(&self.params).map(drop),
+            None => Ok(()),
+        }
+    }
+
+    /// Restores what [`save`](Self::save) wrote (at any world size and ZeRO stage: under ZeRO
+    /// each rank reads the whole file and keeps its part); a missing or mis-shaped tensor
+    /// names it.
     pub fn load(&mut self, dir: &Path) -> Result<()> {
         let path = dir.join("optim.safetensors");
         if !path.exists() {
@@ -348,37 +528,60 @@ impl AdamW {
                 std::io::Error::from(std::io::ErrorKind::NotFound),
             ));
         }
-        let tensors: std::collections::HashMap<String, Tensor> =
+        let mut tensors: std::collections::HashMap<String, Tensor> =
             Tensor::read_safetensors(&path)?.into_iter().collect();
-        let _guard = tch::no_grad_guard();
-        for (i, name) in self.names.iter().enumerate() {
-            let mut slots = vec![
-                ("exp_avg", &mut self.exp_avg[i]),
-                ("exp_avg_sq", &mut self.exp_avg_sq[i]),
-            ];
-            if let Some(m) = &mut self.master {
-                slots.push(("master", &mut m.weights[i]));
-            }
-            for (prefix, slot) in slots {
+        let masters = self.has_master_weights();
+        let mut prefixes = vec!["exp_avg", "exp_avg_sq"];
+        if masters {
+            prefixes.push("master");
+        }
+        // every tensor, checked against its parameter's shape, on the parameter's device
+        let mut per: Vec<Vec<Tensor>> = Vec::with_capacity(prefixes.len());
+        for prefix in &prefixes {
+            let mut col = Vec::with_capacity(self.names.len());
+            for (name, p) in self.names.iter().zip(&self.params) {
                 let key = format!("{prefix}.{name}");
-                let t = tensors.get(&key).ok_or_else(|| Error::MissingTensor {
+                let t = tensors.remove(&key).ok_or_else(|| Error::MissingTensor {
                     path: path.display().to_string(),
                     name: key.clone(),
                 })?;
-                if t.size() != slot.size() {
+                if t.size() != p.size() {
                     return Err(Error::TensorShape {
                         path: path.display().to_string(),
                         name: key,
-                        expected: slot.size(),
+                        expected: p.size(),
                         got: t.size(),
                     });
                 }
-                slot.copy_(&t.to_device(slot.device()).to_kind(slot.kind()));
+                col.push(t.to_device(p.device()).to_kind(Kind::Float));
             }
-            if let Some(m) = &self.master {
-                // the parameters are the masters rounded, exactly as after the saved step
-                let p = &mut self.params[i];
-                p.copy_(&m.weights[i].to_kind(p.kind()));
+            per.push(col);
+        }
+        let _guard = tch::no_grad_guard();
+        if let Some(s) = &mut self.sharded {
+            let (m, v) = (&per[0], &per[1]);
+            let exp_avg = |i: usize| m[i].shallow_clone();
+            let exp_avg_sq = |i: usize| v[i].shallow_clone();
+            let master = |i: usize| per[2][i].shallow_clone();
+            s.load(
+                &mut self.params,
+                &WholeState {
+                    exp_avg: &exp_avg,
+                    exp_avg_sq: &exp_avg_sq,
+                    master: masters.then_some(&master as &dyn Fn(usize) -> Tensor),
+                },
+            );
+        } else {
+            let mut cols = per.into_iter();
+            self.exp_avg = cols.next().unwrap_or_default();
+            self.exp_avg_sq = cols.next().unwrap_or_default();
+            if let (Some(m), Some(ws)) = (&mut self.master, cols.next()) {
+                for (i, w) in ws.into_iter().enumerate() {
+                    // the parameters are the masters rounded, exactly as after the saved step
+                    let p = &mut self.params[i];
+                    p.copy_(&w.to_kind(p.kind()));
+                    m.weights[i] = w;
+                }
             }
         }
         let jpath = dir.join("optim.json");
@@ -387,6 +590,34 @@ impl AdamW {
             serde_json::from_str(&text).map_err(|e| Error::format(&jpath, e.to_string()))?;
         Ok(())
     }
+}
+
+/// An optimiser error as the role error of `optimizer`.
+fn role(e: Error) -> rl_core::Error {
+    rl_core::Error::Role {
+        role: "optimizer",
+        source: Box::new(e),
+    }
+}
+
+/// Averages the parameters' gradients over `group` (bucketed all-reduce), a parameter without
+/// a gradient on this rank getting a zero one first, so that every rank reduces the same list.
+pub(crate) fn define_and_average(
+    params: &[Tensor],
+    group: &mut dyn rl_core::dist::Collective,
+) -> rl_core::Result<()> {
+    let missing: Vec<Tensor> = params
+        .iter()
+        .filter(|p| !p.grad().defined())
+        .map(|p| (p * 0.0).sum(Kind::Float))
+        .collect();
+    if !missing.is_empty() {
+        // defines the gradients (as zeros) through autograd, the only way tch offers
+        Tensor::stack(&missing, 0).sum(Kind::Float).backward();
+    }
+    let _guard = tch::no_grad_guard();
+    let mut grads: Vec<Tensor> = params.iter().map(Tensor::grad).collect();
+    group.all_reduce(&mut grads, rl_core::dist::ReduceOp::Avg)
 }
 
 #[cfg(test)]
@@ -415,7 +646,7 @@ mod tests {
         for t in 1..=3 {
             opt.zero_grad();
             x.square().sum(Kind::Float).backward();
-            let (_, took) = opt.clip_and_step(1e9, 0.1);
+            let (_, took) = opt.clip_and_step(1e9, 0.1).unwrap();
             assert!(took);
             for i in 0..2 {
                 let g = 2.0 * xr[i];
@@ -463,8 +694,8 @@ mod tests {
             for _ in 0..50 {
                 opt.zero_grad();
                 x.to_kind(Kind::Float).square().sum(Kind::Float).backward();
-                opt.accumulate_grads();
-                assert!(opt.clip_and_step(1e9, 1e-4).1);
+                opt.accumulate_grads().unwrap();
+                assert!(opt.clip_and_step(1e9, 1e-4).unwrap().1);
             }
             let master_x = opt.master.as_ref().map(|m| m.weights[0].copy());
             (x.to_kind(Kind::Float), master_x)
@@ -505,8 +736,8 @@ mod tests {
         let x = vs.root().var("x", &[3], Init::Const(1.0));
         let mut opt = AdamW::for_model(&mut vs, OptimConfig::default(), &mp).unwrap();
         x.to_kind(Kind::Float).square().sum(Kind::Float).backward();
-        opt.accumulate_grads();
-        opt.clip_and_step(1.0, 0.1);
+        opt.accumulate_grads().unwrap();
+        opt.clip_and_step(1.0, 0.1).unwrap();
         opt.save(dir.path()).unwrap();
         let mut vs2 = VarStore::new(Device::Cpu);
         let y = vs2.root().var("x", &[3], Init::Const(5.0));
@@ -523,7 +754,7 @@ mod tests {
         let x = vs.root().var("x", &[2], Init::Const(1.0));
         let mut opt = AdamW::new(&vs, OptimConfig::default());
         (x.sum(Kind::Float) * f64::NAN).backward();
-        let (norm, took) = opt.clip_and_step(1.0, 0.1);
+        let (norm, took) = opt.clip_and_step(1.0, 0.1).unwrap();
         assert!(!norm.is_finite() && !took);
         assert_eq!(opt.counters().skipped_steps, 1);
         assert_eq!(Vec::<f32>::try_from(&x).unwrap(), vec![1.0, 1.0]);
@@ -536,7 +767,7 @@ mod tests {
         let x = vs.root().var("x", &[3], Init::Const(1.0));
         let mut opt = AdamW::new(&vs, OptimConfig::default());
         x.square().sum(Kind::Float).backward();
-        opt.clip_and_step(1.0, 0.1);
+        opt.clip_and_step(1.0, 0.1).unwrap();
         opt.schedule_step();
         opt.save(dir.path()).unwrap();
         let mut other = AdamW::new(&vs, OptimConfig::default());

@@ -17,11 +17,14 @@ use crate::heads::{CONFIG_JSON, RewardModel};
 use crate::hf::{self, Checkpoint};
 use crate::model::Config;
 use crate::roles::MixedPrecision;
-use crate::roles::actor::{broadcast_from_rank0, lock, sorted_vars, update_loop, update_loop_dp};
+use crate::roles::actor::{
+    broadcast_from_rank0, lock, save_trained_state, sorted_vars, update_loop, update_loop_dp,
+};
 use crate::roles::config::{ActorConfig, OptimConfig};
 use crate::roles::micro;
 use crate::roles::optim::AdamW;
 use crate::roles::role_err;
+use crate::roles::zero::ZeroStage;
 
 /// Column with each row's reward-model score (f64), next to `rm_scores` (the trainers' `score`).
 const SCORE: &str = "score";
@@ -268,6 +271,8 @@ pub struct RmWorkerConfig {
     pub optim: OptimConfig,
     /// Mixed precision of the reward model's weights. Default off (float32).
     pub mixed_precision: MixedPrecision,
+    /// ZeRO stage over the data-parallel ranks (0, 1 or 2, see [`ZeroStage`]). Default 0.
+    pub zero_stage: u8,
 }
 
 impl Default for RmWorkerConfig {
@@ -278,6 +283,7 @@ impl Default for RmWorkerConfig {
             grad_clip: 1.0,
             optim: default_rm_lr_optim(),
             mixed_precision: MixedPrecision::default(),
+            zero_stage: 0,
         }
     }
 }
@@ -295,6 +301,7 @@ impl RmWorkerConfig {
             log_prob_micro_batch_size_per_gpu: self.micro_train_batch_size.map(|p| 2 * p),
             optim: self.optim.clone(),
             mixed_precision: self.mixed_precision.clone(),
+            zero_stage: self.zero_stage,
             ..ActorConfig::default()
         }
     }
@@ -389,6 +396,9 @@ impl RmWorker {
             &group,
             &sorted_vars(lock(&self.model, "reward_model")?.var_store()),
         )?;
+        let stage = ZeroStage::from_config("reward_model.train.zero_stage", self.cfg.zero_stage)
+            .map_err(role_err("reward_model"))?;
+        self.optim.shard(group.clone(), stage)?;
         self.group = Some(group);
         Ok(self)
     }
@@ -433,10 +443,10 @@ impl Critic for RmWorker {
     }
 
     fn save_state(&self, dir: &Path) -> rl_core::Result<()> {
-        lock(&self.model, "reward_model")?
-            .save_trained(dir)
-            .map_err(role_err("reward_model"))?;
-        self.optim.save(dir).map_err(role_err("reward_model"))
+        let model = lock(&self.model, "reward_model")?;
+        save_trained_state("reward_model", self.group.as_ref(), &self.optim, dir, |d| {
+            model.save_trained(d)
+        })
     }
 
     fn load_state(&mut self, dir: &Path) -> rl_core::Result<()> {

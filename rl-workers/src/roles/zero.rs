@@ -1,0 +1,531 @@
+//! ZeRO stages 1 and 2 for [`AdamW`](super::AdamW): the optimiser state (AdamW's moments and,
+//! with mixed precision, the float32 master weights) split across the data-parallel ranks,
+//! and at stage 2 the gradients too (DeepSpeed's ZeRO, PyTorch FSDP's `SHARD_GRAD_OP` for the
+//! optimiser; see docs/distributed.md, "Sharding").
+//!
+//! The trained parameters, in name order, are grouped into buckets of at most
+//! [`BUCKET_ELEMS`] elements (25 MiB of float32, DDP's bucket size). A bucket is one flat
+//! vector of its parameters, padded with zeros to a multiple of the world size, and rank `r`
+//! owns its elements `[r * part, (r + 1) * part)`. Each rank keeps the state of the elements it
+//! owns only, updates them, and the ranks all-gather the updated elements bucket by bucket, so
+//! every rank ends a step with the whole, identical, parameters; a collective never moves more
+//! than one bucket.
+//!
+//! AdamW is elementwise, so updating a rank's part with the same gradient gives bit for bit
+//! what the unsharded optimiser gives. Stage 1 averages whole gradients as plain data
+//! parallelism does (so it equals it exactly); stage 2 reduce-scatters each micro-batch's
+//! gradient into the owned part and releases the whole gradient, so the sums round in another
+//! order (about 1e-7 relative).
+
+use rl_core::dist::{self, Collective, ReduceOp, SharedCollective};
+use tch::{Kind, Tensor};
+
+/// Elements per bucket: 25 MiB of float32.
+pub(crate) const BUCKET_ELEMS: i64 = 25 * 1024 * 1024 / 4;
+
+/// How a role's training state is split over its data-parallel ranks
+/// (`actor_rollout_ref.actor.zero_stage`, `critic.zero_stage`,
+/// `reward_model.train.zero_stage`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default)]
+pub enum ZeroStage {
+    /// Every rank holds everything (plain data parallelism, DDP).
+    #[default]
+    Replicated,
+    /// AdamW's moments and the master weights split over the ranks.
+    OptimizerState,
+    /// Stage 1 plus the gradients reduce-scattered into each rank's part.
+    Gradients,
+}
+
+impl ZeroStage {
+    /// The stage of the config value `zero_stage`; `key` names it in the error.
+    pub fn from_config(key: &str, stage: u8) -> crate::error::Result<ZeroStage> {
+        match stage {
+            0 => Ok(ZeroStage::Replicated),
+            1 => Ok(ZeroStage::OptimizerState),
+            2 => Ok(ZeroStage::Gradients),
+            3 => Err(crate::error::Error::invalid(
+                key,
+                "stage 3 (parameters sharded too, FSDP's FULL_SHARD) is not built yet: use 0, 1 or 2",
+            )),
+            s => Err(crate::error::Error::invalid(
+                key,
+                format!(
+                    "must be 0 (replicated), 1 (optimizer state) or 2 (plus gradients), got {s}"
+                ),
+            )),
+        }
+    }
+}
+
+/// A run of consecutive parameters flattened into one vector.
+#[derive(Debug)]
+pub(crate) struct Bucket {
+    /// Indices into the optimiser's parameters.
+    params: Vec<usize>,
+    /// Where each of them starts in the flat vector.
+    offsets: Vec<i64>,
+    /// Elements per rank: the bucket's length padded to a multiple of the world size, divided.
+    part: i64,
+    /// The bucket's length without padding.
+    numel: i64,
+}
+
+/// Groups `params` (in order) into buckets of at most [`BUCKET_ELEMS`] elements (a larger
+/// parameter gets a bucket of its own).
+pub(crate) fn buckets(params: &[Tensor], world: usize, cap: i64) -> Vec<Bucket> {
+    let world = world as i64;
+    let mut out: Vec<Bucket> = Vec::new();
+    let mut cur = Bucket {
+        params: Vec::new(),
+        offsets: Vec::new(),
+        part: 0,
+        numel: 0,
+    };
+    for (i, p) in params.iter().enumerate() {
+        let n = p.numel() as i64;
+        if !cur.params.is_empty() && cur.numel + n > cap {
+            out.push(std::mem::replace(
+                &mut cur,
+                Bucket {
+                    params: Vec::new(),
+                    offsets: Vec::new(),
+                    part: 0,
+                    numel: 0,
+                },
+            ));
+        }
+        cur.params.push(i);
+        cur.offsets.push(cur.numel);
+        cur.numel += n;
+    }
+    if !cur.params.is_empty() {
+        out.push(cur);
+    }
+    for b in &mut out {
+        b.part = (b.numel + world - 1) / world;
+    }
+    out
+}
+
+impl Bucket {
+    /// The bucket as one float32 vector of `world * part` elements: `value(i)` for each of its
+    /// parameters (zeros where it is undefined), then zero padding.
+    fn flat(&self, world: usize, params: &[Tensor], value: impl Fn(usize) -> Tensor) -> Tensor {
+        let mut parts: Vec<Tensor> = Vec::with_capacity(self.params.len() + 1);
+        for &i in &self.params {
+            let v = value(i);
+            parts.push(if v.defined() {
+                v.reshape([-1]).to_kind(Kind::Float)
+            } else {
+                Tensor::zeros(
+                    [params[i].numel() as i64],
+                    (Kind::Float, params[i].device()),
+                )
+            });
+        }
+        let pad = self.part * world as i64 - self.numel;
+        if pad > 0 {
+            parts.push(Tensor::zeros(
+                [pad],
+                (Kind::Float, params[self.params[0]].device()),
+            ));
+        }
+        Tensor::cat(&parts, 0)
+    }
+
+    /// Copies a whole bucket vector (`world * part` elements) into its parameters, each rounded
+    /// to its own dtype.
+    fn scatter_into(&self, full: &Tensor, params: &mut [Tensor]) {
+        for (&i, &off) in self.params.iter().zip(&self.offsets) {
+            let p = &mut params[i];
+            let part = full
+                .narrow(0, off, p.numel() as i64)
+                .view(p.size().as_slice());
+            p.copy_(&part.to_kind(p.kind()));
+        }
+    }
+}
+
+/// The state one rank keeps under ZeRO stage 1 or 2.
+pub(crate) struct Sharded {
+    pub(crate) group: SharedCollective,
+    pub(crate) stage: ZeroStage,
+    rank: usize,
+    world: usize,
+    buckets: Vec<Bucket>,
+    /// AdamW's moments of the owned elements, one float32 `[part]` per bucket.
+    exp_avg: Vec<Tensor>,
+    exp_avg_sq: Vec<Tensor>,
+    /// Mixed precision: float32 master weights of the owned elements.
+    master: Option<Vec<Tensor>>,
+    /// Stage 2: the owned part of the averaged gradient, accumulated over micro-batches.
+    grad: Vec<Tensor>,
+    /// Stage 1 with master weights: float32 accumulators of the whole gradients.
+    full_grads: Option<Vec<Tensor>>,
+    /// Whether a micro-batch touched each full accumulator since the last zeroing.
+    touched: Vec<bool>,
+}
+
+impl std::fmt::Debug for Sharded {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sharded")
+            .field("stage", &self.stage)
+            .field("rank", &self.rank)
+            .field("world", &self.world)
+            .field("buckets", &self.buckets.len())
+            .field("master", &self.master.is_some())
+            .finish()
+    }
+}
+
+/// AdamW's per-step constants.
+pub(crate) struct StepConsts {
+    pub(crate) b1: f64,
+    pub(crate) b2: f64,
+    pub(crate) bc1: f64,
+    pub(crate) bc2: f64,
+    pub(crate) eps: f64,
+    pub(crate) lr: f64,
+    pub(crate) weight_decay: f64,
+}
+
+/// One AdamW update, in place, of the float32 weights `w` from the float32 gradient `g` and
+/// the moments `m`, `v` (torch.optim.AdamW's arithmetic, in its order).
+pub(crate) fn adamw_(w: &mut Tensor, g: &Tensor, m: &mut Tensor, v: &mut Tensor, k: &StepConsts) {
+    let _ = m.g_mul_scalar_(k.b1);
+    let _ = m.g_add_(&(g * (1.0 - k.b1)));
+    let _ = v.g_mul_scalar_(k.b2);
+    let _ = v.g_add_(&(g.square() * (1.0 - k.b2)));
+    let denom = v.sqrt() / k.bc2.sqrt() + k.eps;
+    let update = (&*m / denom) * (k.lr / k.bc1);
+    if k.weight_decay != 0.0 {
+        let _ = w.g_mul_scalar_(1.0 - k.lr * k.weight_decay);
+    }
+    let _ = w.g_sub_(&update);
+}
+
+/// The whole (unsharded) state the sharded one is made from or written as: per parameter,
+/// AdamW's moments and the master weights.
+pub(crate) struct WholeState<'a> {
+    pub(crate) exp_avg: &'a dyn Fn(usize) -> Tensor,
+    pub(crate) exp_avg_sq: &'a dyn Fn(usize) -> Tensor,
+    pub(crate) master: Option<&'a dyn Fn(usize) -> Tensor>,
+}
+
+impl Sharded {
+    /// This rank's share of `whole` over `group`, for `params` (every rank passes the same
+    /// parameters, in the same order).
+    pub(crate) fn new(
+        group: SharedCollective,
+        stage: ZeroStage,
+        params: &[Tensor],
+        whole: &WholeState<'_>,
+    ) -> rl_core::Result<Sharded> {
+        let (rank, world) = {
+            let g = dist::lock(&group)?;
+            (g.rank(), g.world_size())
+        };
+        let buckets = buckets(params, world, BUCKET_ELEMS);
+        let _guard = tch::no_grad_guard();
+        let local = |b: &Bucket, value: &dyn Fn(usize) -> Tensor| {
+            b.flat(world, params, value)
+                .narrow(0, rank as i64 * b.part, b.part)
+                .copy()
+        };
+        let exp_avg = buckets.iter().map(|b| local(b, whole.exp_avg)).collect();
+        let exp_avg_sq = buckets.iter().map(|b| local(b, whole.exp_avg_sq)).collect();
+        let master = whole
+            .master
+            .map(|m| buckets.iter().map(|b| local(b, m)).collect());
+        let device = params.first().map_or(tch::Device::Cpu, Tensor::device);
+        let grad = match stage {
+            ZeroStage::Gradients => buckets
+                .iter()
+                .map(|b| Tensor::zeros([b.part], (Kind::Float, device)))
+                .collect(),
+            _ => Vec::new(),
+        };
+        let full_grads =
+            (stage == ZeroStage::OptimizerState && whole.master.is_some()).then(|| {
+                params
+                    .iter()
+                    .map(|p| Tensor::zeros_like(p).to_kind(Kind::Float))
+                    .collect()
+            });
+        Ok(Sharded {
+            group,
+            stage,
+            rank,
+            world,
+            touched: vec![false; params.len()],
+            buckets,
+            exp_avg,
+            exp_avg_sq,
+            master,
+            grad,
+            full_grads,
+        })
+    }
+
+    /// Whether the float32 master weights are kept.
+    pub(crate) fn has_master(&self) -> bool {
+        self.master.is_some()
+    }
+
+    /// Whether every micro-batch's gradient is reduced (stage 2): then every rank must call
+    /// [`Sharded::accumulate`] the same number of times per mini-batch.
+    pub(crate) fn reduces_per_micro_batch(&self) -> bool {
+        self.stage == ZeroStage::Gradients
+    }
+
+    /// After a micro-batch's backward: stage 2 reduce-scatters the parameters' gradients into
+    /// the owned parts (a collective); stage 1 with master weights adds them into the float32
+    /// accumulators. Either way the parameters' gradients are then released or zeroed.
+    pub(crate) fn accumulate(&mut self, params: &mut [Tensor]) -> rl_core::Result<bool> {
+        let _guard = tch::no_grad_guard();
+        match (self.stage, &mut self.full_grads) {
+            (ZeroStage::Gradients, _) => {
+                let mut g = dist::lock(&self.group)?;
+                for (b, acc) in self.buckets.iter().zip(&mut self.grad) {
+                    let flat = b.flat(self.world, params, |i| params[i].grad());
+                    let mine = g.reduce_scatter(&flat, ReduceOp::Avg)?;
+                    let _ = acc.g_add_(&mine);
+                }
+                Ok(true)
+            }
+            (_, Some(full)) => {
+                for (i, p) in params.iter().enumerate() {
+                    let g = p.grad();
+                    if g.defined() {
+                        let _ = full[i].g_add_(&g.to_kind(Kind::Float));
+                        self.touched[i] = true;
+                    }
+                }
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
+    }
+
+    /// At the end of a mini-batch: stage 1 averages the whole gradients over the ranks (as plain
+    /// data parallelism does); stage 2 has already reduced them.
+    pub(crate) fn average(
+        &mut self,
+        params: &[Tensor],
+        group: &mut dyn Collective,
+    ) -> rl_core::Result<()> {
+        if self.stage == ZeroStage::Gradients {
+            return Ok(());
+        }
+        if let Some(full) = &mut self.full_grads {
+            self.touched.fill(true);
+            return group.all_reduce(full, ReduceOp::Avg);
+        }
+        super::optim::define_and_average(params, group)
+    }
+
+    /// The whole gradient of parameter `i` (stage 1): the float32 accumulator with master
+    /// weights (undefined when untouched), else the parameter's own.
+    fn full_grad(&self, params: &[Tensor], i: usize) -> Tensor {
+        match &self.full_grads {
+            Some(full) if self.touched[i] => full[i].shallow_clone(),
+            Some(_) => Tensor::new(),
+            None => params[i].grad(),
+        }
+    }
+
+    /// The global L2 norm of the averaged gradient (a collective at stage 2).
+    pub(crate) fn grad_norm(&self, params: &[Tensor]) -> rl_core::Result<f64> {
+        let _guard = tch::no_grad_guard();
+        let mut total = 0f64;
+        if self.stage == ZeroStage::Gradients {
+            for g in &self.grad {
+                let n = g.to_kind(Kind::Double).norm().double_value(&[]);
+                total += n * n;
+            }
+            let mut t = [total];
+            dist::all_reduce_f64(&mut *dist::lock(&self.group)?, &mut t, ReduceOp::Sum)?;
+            return Ok(t[0].sqrt());
+        }
+        for i in 0..params.len() {
+            let g = self.full_grad(params, i);
+            if g.defined() {
+                let n = g.to_kind(Kind::Double).norm().double_value(&[]);
+                total += n * n;
+            }
+        }
+        Ok(total.sqrt())
+    }
+
+    /// Multiplies the gradient by `coef` (clipping).
+    pub(crate) fn scale_grads(&mut self, params: &[Tensor], coef: f64) {
+        let _guard = tch::no_grad_guard();
+        if self.stage == ZeroStage::Gradients {
+            for g in &mut self.grad {
+                let _ = g.g_mul_scalar_(coef);
+            }
+            return;
+        }
+        for i in 0..params.len() {
+            let mut g = self.full_grad(params, i);
+            if g.defined() {
+                let _ = g.g_mul_scalar_(coef);
+            }
+        }
+    }
+
+    /// One AdamW step of the owned elements, then the all-gather of every bucket into the
+    /// parameters (a collective).
+    pub(crate) fn step(&mut self, params: &mut [Tensor], k: &StepConsts) -> rl_core::Result<()> {
+        let _guard = tch::no_grad_guard();
+        let (rank, world) = (self.rank as i64, self.world);
+        let mut group = dist::lock(&self.group)?;
+        for (bi, b) in self.buckets.iter().enumerate() {
+            let local = |flat: Tensor| flat.narrow(0, rank * b.part, b.part).copy();
+            let g = match self.stage {
+                ZeroStage::Gradients => self.grad[bi].shallow_clone(),
+                _ => {
+                    let full = &self.full_grads;
+                    let touched = &self.touched;
+                    local(b.flat(world, params, |i| match full {
+                        Some(f) if touched[i] => f[i].shallow_clone(),
+                        Some(_) => Tensor::new(),
+                        None => params[i].grad(),
+                    }))
+                }
+            };
+            let mut w = match &self.master {
+                Some(m) => m[bi].shallow_clone(),
+                None => local(b.flat(world, params, |i| params[i].shallow_clone())),
+            };
+            adamw_(
+                &mut w,
+                &g,
+                &mut self.exp_avg[bi],
+                &mut self.exp_avg_sq[bi],
+                k,
+            );
+            let full = group.all_gather_flat(&w)?;
+            b.scatter_into(&full, params);
+        }
+        Ok(())
+    }
+
+    /// Zeroes the owned gradient parts and the accumulators.
+    pub(crate) fn zero_grad(&mut self) {
+        let _guard = tch::no_grad_guard();
+        for g in &mut self.grad {
+            let _ = g.zero_();
+        }
+        if let Some(full) = &mut self.full_grads {
+            for g in full {
+                let _ = g.zero_();
+            }
+        }
+        self.touched.fill(false);
+    }
+
+    /// The whole state, gathered from every rank (a collective): per parameter `i`, its
+    /// `(exp_avg, exp_avg_sq, master)`; every rank gets it, bucket by bucket.
+    pub(crate) fn gather(
+        &self,
+        params: &[Tensor],
+    ) -> rl_core::Result<Vec<(Tensor, Tensor, Option<Tensor>)>> {
+        let _guard = tch::no_grad_guard();
+        let mut group = dist::lock(&self.group)?;
+        let mut out: Vec<Option<(Tensor, Tensor, Option<Tensor>)>> =
+            (0..params.len()).map(|_| None).collect();
+        for (bi, b) in self.buckets.iter().enumerate() {
+            let m = group.all_gather_flat(&self.exp_avg[bi])?;
+            let v = group.all_gather_flat(&self.exp_avg_sq[bi])?;
+            let w = match &self.master {
+                Some(ms) => Some(group.all_gather_flat(&ms[bi])?),
+                None => None,
+            };
+            for (&i, &off) in b.params.iter().zip(&b.offsets) {
+                let n = params[i].numel() as i64;
+                let shape = params[i].size();
+                let cut = |t: &Tensor| t.narrow(0, off, n).view(shape.as_slice()).copy();
+                out[i] = Some((cut(&m), cut(&v), w.as_ref().map(cut)));
+            }
+        }
+        Ok(out.into_iter().flatten().collect())
+    }
+
+    /// Replaces the owned state with this rank's share of `whole` (a checkpoint read whole by
+    /// every rank); with master weights the parameters become the whole masters rounded.
+    pub(crate) fn load(&mut self, params: &mut [Tensor], whole: &WholeState<'_>) {
+        let _guard = tch::no_grad_guard();
+        let (rank, world) = (self.rank as i64, self.world);
+        for (bi, b) in self.buckets.iter().enumerate() {
+            let local = |value: &dyn Fn(usize) -> Tensor| {
+                b.flat(world, params, value)
+                    .narrow(0, rank * b.part, b.part)
+                    .copy()
+            };
+            self.exp_avg[bi] = local(whole.exp_avg);
+            self.exp_avg_sq[bi] = local(whole.exp_avg_sq);
+            if let (Some(ms), Some(m)) = (&mut self.master, whole.master) {
+                ms[bi] = local(m);
+                let full = b.flat(world, params, m);
+                b.scatter_into(&full, params);
+            }
+        }
+    }
+
+    /// Bytes of state this rank holds (moments, masters, gradient parts and accumulators).
+    pub(crate) fn state_bytes(&self) -> i64 {
+        let bytes = |ts: &[Tensor]| ts.iter().map(|t| t.numel() as i64 * 4).sum::<i64>();
+        bytes(&self.exp_avg)
+            + bytes(&self.exp_avg_sq)
+            + self.master.as_deref().map_or(0, bytes)
+            + bytes(&self.grad)
+            + self.full_grads.as_deref().map_or(0, bytes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_cover_every_element_once_and_pad_to_the_world() {
+        let params: Vec<Tensor> = [5i64, 7, 3, 20, 1]
+            .iter()
+            .map(|&n| Tensor::zeros([n], (Kind::Float, tch::Device::Cpu)))
+            .collect();
+        let bs = buckets(&params, 3, 12);
+        // 5 + 7 = 12 fits; 3 starts a new one; 20 alone exceeds the cap; then 1
+        let groups: Vec<Vec<usize>> = bs.iter().map(|b| b.params.clone()).collect();
+        assert_eq!(groups, vec![vec![0, 1], vec![2], vec![3], vec![4]]);
+        assert_eq!(bs[0].offsets, vec![0, 5]);
+        let parts: Vec<i64> = bs.iter().map(|b| b.part).collect();
+        assert_eq!(parts, vec![4, 1, 7, 1]);
+        let flat = bs[0].flat(3, &params, |i| params[i].ones_like() * (i as f64 + 1.0));
+        assert_eq!(flat.size(), [12]);
+        assert_eq!(
+            Vec::<f32>::try_from(&flat).unwrap(),
+            [vec![1.0; 5], vec![2.0; 7]].concat()
+        );
+    }
+
+    #[test]
+    fn stage_keys_name_themselves() {
+        assert_eq!(
+            ZeroStage::from_config("k", 2).unwrap(),
+            ZeroStage::Gradients
+        );
+        let e = ZeroStage::from_config("critic.zero_stage", 3)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("critic.zero_stage") && e.contains("stage 3"),
+            "{e}"
+        );
+        let e = ZeroStage::from_config("critic.zero_stage", 7)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("got 7"), "{e}");
+    }
+}
