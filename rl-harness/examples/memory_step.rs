@@ -10,6 +10,10 @@
 //! `memory_step CONFIG [key=value ...]` prints one line of `key=value` fields:
 //! `start_kib` (RSS before anything), `build_peak_kib`, `built_kib` (RSS once built),
 //! `step_peak_kib`, `peak_kib` (the larger peak: the process's), `step_s`.
+//!
+//! Started with torchrun's variables (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`), it
+//! is one rank of a data-parallel group, built as `harness train` builds a rank, and its line
+//! starts with `rank=R`: `scripts/zero-memory` (issue 22) measures ZeRO's stages that way.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -52,7 +56,12 @@ fn main() -> Result<()> {
         overrides,
     })?;
     let device = rl_harness::device::open(&cfg.trainer.device)?;
-    let mut built = rl_harness::compose::build(&cfg, device, None)?;
+    let group = rl_dist::shared_from_env(std::time::Duration::from_secs(600))?;
+    let rank = match &group {
+        Some(g) => format!("rank={} ", rl_core::dist::lock(g)?.rank()),
+        None => String::new(),
+    };
+    let mut built = rl_harness::compose::build_with_group(&cfg, device, None, group.as_ref())?;
     let build_peak = status_kib("VmHWM:")?;
     let built_rss = status_kib("VmRSS:")?;
     reset_peak()?;
@@ -64,7 +73,7 @@ fn main() -> Result<()> {
     let step_s = t0.elapsed().as_secs_f64();
     let step_peak = status_kib("VmHWM:")?;
     println!(
-        "start_kib={start} build_peak_kib={build_peak} built_kib={built_rss} step_peak_kib={step_peak} peak_kib={} step_s={step_s:.1}",
+        "{rank}start_kib={start} build_peak_kib={build_peak} built_kib={built_rss} step_peak_kib={step_peak} peak_kib={} step_s={step_s:.1}",
         build_peak.max(step_peak)
     );
     Ok(())

@@ -23,7 +23,10 @@ use common::{
 };
 use tch::Tensor;
 
-/// The quickstart's GRPO shrunk to 3 steps of 4 prompts x 2 samples, a checkpoint every step.
+/// The quickstart's GRPO shrunk to 3 steps of 4 prompts x 2 samples, a checkpoint every step,
+/// and on several ranks ZeRO stage 2 (the optimiser state and the gradients sharded; one rank
+/// ignores it): so every launcher test of it also checks that the ranks gather the state
+/// together for every checkpoint, including the one a signal asks for.
 const GRPO: &[&str] = &[
     "trainer.total_training_steps=3",
     "trainer.save_freq=1",
@@ -32,6 +35,7 @@ const GRPO: &[&str] = &[
     "data.train_batch_size=4",
     "actor_rollout_ref.actor.ppo_mini_batch_size=4",
     "actor_rollout_ref.rollout.n=2",
+    "actor_rollout_ref.actor.zero_stage=2",
 ];
 
 fn experiment(name: &str) -> String {
@@ -215,6 +219,7 @@ fn two_ranks_of_sft_offline_dpo_and_spin_follow_one_rank_over_three_steps() {
             "trainer.max_ckpt_to_keep=10",
             "sft.train_batch_size=8",
             "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+            "actor_rollout_ref.actor.zero_stage=1",
         ],
     );
     let dpo = assert_two_ranks_follow_one(
@@ -227,6 +232,7 @@ fn two_ranks_of_sft_offline_dpo_and_spin_follow_one_rank_over_three_steps() {
             "trainer.max_ckpt_to_keep=10",
             "preference_data.train_batch_size=4",
             "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "actor_rollout_ref.actor.zero_stage=2",
         ],
     );
     let spin = assert_two_ranks_follow_one(
@@ -335,7 +341,7 @@ fn two_ranks_of_dapo_with_dynamic_sampling_follow_one_rank_over_three_steps() {
 }
 
 #[test]
-fn a_two_rank_checkpoint_resumes_on_one_or_two_ranks_with_the_two_rank_metrics() {
+fn a_two_rank_zero_checkpoint_resumes_on_one_rank_or_at_another_stage_with_the_two_rank_metrics() {
     let env = setup_warm();
     let mut overrides = GRPO.to_vec();
     overrides.extend(["trainer.total_training_steps=4", "trainer.test_freq=2"]);
@@ -358,7 +364,8 @@ fn a_two_rank_checkpoint_resumes_on_one_or_two_ranks_with_the_two_rank_metrics()
         );
     }
     assert!(later > 10, "too few metrics after the checkpoint: {later}");
-    // and again through the launcher, on 2 ranks
+    // and again through the launcher, on 2 ranks, at ZeRO stage 1 instead of the run's 2:
+    // the checkpoint holds the whole state, whatever the stage and world size that wrote it
     ok(
         &env,
         &[
@@ -366,6 +373,7 @@ fn a_two_rank_checkpoint_resumes_on_one_or_two_ranks_with_the_two_rank_metrics()
             &run.to_string(),
             "--from-step",
             "2",
+            "actor_rollout_ref.actor.zero_stage=1",
             "--nproc-per-node",
             "2",
             "--dist-timeout-s",

@@ -650,15 +650,24 @@ fn two_rank_grpo_run_keeps_identical_weights_and_logs_global_metrics() {
 fn ppo_config(task: &TinyTask) -> ExperimentConfig {
     let mut cfg = grpo_config(task);
     cfg.algorithm.adv_estimator = AdvEstimator::Gae;
+    // one mini-batch a step, so that a 2-rank mini-batch is one process's (with several, each
+    // rank's consecutive share makes other global mini-batches: docs/distributed.md)
+    cfg.actor_rollout_ref.actor.ppo_mini_batch_size = 4;
+    cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu = Some(4);
+    cfg.actor_rollout_ref.actor.shuffle = false;
     cfg.critic.worker = CriticConfig {
-        ppo_mini_batch_size: 2,
+        ppo_mini_batch_size: 4,
         ppo_micro_batch_size_per_gpu: Some(4),
         optim: OptimConfig {
             lr: 1e-3,
             ..OptimConfig::default()
         },
+        // ZeRO: the actor's gradients and state sharded, the critic's state (one process
+        // ignores both)
+        zero_stage: 1,
         ..CriticConfig::default()
     };
+    cfg.actor_rollout_ref.actor.zero_stage = 2;
     cfg.trainer.total_training_steps = Some(2);
     cfg
 }
@@ -688,7 +697,7 @@ fn ppo_run_child(group: &SharedCollective, rank: usize, out: &Path) {
 }
 
 #[test]
-fn two_rank_ppo_run_keeps_actor_and_critic_identical() {
+fn two_rank_ppo_run_with_zero_keeps_actor_and_critic_identical_and_follows_one_process() {
     let out = tempfile::tempdir().unwrap();
     let t = Instant::now();
     spawn_group("ppo_run", 2, out.path());
@@ -703,6 +712,19 @@ fn two_rank_ppo_run_keeps_actor_and_critic_identical() {
             std::fs::read_to_string(out.path().join(format!("ppo-metrics-rank{r}.json"))).unwrap();
         serde_json::from_str(&text).unwrap()
     };
+    // and the run at ZeRO stages 2 (actor) and 1 (critic) follows one process
+    let task = grpo_task();
+    let (mut solo, policy, critic) = on_policy_trainer(&task, None, ppo_config(&task), true);
+    while solo.global_step() < solo.total_steps() {
+        solo.step().unwrap();
+    }
+    let critic: Vec<(String, Tensor)> = critic.into_iter().map(|(k, t)| (k, t.copy())).collect();
+    for (role, want) in [("actor", policy_params(&policy)), ("critic", critic)] {
+        let r0 = read(&out.path().join(format!("ppo-{role}-rank0.safetensors")));
+        let d = max_diff(&r0, &as_map(want));
+        println!("PPO {role}: 2 ranks (ZeRO) vs 1 process, max |param diff| {d:.1e}");
+        assert!(d < 1e-5, "{role}: 2 ranks differ from 1 process by {d}");
+    }
     let (m0, m1) = (load(0), load(1));
     for (a, b) in m0.as_array().unwrap().iter().zip(m1.as_array().unwrap()) {
         for key in [
@@ -1051,7 +1073,18 @@ fn checkpoints_resume_at_another_world_size() {
 /// The cases of the ZeRO tests: a plain actor with several micro-batches a rank (so stage 2
 /// reduce-scatters more than once a mini-batch), bf16 mixed precision (sharded float32
 /// masters), LoRA (only the adapters train) and the critic.
-const ZERO_CASES: [&str; 4] = ["actor", "actor-bf16", "actor-lora", "critic"];
+const ZERO_CASES: [&str; 5] = [
+    "actor",
+    "actor-dynamic",
+    "actor-bf16",
+    "actor-lora",
+    "critic",
+];
+
+/// The token budget of the `actor-dynamic` case's micro-batches: the two halves of the fixed
+/// batch split into different numbers of them (asserted), so at stage 2 the rank with fewer
+/// joins the other's extra reduce-scatters.
+const DYNAMIC_TOKENS: usize = 24;
 
 /// An actor or critic of `case` at ZeRO `stage` over `group`, from the same initial weights
 /// on every process.
@@ -1080,6 +1113,10 @@ impl ZeroRole {
         cfg.zero_stage = stage;
         if case == "actor-bf16" {
             cfg.mixed_precision.param_dtype = rl_workers::roles::ParamDtype::Bf16;
+        }
+        if case == "actor-dynamic" {
+            cfg.use_dynamic_bsz = true;
+            cfg.ppo_max_token_len_per_gpu = DYNAMIC_TOKENS;
         }
         if case == "actor-lora" {
             let _generator = rl_workers::hold_generator();
@@ -1255,6 +1292,25 @@ fn zero_stages_one_and_two_update_like_replicated_data_parallelism_and_checkpoin
     tch::set_num_threads(1);
     let out = tempfile::tempdir().unwrap();
     let out = out.path();
+    // the dynamic case's two halves make different numbers of micro-batches
+    let batch = fixed_batch();
+    let micros: Vec<usize> = (0..2)
+        .map(|r| {
+            let half = batch.slice(shard_range(batch.len(), r, 2)).unwrap();
+            let lens =
+                Vec::<i64>::try_from(half.get(keys::ATTENTION_MASK).unwrap().sum_dim_intlist(
+                    [1].as_slice(),
+                    false,
+                    Kind::Int64,
+                ))
+                .unwrap();
+            rl_workers::roles::token_balanced_partitions(&lens, DYNAMIC_TOKENS as i64).len()
+        })
+        .collect();
+    assert_ne!(
+        micros[0], micros[1],
+        "dynamic micro-batches per rank: {micros:?}"
+    );
     spawn_group("zero", 2, out);
     let solo_dir = out.join("solo");
     let solo: BTreeMap<String, BTreeMap<String, Tensor>> = zero_updates(None, 0, &solo_dir)

@@ -218,8 +218,9 @@ impl OnPolicyTrainer {
     /// step and at every validation the trainer compares the ranks' weights (a digest of the
     /// actor's and critic's) and fails, naming the ranks that differ.
     /// Validation runs each rank on a contiguous shard of every validation batch and gathers
-    /// the scores. Only rank 0 writes checkpoints ([`Trainer::save_checkpoint`] is a no-op on
-    /// other ranks and issues no collective); every rank loads them, at any world size.
+    /// the scores. Only rank 0 writes checkpoints ([`Trainer::save_checkpoint`] writes nothing
+    /// on the other ranks, which only join the gathering of a ZeRO-sharded optimiser state);
+    /// every rank loads them, at any world size.
     ///
     /// With DAPO's dynamic sampling (`algorithm.filter_groups.enable`) the kept-group count is
     /// global and the kept groups are re-shared over the ranks, so each rank trains on its
