@@ -9,7 +9,8 @@
 //!
 //! `memory_step CONFIG [key=value ...]` prints one line of `key=value` fields:
 //! `start_kib` (RSS before anything), `build_peak_kib`, `built_kib` (RSS once built),
-//! `step_peak_kib`, `peak_kib` (the larger peak: the process's), `step_s`.
+//! `step_peak_kib`, `peak_kib` (the larger peak: the process's), `step_s`. With
+//! `MEMORY_STEP_WARMUP=N`, N steps run first and the figures are the next step's.
 //!
 //! Started with torchrun's variables (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`), it
 //! is one rank of a data-parallel group, built as `harness train` builds a rank, and its line
@@ -64,6 +65,20 @@ fn main() -> Result<()> {
     let mut built = rl_harness::compose::build_with_group(&cfg, device, None, group.as_ref())?;
     let build_peak = status_kib("VmHWM:")?;
     let built_rss = status_kib("VmRSS:")?;
+    // MEMORY_STEP_WARMUP=N steps first (their peak is not reported): the optimiser allocates
+    // its state in the first step, so a steady-state step is the second
+    let warmup: u32 = match std::env::var("MEMORY_STEP_WARMUP") {
+        Ok(v) => v
+            .parse()
+            .with_context(|| format!("MEMORY_STEP_WARMUP={v:?} is not a count"))?,
+        Err(_) => 0,
+    };
+    for i in 0..warmup {
+        built
+            .trainer
+            .step()
+            .map_err(|e| anyhow::anyhow!("warm-up step {} failed: {e}", i + 1))?;
+    }
     reset_peak()?;
     let t0 = Instant::now();
     built

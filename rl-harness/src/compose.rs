@@ -831,22 +831,24 @@ pub fn build_on_policy_in(
         .device();
     // the actor first: with mixed precision it casts the shared weights to their compute
     // dtype, which the reference's copy must have too
-    let mut actor = ActorWorker::new(policy, arr.actor.clone(), n)?;
+    let mut actor = ActorWorker::new(policy, actor_config(cfg), n)?;
     if let Some(g) = group {
         actor = actor.with_group(g.clone())?;
     }
     let need_ref = arr.actor_loss.use_kl_loss || cfg.algorithm.use_kl_in_reward;
     let reference = if need_ref {
-        Some(Box::new(ReferenceWorker::from_policy(
-            &actor.policy(),
-            arr.ref_micro_batch_size,
-        )?) as Box<dyn rl_core::roles::Reference>)
+        Some(Box::new(
+            ReferenceWorker::from_policy(&actor.policy(), arr.ref_micro_batch_size)?
+                .with_remove_padding(arr.model.use_remove_padding),
+        ) as Box<dyn rl_core::roles::Reference>)
     } else {
         None
     };
     let critic = match (cfg.algorithm.adv_estimator.needs_critic(), critic_init) {
         (true, Some(vm)) => {
-            let mut c = CriticWorker::new(vm, cfg.critic.worker.clone(), n)?;
+            let mut ccfg = cfg.critic.worker.clone();
+            ccfg.use_remove_padding = cfg.critic.model.use_remove_padding;
+            let mut c = CriticWorker::new(vm, ccfg, n)?;
             if let Some(g) = group {
                 c = c.with_group(g.clone())?;
             }
@@ -974,7 +976,7 @@ pub fn build_sft_in(
         .chunks(val_bs)
         .map(|idx| val_source.batch(idx))
         .collect::<Result<Vec<_>>>()?;
-    let mut actor = ActorWorker::new(policy, cfg.actor_rollout_ref.actor.clone(), 1)?;
+    let mut actor = ActorWorker::new(policy, actor_config(cfg), 1)?;
     if let Some(g) = group {
         actor = actor.with_group(g.clone())?;
     }
@@ -1234,11 +1236,17 @@ impl BatchSource for PreferenceSource {
 
 /// The actor of the pair trainers: one optimiser step per `ppo_mini_batch_size` pairs.
 fn pair_actor(cfg: &ExperimentConfig, policy: SharedPolicy) -> Result<ActorWorker> {
-    Ok(ActorWorker::new(
-        policy,
-        cfg.actor_rollout_ref.actor.clone(),
-        2,
-    )?)
+    Ok(ActorWorker::new(policy, actor_config(cfg), 2)?)
+}
+
+/// The actor's worker config: `actor_rollout_ref.actor`, with `use_remove_padding` from its
+/// verl place, `actor_rollout_ref.model`.
+fn actor_config(cfg: &ExperimentConfig) -> rl_workers::roles::ActorConfig {
+    let arr = &cfg.actor_rollout_ref;
+    rl_workers::roles::ActorConfig {
+        use_remove_padding: arr.model.use_remove_padding,
+        ..arr.actor.clone()
+    }
 }
 
 fn frozen_reference(
@@ -1248,10 +1256,11 @@ fn frozen_reference(
     if cfg.dpo.0.reference_free {
         return Ok(None);
     }
-    Ok(Some(Box::new(ReferenceWorker::from_policy(
-        policy,
-        cfg.actor_rollout_ref.ref_micro_batch_size,
-    )?)))
+    let arr = &cfg.actor_rollout_ref;
+    Ok(Some(Box::new(
+        ReferenceWorker::from_policy(policy, arr.ref_micro_batch_size)?
+            .with_remove_padding(arr.model.use_remove_padding),
+    )))
 }
 
 /// Builds offline DPO on `preference_data`.
@@ -1425,11 +1434,15 @@ pub fn build_spin_in(
     let start = cfg.actor_rollout_ref.model.path.clone();
     let kind = cfg.actor_rollout_ref.model.dtype.kind();
     let micro = cfg.actor_rollout_ref.ref_micro_batch_size;
+    let packed = cfg.actor_rollout_ref.model.use_remove_padding;
     let make_reference: ReferenceFactory = Box::new(move |init| {
-        Ok(Box::new(match init {
-            RefInit::Initial => ReferenceWorker::from_pretrained(&start, device, kind, micro)?,
-            RefInit::Policy => ReferenceWorker::from_policy(&policy, micro)?,
-        }) as Box<dyn Reference>)
+        Ok(Box::new(
+            match init {
+                RefInit::Initial => ReferenceWorker::from_pretrained(&start, device, kind, micro)?,
+                RefInit::Policy => ReferenceWorker::from_policy(&policy, micro)?,
+            }
+            .with_remove_padding(packed),
+        ) as Box<dyn Reference>)
     });
     let reward = RuleReward::new(tokenizer.clone(), rule_rewards(cfg)?);
     let trainer = SpinTrainer::new(

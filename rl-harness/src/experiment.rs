@@ -227,6 +227,11 @@ pub struct ModelConfig {
     /// A PEFT adapter folder (`adapter_config.json`, `adapter_model.safetensors`) to continue
     /// training from; its rank, alpha and targets are used. Default none.
     pub lora_adapter_path: Option<PathBuf>,
+    /// verl's `use_remove_padding`: the actor's and the reference's forward passes run on the
+    /// real tokens packed into rows (each sequence attending only to itself, positions
+    /// restarting), and the LM head only where a response token is read; the same log-probs
+    /// up to rounding, less work when lengths differ (docs/perf.md). Default false.
+    pub use_remove_padding: bool,
 }
 
 impl Default for ModelConfig {
@@ -241,6 +246,7 @@ impl Default for ModelConfig {
             exclude_modules: None,
             lora_dropout: lora.dropout,
             lora_adapter_path: None,
+            use_remove_padding: false,
         }
     }
 }
@@ -321,6 +327,9 @@ pub struct CriticModelConfig {
     pub exclude_modules: Option<Vec<String>>,
     /// Dropout on the adapters' input during updates. Default 0.
     pub lora_dropout: f64,
+    /// verl's `use_remove_padding` for the critic's forward passes (see
+    /// `actor_rollout_ref.model.use_remove_padding`). Default false.
+    pub use_remove_padding: bool,
 }
 
 impl Default for CriticModelConfig {
@@ -333,6 +342,7 @@ impl Default for CriticModelConfig {
             target_modules: lora.target_modules,
             exclude_modules: None,
             lora_dropout: lora.dropout,
+            use_remove_padding: false,
         }
     }
 }

@@ -424,11 +424,23 @@ impl ValueModel {
         let hidden = self
             .model
             .forward(input_ids, attention_mask, position_ids, None)?;
-        Ok(self
-            .score
-            .forward(&hidden)
+        Ok(self.values(&hidden))
+    }
+
+    /// Applies the value head to hidden states.
+    ///
+    /// # Shapes
+    /// - `hidden`: `[..., hidden]`; returns values `[...]` f32
+    pub fn values(&self, hidden: &Tensor) -> Tensor {
+        self.score
+            .forward(hidden)
             .squeeze_dim(-1)
-            .to_kind(Kind::Float))
+            .to_kind(Kind::Float)
+    }
+
+    /// The decoder stack (for a packed forward, [`Model::forward_packed`]).
+    pub fn model(&self) -> &Model {
+        &self.model
     }
 
     /// The hyper-parameters.

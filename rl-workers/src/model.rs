@@ -795,6 +795,25 @@ fn attention_mask_4d(attention_mask: &Tensor, seq_len: i64, past: i64) -> Tensor
         .logical_or(&own.unsqueeze(0).unsqueeze(0))
 }
 
+/// The `[rows, 1, width, width]` boolean mask of packed rows: a query sees the keys of its own
+/// sequence (equal segment id, not 0) up to itself, and always itself (so padding stays
+/// finite).
+fn packed_mask_4d(segment_ids: &Tensor) -> Tensor {
+    let device = segment_ids.device();
+    let width = segment_ids.size()[1];
+    let pos = Tensor::arange(width, (Kind::Int64, device));
+    let causal = pos.unsqueeze(0).le_tensor(&pos.unsqueeze(1));
+    let own = pos.unsqueeze(0).eq_tensor(&pos.unsqueeze(1));
+    let same = segment_ids
+        .unsqueeze(2)
+        .eq_tensor(&segment_ids.unsqueeze(1));
+    let real = segment_ids.ne(0).unsqueeze(1);
+    same.logical_and(&real)
+        .logical_and(&causal.unsqueeze(0))
+        .logical_or(&own.unsqueeze(0))
+        .unsqueeze(1)
+}
+
 impl Model {
     /// Builds the stack under `p` (normally `root / "model"`), with Hugging Face's normal init.
     pub fn new(p: VarPath, cfg: &Config) -> Result<Model> {
@@ -1006,23 +1025,59 @@ impl Model {
                 ),
             ));
         }
+        let mask = attention_mask_4d(attention_mask, s, past);
+        Ok(self.run_layers(input_ids, position_ids, &mask, cache))
+    }
+
+    /// Forward of sequences packed into rows without padding (verl's `use_remove_padding`):
+    /// each row holds whole sequences one after another, each attending only to itself
+    /// (causally), with its own positions; the tail of a row is padding (segment 0). The
+    /// hidden state of a token is its padded forward's, up to rounding.
+    ///
+    /// # Shapes
+    /// - `input_ids`: `[rows, width]` i64
+    /// - `segment_ids`: `[rows, width]` i64: 0 = padding, else the id of the token's sequence,
+    ///   whose tokens are contiguous in the row
+    /// - `position_ids`: `[rows, width]` i64, restarting with each sequence
+    /// - returns hidden states `[rows, width, hidden]` after the final norm, in the model dtype
+    pub fn forward_packed(
+        &self,
+        input_ids: &Tensor,
+        segment_ids: &Tensor,
+        position_ids: &Tensor,
+    ) -> Result<Tensor> {
+        self.check_inputs(input_ids, segment_ids, position_ids, 0)?;
+        let mask = packed_mask_4d(segment_ids);
+        Ok(self.run_layers(input_ids, position_ids, &mask, None))
+    }
+
+    /// Embeds `input_ids` and runs every layer under the boolean attention `mask`
+    /// (`[batch, 1, seq_len, kv_len]`), through `cache` when given; then the final norm.
+    fn run_layers(
+        &self,
+        input_ids: &Tensor,
+        position_ids: &Tensor,
+        mask: &Tensor,
+        cache: Option<&mut KvCache>,
+    ) -> Tensor {
+        let past = cache.as_ref().map_or(0, |c| c.len);
+        let s = input_ids.size()[1];
         let kind = self.embed_tokens.kind();
         let mut xs = Tensor::embedding(&self.embed_tokens, input_ids, -1, false, false);
         let rope = self.rope(position_ids, kind);
-        let mask = attention_mask_4d(attention_mask, s, past);
         match cache {
             Some(c) => {
                 for (i, layer) in self.layers.iter().enumerate() {
-                    xs = layer.forward(&xs, &rope, &mask, Some((&c.keys[i], &c.values[i], past)));
+                    xs = layer.forward(&xs, &rope, mask, Some((&c.keys[i], &c.values[i], past)));
                 }
                 c.len += s;
             }
             None => {
                 for layer in &self.layers {
-                    xs = layer.forward(&xs, &rope, &mask, None);
+                    xs = layer.forward(&xs, &rope, mask, None);
                 }
             }
         }
-        Ok(self.norm.forward(&xs))
+        self.norm.forward(&xs)
     }
 }

@@ -129,12 +129,6 @@ const FOREIGN: &[(&str, Foreign)] = &[
         Foreign::NoEffect("there are no fused kernels to choose"),
     ),
     (
-        "actor_rollout_ref.model.use_remove_padding",
-        Foreign::NoEffect(
-            "sequences are padded (no padding removal yet): the result is the same, the speed lower",
-        ),
-    ),
-    (
         "actor_rollout_ref.ref.fsdp_config.",
         Foreign::NoEffect(NO_FSDP),
     ),
@@ -223,10 +217,6 @@ const FOREIGN: &[(&str, Foreign)] = &[
     (
         "critic.model.trust_remote_code",
         Foreign::NoEffect("only the built-in Llama and Qwen2 model code is ever run"),
-    ),
-    (
-        "critic.model.use_remove_padding",
-        Foreign::NoEffect("sequences are padded (no padding removal yet)"),
     ),
     ("critic.strategy", Foreign::NoEffect(NO_FSDP)),
     (

@@ -379,6 +379,7 @@ impl Actor for ActorWorker {
     ) -> rl_core::Result<Batch> {
         let lm = lock(&self.lm, "actor")?;
         let temperature = meta_f64(batch, "temperature", 1.0);
+        let packed = self.cfg.use_remove_padding;
         let outs = no_grad_per_micro(
             batch,
             self.cfg.log_prob_micro_batch_size_per_gpu,
@@ -386,7 +387,7 @@ impl Actor for ActorWorker {
                 .use_dynamic_bsz
                 .then_some(self.cfg.log_prob_max_token_len_per_gpu),
             |m| {
-                let out = micro::log_probs_with(&lm, m, temperature, extras)?;
+                let out = micro::log_probs_with(&lm, m, temperature, extras, packed)?;
                 Ok(std::iter::once(out.log_prob)
                     .chain(out.entropy)
                     .chain(out.sum_pi_squared)
@@ -419,6 +420,7 @@ impl Actor for ActorWorker {
         let lm = lock(&self.lm, "actor")?;
         let temperature = meta_f64(batch, "temperature", 1.0);
         let entropy = objective.needs_entropy();
+        let packed = self.cfg.use_remove_padding;
         // LoRA dropout: one mask seed per micro-batch, a function of the optimiser's step (so
         // a resumed run drops what the uninterrupted one did)
         let base_seed = (self.optim.counters().steps as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
@@ -433,7 +435,8 @@ impl Actor for ActorWorker {
             |micro, info| {
                 micro_index += 1;
                 lm.set_lora_dropout_seed(Some(base_seed.wrapping_add(micro_index)));
-                let (log_prob, entropy) = micro::log_probs(&lm, micro, temperature, entropy)?;
+                let (log_prob, entropy) =
+                    micro::log_probs(&lm, micro, temperature, entropy, packed)?;
                 objective.loss(micro, &PolicyOutput { log_prob, entropy }, info)
             },
         );
@@ -690,6 +693,8 @@ fn insert_turn_stats(batch: &mut Batch, stats: &[TurnStats], env: &ToolEnv) -> r
 pub struct ReferenceWorker {
     lm: RefModel,
     micro_batch_size: Option<usize>,
+    /// Packed forwards (verl's `use_remove_padding`).
+    packed: bool,
 }
 
 #[derive(Debug)]
@@ -712,6 +717,7 @@ impl ReferenceWorker {
             return Ok(ReferenceWorker {
                 lm: RefModel::BaseOf(policy.clone()),
                 micro_batch_size,
+                packed: false,
             });
         }
         let mut lm =
@@ -721,7 +727,15 @@ impl ReferenceWorker {
         Ok(ReferenceWorker {
             lm: RefModel::Own(Box::new(lm)),
             micro_batch_size,
+            packed: false,
         })
+    }
+
+    /// Runs the reference's forwards on the real tokens packed into rows (verl's
+    /// `use_remove_padding`); the log-probs equal the padded ones up to rounding.
+    pub fn with_remove_padding(mut self, packed: bool) -> Self {
+        self.packed = packed;
+        self
     }
 
     /// Whether the reference is the LoRA policy's base model rather than a copy.
@@ -741,6 +755,7 @@ impl ReferenceWorker {
         Ok(ReferenceWorker {
             lm: RefModel::Own(Box::new(lm)),
             micro_batch_size,
+            packed: false,
         })
     }
 }
@@ -748,10 +763,10 @@ impl ReferenceWorker {
 impl Reference for ReferenceWorker {
     fn compute_ref_log_prob(&mut self, batch: &Batch) -> rl_core::Result<Batch> {
         let temperature = meta_f64(batch, "temperature", 1.0);
-        let micro_batch_size = self.micro_batch_size;
+        let (micro_batch_size, packed) = (self.micro_batch_size, self.packed);
         let run = |lm: &CausalLm| {
             no_grad_per_micro(batch, micro_batch_size, None, |m| {
-                Ok(vec![micro::log_probs(lm, m, temperature, false)?.0])
+                Ok(vec![micro::log_probs(lm, m, temperature, false, packed)?.0])
             })
         };
         let outs = match &self.lm {

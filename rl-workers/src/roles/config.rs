@@ -216,6 +216,11 @@ pub struct ActorConfig {
     /// `zero_stage`): 0 every rank holds everything, 1 AdamW's moments and the master weights
     /// are split over the ranks, 2 the gradients too. Default 0. Ignored on one rank.
     pub zero_stage: u8,
+    /// Forward passes on the real tokens packed into rows, without padding (verl's
+    /// `use_remove_padding`, set from `actor_rollout_ref.model.use_remove_padding`); the results equal the padded forward's up
+    /// to rounding. Default false.
+    #[serde(skip)]
+    pub use_remove_padding: bool,
 }
 
 impl Default for ActorConfig {
@@ -234,6 +239,7 @@ impl Default for ActorConfig {
             optim: OptimConfig::default(),
             mixed_precision: MixedPrecision::default(),
             zero_stage: 0,
+            use_remove_padding: false,
         }
     }
 }
@@ -320,6 +326,11 @@ pub struct CriticConfig {
     /// `zero_stage`): 0 every rank holds everything, 1 AdamW's moments and the master weights
     /// are split over the ranks, 2 the gradients too. Default 0. Ignored on one rank.
     pub zero_stage: u8,
+    /// Forward passes on the real tokens packed into rows, without padding (verl's
+    /// `use_remove_padding`, set from `critic.model.use_remove_padding`); the results equal the padded forward's up
+    /// to rounding. Default false.
+    #[serde(skip)]
+    pub use_remove_padding: bool,
 }
 
 impl Default for CriticConfig {
@@ -339,6 +350,7 @@ impl Default for CriticConfig {
             },
             mixed_precision: MixedPrecision::default(),
             zero_stage: 0,
+            use_remove_padding: false,
         }
     }
 }
@@ -375,6 +387,7 @@ impl CriticConfig {
             optim: self.optim.clone(),
             mixed_precision: self.mixed_precision.clone(),
             zero_stage: self.zero_stage,
+            use_remove_padding: self.use_remove_padding,
         }
     }
 

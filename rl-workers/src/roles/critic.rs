@@ -116,7 +116,11 @@ impl Critic for CriticWorker {
         let mut parts = Vec::new();
         let mut order = Vec::new();
         for m in micros {
-            parts.push(micro::values(&self.model, &m.batch)?);
+            parts.push(micro::values(
+                &self.model,
+                &m.batch,
+                self.cfg.use_remove_padding,
+            )?);
             order.push(m.rows);
         }
         let mut out = Batch::new();
@@ -131,6 +135,7 @@ impl Critic for CriticWorker {
     ) -> rl_core::Result<Metrics> {
         let cfg = self.cfg.as_actor();
         let model = &self.model;
+        let packed = self.cfg.use_remove_padding;
         update_loop_dp(
             &cfg,
             self.rollout_n,
@@ -139,7 +144,7 @@ impl Critic for CriticWorker {
             "critic",
             self.group.as_ref(),
             |m, info| {
-                let v = micro::values(model, m)?;
+                let v = micro::values(model, m, packed)?;
                 objective.loss(m, &v, info)
             },
         )

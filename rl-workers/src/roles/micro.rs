@@ -3,7 +3,7 @@
 
 use rl_core::roles::{LogProbExtras, Metrics, MiniBatchInfo};
 use rl_core::{Batch, keys};
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
 use crate::heads::{CausalLm, ValueModel};
 use crate::roles::role_err;
@@ -199,6 +199,135 @@ fn pad_back(t: Tensor, tr: &Trimmed) -> Tensor {
     t * tr.response_mask.to_kind(Kind::Float)
 }
 
+/// A trimmed micro-batch's real tokens packed into rows without padding (verl's
+/// `use_remove_padding`), for [`Model::forward_packed`](crate::Model::forward_packed): each
+/// sequence whole in one row, rows as wide as the longest sequence, filled first-fit in order
+/// of decreasing length.
+struct Packed {
+    input_ids: Tensor,
+    segment_ids: Tensor,
+    position_ids: Tensor,
+    /// Per response position `(b, k)` the loss reads (`response_mask` set), in row-major
+    /// order: the flat index (`row * width + column`) in the packed rows of the hidden state
+    /// that predicts it.
+    predictors: Tensor,
+    /// The matching flat indices `b * keep + k` in the `[batch, keep]` output.
+    targets: Tensor,
+}
+
+/// Packs `tr` (see [`Packed`]); a response token whose predecessor is not a real token (never
+/// made by the rollout) is an error.
+fn pack(tr: &Trimmed) -> rl_core::Result<Packed> {
+    let (b, w) = (tr.input_ids.size()[0], tr.input_ids.size()[1]);
+    let flat_i64 = |t: &Tensor| Vec::<i64>::try_from(t.to_device(Device::Cpu).reshape([-1]));
+    let ids = flat_i64(&tr.input_ids)?;
+    let mask = flat_i64(&tr.attention_mask.ne(0).to_kind(Kind::Int64))?;
+    let pos = flat_i64(&tr.position_ids)?;
+    let seqs: Vec<Vec<usize>> = (0..b as usize)
+        .map(|r| {
+            (0..w as usize)
+                .map(|c| r * w as usize + c)
+                .filter(|&i| mask[i] != 0)
+                .collect()
+        })
+        .collect();
+    let width = seqs.iter().map(Vec::len).max().unwrap_or(1).max(1);
+    let mut order: Vec<usize> = (0..seqs.len()).collect();
+    order.sort_by(|&x, &y| seqs[y].len().cmp(&seqs[x].len()).then(x.cmp(&y)));
+    // first fit, decreasing: (used, row) per packed row
+    let mut fill: Vec<usize> = Vec::new();
+    let mut place = vec![(0usize, 0usize); seqs.len()];
+    for &sq in &order {
+        let n = seqs[sq].len();
+        let row = match fill.iter().position(|&used| used + n <= width) {
+            Some(r) => r,
+            None => {
+                fill.push(0);
+                fill.len() - 1
+            }
+        };
+        place[sq] = (row, fill[row]);
+        fill[row] += n;
+    }
+    let rows = fill.len().max(1);
+    let mut p_ids = vec![0i64; rows * width];
+    let mut p_seg = vec![0i64; rows * width];
+    let mut p_pos = vec![0i64; rows * width];
+    // where each padded (b, column) real token went
+    let mut at = vec![-1i64; (b * w) as usize];
+    for (sq, toks) in seqs.iter().enumerate() {
+        let (row, start) = place[sq];
+        for (j, &i) in toks.iter().enumerate() {
+            let dst = row * width + start + j;
+            p_ids[dst] = ids[i];
+            p_seg[dst] = sq as i64 + 1;
+            p_pos[dst] = pos[i];
+            at[i] = dst as i64;
+        }
+    }
+    let rmask = Vec::<f64>::try_from(
+        tr.response_mask
+            .narrow(1, 0, tr.keep)
+            .to_device(Device::Cpu)
+            .to_kind(Kind::Double)
+            .reshape([-1]),
+    )?;
+    let (mut predictors, mut targets) = (Vec::new(), Vec::new());
+    for r in 0..b {
+        for k in 0..tr.keep {
+            if rmask[(r * tr.keep + k) as usize] == 0.0 {
+                continue;
+            }
+            let src = at[(r * w + tr.first + k) as usize];
+            if src < 0 {
+                return Err(rl_core::Error::InvalidArgument {
+                    name: "use_remove_padding",
+                    reason: format!(
+                        "row {r}: response token {k} follows a padding position, which a packed forward does not compute"
+                    ),
+                });
+            }
+            predictors.push(src);
+            targets.push(r * tr.keep + k);
+        }
+    }
+    let t = |v: Vec<i64>| Tensor::from_slice(&v).view([rows as i64, width as i64]);
+    Ok(Packed {
+        input_ids: t(p_ids),
+        segment_ids: t(p_seg),
+        position_ids: t(p_pos),
+        predictors: Tensor::from_slice(&predictors),
+        targets: Tensor::from_slice(&targets),
+    })
+}
+
+impl Packed {
+    /// The hidden states predicting the read response tokens, `[n, hidden]`, from the packed
+    /// forward of `model`.
+    fn predicting_states(&self, model: &crate::Model, device: Device) -> rl_core::Result<Tensor> {
+        let hidden = model
+            .forward_packed(
+                &self.input_ids.to_device(device),
+                &self.segment_ids.to_device(device),
+                &self.position_ids.to_device(device),
+            )
+            .map_err(role_err("actor"))?;
+        let h = hidden.size()[2];
+        Ok(hidden
+            .reshape([-1, h])
+            .index_select(0, &self.predictors.to_device(device)))
+    }
+
+    /// `[n]` values at the read positions as the `[batch, keep]` tensor of `tr` (zeros
+    /// elsewhere).
+    fn unpack(&self, values: &Tensor, tr: &Trimmed) -> Tensor {
+        let b = tr.input_ids.size()[0];
+        Tensor::zeros([b * tr.keep], (values.kind(), values.device()))
+            .index_copy(0, &self.targets.to_device(values.device()), values)
+            .view([b, tr.keep])
+    }
+}
+
 /// Log-probs of `responses` (and per-token entropy) under `lm`, logits divided by
 /// `temperature`, zero at masked positions. Gradients flow when the caller allows them.
 ///
@@ -211,12 +340,13 @@ pub(crate) fn log_probs(
     micro: &Batch,
     temperature: f64,
     with_entropy: bool,
+    packed: bool,
 ) -> rl_core::Result<(Tensor, Option<Tensor>)> {
     let extras = LogProbExtras {
         entropy: with_entropy,
         sum_pi_squared: false,
     };
-    let out = log_probs_with(lm, micro, temperature, extras)?;
+    let out = log_probs_with(lm, micro, temperature, extras, packed)?;
     Ok((out.log_prob, out.entropy))
 }
 
@@ -230,39 +360,66 @@ pub(crate) struct LogProbOutputs {
 /// [`log_probs`] with the extras asked for: entropy, and `Σπ²` over the vocabulary
 /// (verl's `calculate_sum_pi_squared_from_logits`, `exp(logsumexp(2 logits) − 2 logsumexp(logits))`
 /// of the temperature-scaled logits).
+///
+/// `packed` (verl's `use_remove_padding`) runs the model on the real tokens packed into rows
+/// ([`Model::forward_packed`](crate::Model::forward_packed)) and the head only on the states
+/// that predict a read response token; the result equals the padded forward's up to rounding.
 pub(crate) fn log_probs_with(
     lm: &CausalLm,
     micro: &Batch,
     temperature: f64,
     extras: LogProbExtras,
+    packed: bool,
 ) -> rl_core::Result<LogProbOutputs> {
     let tr = trim(micro)?;
     let device = lm.device();
-    let hidden = lm
-        .model()
-        .forward(
-            &tr.input_ids.to_device(device),
-            &tr.attention_mask.to_device(device),
-            &tr.position_ids.to_device(device),
-            None,
-        )
-        .map_err(role_err("actor"))?;
-    // [batch, seq_len, hidden] -> [batch, keep, hidden]: the states predicting response tokens
-    let hidden = hidden.narrow(1, tr.first, tr.keep);
+    let packing = if packed { Some(pack(&tr)?) } else { None };
+    // the states predicting response tokens: [batch, keep, hidden], or packed [n, hidden]
+    let (hidden, responses) = match &packing {
+        Some(p) => {
+            let resp = tr
+                .responses
+                .reshape([-1])
+                .index_select(0, &p.targets)
+                .to_device(device);
+            (p.predicting_states(lm.model(), device)?, resp)
+        }
+        None => {
+            let hidden = lm
+                .model()
+                .forward(
+                    &tr.input_ids.to_device(device),
+                    &tr.attention_mask.to_device(device),
+                    &tr.position_ids.to_device(device),
+                    None,
+                )
+                .map_err(role_err("actor"))?;
+            (
+                hidden.narrow(1, tr.first, tr.keep),
+                tr.responses.to_device(device),
+            )
+        }
+    };
     let mut logits = lm.logits(&hidden).to_kind(Kind::Float);
     if temperature != 1.0 {
         logits /= temperature;
     }
     let log_softmax = logits.log_softmax(-1, Kind::Float);
     let lp = log_softmax
-        .gather(-1, &tr.responses.to_device(device).unsqueeze(-1), false)
+        .gather(-1, &responses.unsqueeze(-1), false)
         .squeeze_dim(-1);
     let entropy = extras.entropy.then(|| {
         let p = log_softmax.exp();
         -(p * &log_softmax).sum_dim_intlist([-1].as_slice(), false, Kind::Float)
     });
     let sum_pi_squared = extras.sum_pi_squared.then(|| sum_pi_squared(&logits));
-    let back = |t: Tensor| pad_back(t.to_device(tr.response_mask.device()), &tr);
+    let back = |t: Tensor| {
+        let t = match &packing {
+            Some(p) => p.unpack(&t, &tr),
+            None => t,
+        };
+        pad_back(t.to_device(tr.response_mask.device()), &tr)
+    };
     Ok(LogProbOutputs {
         log_prob: back(lp),
         entropy: entropy.map(back),
@@ -306,9 +463,15 @@ const SUM_PI_SQUARED_CHUNK: i64 = 1 << 24;
 ///
 /// # Shapes
 /// - as [`log_probs`]; returns `[batch, response_len]` f32
-pub(crate) fn values(critic: &ValueModel, micro: &Batch) -> rl_core::Result<Tensor> {
+pub(crate) fn values(critic: &ValueModel, micro: &Batch, packed: bool) -> rl_core::Result<Tensor> {
     let tr = trim(micro)?;
     let device = critic.var_store().device();
+    if packed {
+        let p = pack(&tr)?;
+        let v = critic.values(&p.predicting_states(critic.model(), device)?);
+        let v = p.unpack(&v, &tr).to_device(tr.response_mask.device());
+        return Ok(pad_back(v, &tr));
+    }
     let v = critic
         .forward(
             &tr.input_ids.to_device(device),

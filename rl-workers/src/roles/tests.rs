@@ -165,7 +165,7 @@ fn rollout_carries_columns_and_shares_the_actors_weights() {
     // the rollout holds the same tensors: its log-probs of a fixed sequence moved with the update
     let again = actor.compute_log_prob(&before, false).unwrap();
     let lm = policy.lock().unwrap();
-    let direct = tch::no_grad(|| micro::log_probs(&lm, &before, 1.0, false).unwrap().0);
+    let direct = tch::no_grad(|| micro::log_probs(&lm, &before, 1.0, false, false).unwrap().0);
     assert!(
         again
             .get(keys::OLD_LOG_PROBS)
@@ -351,4 +351,143 @@ fn the_progress_hook_sees_every_decode_step_of_a_generation() {
         .sum(tch::Kind::Int64)
         .int64_value(&[]);
     assert_eq!(last.generated_tokens, produced);
+}
+
+/// 8 rows of skewed lengths (one 24-token response, the others 1 to 3 tokens; prompts of 2 to
+/// 9 tokens, left-padded): the layout the rollout makes, with advantages and returns.
+fn skewed_batch() -> Batch {
+    let _generator = crate::hold_generator();
+    tch::manual_seed(21);
+    let (rows, pw, rw) = (8i64, 9i64, 24i64);
+    let prompt_lens = [2i64, 9, 4, 6, 3, 8, 5, 7];
+    let response_lens = [24i64, 2, 1, 3, 2, 1, 3, 2];
+    let ids = Tensor::randint_low(3, 100, [rows, pw + rw], (Kind::Int64, Device::Cpu));
+    let mut mask = vec![0i64; (rows * (pw + rw)) as usize];
+    let mut rmask = vec![0f32; (rows * rw) as usize];
+    for r in 0..rows as usize {
+        for c in 0..(pw + rw) as usize {
+            let in_prompt = c < pw as usize && c >= (pw - prompt_lens[r]) as usize;
+            let in_response = c >= pw as usize && c < (pw + response_lens[r]) as usize;
+            if in_prompt || in_response {
+                mask[r * (pw + rw) as usize + c] = 1;
+            }
+            if in_response {
+                rmask[r * rw as usize + c - pw as usize] = 1.0;
+            }
+        }
+    }
+    let mask = Tensor::from_slice(&mask).view([rows, pw + rw]);
+    let rmask = Tensor::from_slice(&rmask).view([rows, rw]);
+    let ids = ids * &mask;
+    let pos = (mask.cumsum(1, Kind::Int64) - 1).clamp_min(0);
+    let mut b = Batch::new();
+    b.insert(keys::RESPONSES, ids.narrow(1, pw, rw)).unwrap();
+    b.insert(keys::INPUT_IDS, ids).unwrap();
+    b.insert(keys::ATTENTION_MASK, mask).unwrap();
+    b.insert(keys::POSITION_IDS, pos).unwrap();
+    b.insert(
+        keys::ADVANTAGES,
+        Tensor::randn([rows, rw], (Kind::Float, Device::Cpu)) * &rmask,
+    )
+    .unwrap();
+    b.insert(
+        keys::RETURNS,
+        Tensor::randn([rows, rw], (Kind::Float, Device::Cpu)) * &rmask,
+    )
+    .unwrap();
+    b.insert(keys::RESPONSE_MASK, rmask).unwrap();
+    b
+}
+
+#[test]
+fn packed_forwards_equal_padded_ones_on_skewed_lengths() {
+    let batch = skewed_batch();
+    let mut batch_t = batch.shallow_clone();
+    batch_t
+        .meta_info_mut()
+        .insert("temperature".into(), 0.7.into());
+    let close = |a: &Tensor, b: &Tensor, what: &str| {
+        let d = (a - b).abs().max().double_value(&[]);
+        assert!(d < 1e-5, "{what}: packed differs from padded by {d}");
+        d
+    };
+    let base = tiny_policy(4);
+    let mut runs = Vec::new();
+    for packed in [false, true] {
+        let p = copy_of(&base);
+        let mut cfg = actor_cfg(Some(3), false);
+        cfg.ppo_mini_batch_size = 4;
+        cfg.use_remove_padding = packed;
+        let mut actor = ActorWorker::new(p.clone(), cfg, 2).unwrap();
+        let lp = actor.compute_log_prob(&batch_t, true).unwrap();
+        let mut reference = ReferenceWorker::from_policy(&p, Some(5))
+            .unwrap()
+            .with_remove_padding(packed);
+        let rlp = reference.compute_ref_log_prob(&batch_t).unwrap();
+        actor.update(&batch, &TokenMeanPg).unwrap();
+        let critic_model = {
+            let _generator = crate::hold_generator();
+            tch::manual_seed(9);
+            ValueModel::new(&Config::tiny(), Device::Cpu, Kind::Float).unwrap()
+        };
+        let ccfg = CriticConfig {
+            ppo_mini_batch_size: 4,
+            ppo_micro_batch_size_per_gpu: Some(3),
+            use_remove_padding: packed,
+            ..CriticConfig::default()
+        };
+        let mut critic = CriticWorker::new(critic_model, ccfg, 2).unwrap();
+        let v = critic.compute_values(&batch).unwrap();
+        critic.update(&batch, &Mse).unwrap();
+        let cparams: Vec<(String, Tensor)> = {
+            let mut v: Vec<_> = critic
+                .model()
+                .var_store()
+                .variables()
+                .into_iter()
+                .map(|(k, t)| (k, t.copy()))
+                .collect();
+            v.sort_by(|a, b| a.0.cmp(&b.0));
+            v
+        };
+        runs.push((lp, rlp, v, params(&p), cparams));
+    }
+    let (pad, pk) = (&runs[0], &runs[1]);
+    let mask = batch.get(keys::RESPONSE_MASK).unwrap();
+    let lp = close(
+        pad.0.get(keys::OLD_LOG_PROBS).unwrap(),
+        pk.0.get(keys::OLD_LOG_PROBS).unwrap(),
+        "log-probs",
+    );
+    close(
+        pad.0.get(keys::ENTROPYS).unwrap(),
+        pk.0.get(keys::ENTROPYS).unwrap(),
+        "entropy",
+    );
+    close(
+        pad.1.get(keys::REF_LOG_PROB).unwrap(),
+        pk.1.get(keys::REF_LOG_PROB).unwrap(),
+        "reference log-probs",
+    );
+    close(
+        pad.2.get(keys::VALUES).unwrap(),
+        pk.2.get(keys::VALUES).unwrap(),
+        "values",
+    );
+    // zero where the mask is, like the padded outputs
+    let off: Tensor = pk.0.get(keys::OLD_LOG_PROBS).unwrap() * (mask.ones_like() - mask);
+    assert_eq!(off.abs().max().double_value(&[]), 0.0);
+    // and the same update: the actor's and the critic's weights
+    let (da, dc) = (max_diff(&pad.3, &pk.3), max_diff(&pad.4, &pk.4));
+    println!(
+        "packed vs padded: log-probs {lp:.1e}, actor after an update {da:.1e}, critic {dc:.1e}"
+    );
+    assert!(
+        da < 1e-6 && dc < 1e-6,
+        "updates differ: actor {da}, critic {dc}"
+    );
+    assert!(
+        max_diff(&pad.3, &params(&base)) > 1e-4,
+        "the update did not move the actor"
+    );
 }
