@@ -1089,8 +1089,8 @@ const DYNAMIC_TOKENS: usize = 24;
 /// An actor or critic of `case` at ZeRO `stage` over `group`, from the same initial weights
 /// on every process.
 enum ZeroRole {
-    Actor(ActorWorker, SharedPolicy),
-    Critic(CriticWorker),
+    Actor(Box<ActorWorker>, SharedPolicy),
+    Critic(Box<CriticWorker>),
 }
 
 impl ZeroRole {
@@ -1104,7 +1104,7 @@ impl ZeroRole {
             if let Some(g) = group {
                 c = c.with_group(g.clone()).unwrap();
             }
-            return ZeroRole::Critic(c);
+            return ZeroRole::Critic(Box::new(c));
         }
         let p = tiny_policy();
         let mut cfg = actor_cfg();
@@ -1137,7 +1137,7 @@ impl ZeroRole {
         if let Some(g) = group {
             a = a.with_group(g.clone()).unwrap();
         }
-        ZeroRole::Actor(a, p)
+        ZeroRole::Actor(Box::new(a), p)
     }
 
     fn update(&mut self, rows: &Batch) {
@@ -1187,6 +1187,9 @@ impl ZeroRole {
     }
 }
 
+/// A case's name, its weights and this rank's optimiser-state bytes.
+type ZeroOutcome = (String, Vec<(String, Tensor)>, i64);
+
 /// Two updates of every case at ZeRO `stage` on this process's rows of the fixed batch; each
 /// case's state is saved under `saves/<case>` (every rank calls save, rank 0 writes; rank 1
 /// is handed a folder that does not exist, which it must not need). Returns the weights and
@@ -1195,7 +1198,7 @@ fn zero_updates(
     group: Option<(&SharedCollective, usize, usize)>,
     stage: u8,
     saves: &Path,
-) -> Vec<(String, Vec<(String, Tensor)>, i64)> {
+) -> Vec<ZeroOutcome> {
     let batch = fixed_batch();
     let mine = my_rows(&batch, group);
     let rank = group.map_or(0, |g| g.1);
