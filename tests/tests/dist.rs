@@ -328,6 +328,24 @@ fn value_objective() -> ValueLoss {
     }
 }
 
+/// Seeded rank-4 LoRA adapters on every linear layer of `p`, without dropout (whose masks
+/// would follow each rank's rows).
+fn add_lora(p: &SharedPolicy) {
+    let _generator = rl_workers::hold_generator();
+    tch::manual_seed(8);
+    p.lock()
+        .unwrap()
+        .add_lora(&rl_workers::LoraConfig {
+            rank: 4,
+            alpha: 8.0,
+            target_modules: rl_workers::TargetModules::AllLinear,
+            exclude_modules: Vec::new(),
+            dropout: 0.0,
+            use_rslora: false,
+        })
+        .unwrap();
+}
+
 /// The rows of `batch` this rank updates on (all of them without a group).
 fn my_rows(batch: &Batch, group: Option<(&SharedCollective, usize, usize)>) -> Batch {
     match group {
@@ -360,19 +378,7 @@ fn run_updates(
         let p = tiny_policy();
         let mut cfg = actor_cfg();
         if case == "lora" {
-            let _generator = rl_workers::hold_generator();
-            tch::manual_seed(8);
-            p.lock()
-                .unwrap()
-                .add_lora(&rl_workers::LoraConfig {
-                    rank: 4,
-                    alpha: 8.0,
-                    target_modules: rl_workers::TargetModules::AllLinear,
-                    exclude_modules: Vec::new(),
-                    dropout: 0.0,
-                    use_rslora: false,
-                })
-                .unwrap();
+            add_lora(&p);
         } else {
             cfg.mixed_precision.param_dtype = rl_workers::roles::ParamDtype::Bf16;
         }
@@ -1119,19 +1125,7 @@ impl ZeroRole {
             cfg.ppo_max_token_len_per_gpu = DYNAMIC_TOKENS;
         }
         if case == "actor-lora" {
-            let _generator = rl_workers::hold_generator();
-            tch::manual_seed(8);
-            p.lock()
-                .unwrap()
-                .add_lora(&rl_workers::LoraConfig {
-                    rank: 4,
-                    alpha: 8.0,
-                    target_modules: rl_workers::TargetModules::AllLinear,
-                    exclude_modules: Vec::new(),
-                    dropout: 0.0,
-                    use_rslora: false,
-                })
-                .unwrap();
+            add_lora(&p);
         }
         let mut a = ActorWorker::new(p.clone(), cfg, N).unwrap();
         if let Some(g) = group {
