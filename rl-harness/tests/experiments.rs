@@ -114,9 +114,11 @@ fn catalogue_env() -> Env {
 
 /// LoRA and bf16 mixed precision through `harness train` for every trainer that takes them:
 /// SFT, DPO, online DPO, PPO with a LoRA critic, reward-model training; SPIN with LoRA is
-/// refused by key. A LoRA policy is exported merged with its adapter beside it.
+/// refused by key. A LoRA policy is exported merged with its adapter beside it. The policy
+/// trainers run packed (`use_remove_padding`, the critic's too), so packing goes through each
+/// of them with LoRA (and DPO's and PPO's with bf16) as well.
 #[test]
-fn lora_and_mixed_precision_train_every_trainer_through_the_cli() {
+fn lora_mixed_precision_and_packing_train_every_trainer_through_the_cli() {
     let env = catalogue_env();
     env.ok(&["model", "init-tiny", "models/tiny-llama-sft", "--seed", "7"]);
     const LORA: &[&str] = &[
@@ -125,6 +127,8 @@ fn lora_and_mixed_precision_train_every_trainer_through_the_cli() {
         "actor_rollout_ref.model.target_modules=[\"q_proj\",\"v_proj\",\"up_proj\"]",
     ];
     const BF16: &str = "actor_rollout_ref.actor.mixed_precision.param_dtype=bf16";
+    // packed forwards (verl's use_remove_padding) for the policy, its reference and the critic
+    const PACKED: &str = "actor_rollout_ref.model.use_remove_padding=true";
     let (exercised, (rt, store)) = (exercised(), env.store());
     let overrides = |name: &str| {
         exercised
@@ -137,17 +141,17 @@ fn lora_and_mixed_precision_train_every_trainer_through_the_cli() {
     let cases: Vec<(&str, Vec<&str>, bool)> = vec![
         (
             "quickstart_sft",
-            [overrides("quickstart_sft"), LORA.to_vec()].concat(),
+            [overrides("quickstart_sft"), LORA.to_vec(), vec![PACKED]].concat(),
             true,
         ),
         (
             "dpo",
-            [overrides("dpo"), LORA.to_vec(), vec![BF16]].concat(),
+            [overrides("dpo"), LORA.to_vec(), vec![BF16, PACKED]].concat(),
             true,
         ),
         (
             "online_dpo",
-            [overrides("online_dpo"), LORA.to_vec()].concat(),
+            [overrides("online_dpo"), LORA.to_vec(), vec![PACKED]].concat(),
             true,
         ),
         (
@@ -157,8 +161,10 @@ fn lora_and_mixed_precision_train_every_trainer_through_the_cli() {
                 LORA.to_vec(),
                 vec![
                     BF16,
+                    PACKED,
                     "critic.model.lora_rank=4",
                     "critic.mixed_precision.param_dtype=bf16",
+                    "critic.model.use_remove_padding=true",
                 ],
             ]
             .concat(),
