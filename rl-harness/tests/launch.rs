@@ -317,6 +317,8 @@ fn two_ranks_of_dapo_with_dynamic_sampling_follow_one_rank_over_three_steps() {
             "actor_rollout_ref.rollout.n=4",
             // most groups are dropped (6-8 generation batches a step): leave room
             "algorithm.filter_groups.max_num_gen_batches=20",
+            // and packed forwards for the actor and its reference, on both sides
+            "actor_rollout_ref.model.use_remove_padding=true",
         ],
     );
     let per_step = |key: &str| -> Vec<f64> {
