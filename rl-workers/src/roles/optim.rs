@@ -469,8 +469,9 @@ impl AdamW {
     pub fn save(&self, dir: &Path) -> Result<()> {
         let whole: Vec<(Tensor, Tensor, Option<Tensor>)> = match &self.sharded {
             Some(s) => {
-                let whole = s.gather(&self.params)?;
-                if rl_core::dist::lock(&s.group)?.rank() != 0 {
+                let writer = rl_core::dist::lock(&s.group)?.rank() == 0;
+                let whole = s.gather(&self.params, writer)?;
+                if !writer {
                     return Ok(());
                 }
                 whole
@@ -512,7 +513,7 @@ impl AdamW {
     /// takes part in gathering the state (a collective), otherwise nothing; it never writes.
     pub fn join_save(&self) -> rl_core::Result<()> {
         match &self.sharded {
-            Some(s) => s.gather(&self.params).map(drop),
+            Some(s) => s.gather(&self.params, false).map(drop),
             None => Ok(()),
         }
     }

@@ -427,10 +427,13 @@ impl Sharded {
     }
 
     /// The whole state, gathered from every rank (a collective): per parameter `i`, its
-    /// `(exp_avg, exp_avg_sq, master)`; every rank gets it, bucket by bucket.
+    /// `(exp_avg, exp_avg_sq, master)`, bucket by bucket. With `keep` false (a rank that does
+    /// not write) each bucket is dropped as soon as it has been exchanged, so such a rank never
+    /// holds more than one bucket of the whole state, and the result is empty.
     pub(crate) fn gather(
         &self,
         params: &[Tensor],
+        keep: bool,
     ) -> rl_core::Result<Vec<(Tensor, Tensor, Option<Tensor>)>> {
         let _guard = tch::no_grad_guard();
         let mut group = dist::lock(&self.group)?;
@@ -443,6 +446,9 @@ impl Sharded {
                 Some(ms) => Some(group.all_gather_flat(&ms[bi])?),
                 None => None,
             };
+            if !keep {
+                continue;
+            }
             for (&i, &off) in b.params.iter().zip(&b.offsets) {
                 let n = params[i].numel() as i64;
                 let shape = params[i].size();
