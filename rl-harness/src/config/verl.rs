@@ -75,8 +75,9 @@ pub enum Foreign {
 }
 
 const NO_FSDP: &str = "there is no FSDP here: each rank holds the whole model, and \
-                       `actor_rollout_ref.actor.zero_stage` (1 or 2) shards the optimizer \
-                       state and gradients over the ranks (docs/distributed.md, \"Sharding\")";
+                       `zero_stage` (1 or 2; `actor_rollout_ref.actor.`, `critic.` or \
+                       `reward_model.train.`) shards the optimizer state and gradients over the \
+                       ranks (docs/distributed.md, \"Sharding\")";
 const NO_VLLM: &str = "rollout runs on the built-in engine inside the trainer's process, not \
                        on vLLM or SGLang";
 const NO_SP: &str = "there is no sequence parallelism here";

@@ -171,6 +171,7 @@ impl ActorWorker {
         let stage =
             ZeroStage::from_config("actor_rollout_ref.actor.zero_stage", self.cfg.zero_stage)
                 .map_err(role_err("actor"))?;
+        self.optim.broadcast_masters(&mut *dist::lock(&group)?)?;
         self.optim.shard(group.clone(), stage)?;
         self.group = Some(group);
         Ok(self)
@@ -367,8 +368,10 @@ pub(crate) fn save_trained_state(
     if !writer {
         return optim.join_save();
     }
-    model(dir).map_err(role_err(role))?;
-    optim.save(dir).map_err(role_err(role))
+    // the optimiser first: under ZeRO its save is the collective the other ranks wait in, so
+    // they are released before rank 0 spends time (or fails) writing the model
+    optim.save(dir).map_err(role_err(role))?;
+    model(dir).map_err(role_err(role))
 }
 
 impl Actor for ActorWorker {

@@ -78,6 +78,7 @@ impl CriticWorker {
         broadcast_from_rank0(&group, &sorted_vars(self.model.var_store()))?;
         let stage = ZeroStage::from_config("critic.zero_stage", self.cfg.zero_stage)
             .map_err(role_err("critic"))?;
+        self.optim.broadcast_masters(&mut *dist::lock(&group)?)?;
         self.optim.shard(group.clone(), stage)?;
         self.group = Some(group);
         Ok(self)

@@ -304,14 +304,19 @@ fn pack(tr: &Trimmed) -> rl_core::Result<Packed> {
 impl Packed {
     /// The hidden states predicting the read response tokens, `[n, hidden]`, from the packed
     /// forward of `model`.
-    fn predicting_states(&self, model: &crate::Model, device: Device) -> rl_core::Result<Tensor> {
+    fn predicting_states(
+        &self,
+        model: &crate::Model,
+        device: Device,
+        role: &'static str,
+    ) -> rl_core::Result<Tensor> {
         let hidden = model
             .forward_packed(
                 &self.input_ids.to_device(device),
                 &self.segment_ids.to_device(device),
                 &self.position_ids.to_device(device),
             )
-            .map_err(role_err("actor"))?;
+            .map_err(role_err(role))?;
         let h = hidden.size()[2];
         Ok(hidden
             .reshape([-1, h])
@@ -380,9 +385,9 @@ pub(crate) fn log_probs_with(
             let resp = tr
                 .responses
                 .reshape([-1])
-                .index_select(0, &p.targets)
+                .index_select(0, &p.targets.to_device(tr.responses.device()))
                 .to_device(device);
-            (p.predicting_states(lm.model(), device)?, resp)
+            (p.predicting_states(lm.model(), device, "actor")?, resp)
         }
         None => {
             let hidden = lm
@@ -468,7 +473,7 @@ pub(crate) fn values(critic: &ValueModel, micro: &Batch, packed: bool) -> rl_cor
     let device = critic.var_store().device();
     if packed {
         let p = pack(&tr)?;
-        let v = critic.values(&p.predicting_states(critic.model(), device)?);
+        let v = critic.values(&p.predicting_states(critic.model(), device, "critic")?);
         let v = p.unpack(&v, &tr).to_device(tr.response_mask.device());
         return Ok(pad_back(v, &tr));
     }

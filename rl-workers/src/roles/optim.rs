@@ -175,6 +175,25 @@ impl AdamW {
         Ok(())
     }
 
+    /// Copies rank 0's float32 master weights to every rank (a collective; a no-op without
+    /// masters or on one rank): the masters were copied from each rank's weights before the
+    /// roles broadcast rank 0's, and the steps start from them.
+    pub fn broadcast_masters(
+        &mut self,
+        group: &mut dyn rl_core::dist::Collective,
+    ) -> rl_core::Result<()> {
+        let Some(m) = &mut self.master else {
+            return Ok(());
+        };
+        if group.world_size() == 1 {
+            return Ok(());
+        }
+        for w in &mut m.weights {
+            group.broadcast(w, 0)?;
+        }
+        Ok(())
+    }
+
     /// The ZeRO stage the state is split by ([`ZeroStage::Replicated`] when not sharded).
     pub fn zero_stage(&self) -> ZeroStage {
         self.sharded
@@ -190,9 +209,10 @@ impl AdamW {
             .is_some_and(Sharded::reduces_per_micro_batch)
     }
 
-    /// Bytes of optimiser state this rank holds: AdamW's moments, the float32 master weights
-    /// and gradient accumulators (with mixed precision), and under ZeRO stage 2 the owned
-    /// gradient part. The parameters and their own gradients are not counted.
+    /// Bytes of optimiser state this rank holds once it has stepped (replicated moments are
+    /// allocated by the first step): AdamW's moments, the float32 master weights and gradient
+    /// accumulators (with mixed precision), and under ZeRO stage 2 the owned gradient part. The
+    /// parameters and their own gradients are not counted.
     pub fn state_bytes(&self) -> i64 {
         if let Some(s) = &self.sharded {
             return s.state_bytes();
@@ -554,7 +574,12 @@ impl AdamW {
                         got: t.size(),
                     });
                 }
-                col.push(t.to_device(p.device()).to_kind(Kind::Float));
+                // kept on the host under ZeRO, where each rank moves only its part
+                col.push(if self.sharded.is_some() {
+                    t.to_kind(Kind::Float)
+                } else {
+                    t.to_device(p.device()).to_kind(Kind::Float)
+                });
             }
             per.push(col);
         }

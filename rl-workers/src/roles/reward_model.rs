@@ -398,6 +398,7 @@ impl RmWorker {
         )?;
         let stage = ZeroStage::from_config("reward_model.train.zero_stage", self.cfg.zero_stage)
             .map_err(role_err("reward_model"))?;
+        self.optim.broadcast_masters(&mut *dist::lock(&group)?)?;
         self.optim.shard(group.clone(), stage)?;
         self.group = Some(group);
         Ok(self)

@@ -4,7 +4,8 @@
 //! optimiser; see docs/distributed.md, "Sharding").
 //!
 //! The trained parameters, in name order, are grouped into buckets of at most
-//! [`BUCKET_ELEMS`] elements (25 MiB of float32, DDP's bucket size). A bucket is one flat
+//! [`BUCKET_ELEMS`] elements (25 MiB of float32, DDP's bucket size; a larger parameter, such
+//! as an embedding, is a bucket of its own). A bucket is one flat
 //! vector of its parameters, padded with zeros to a multiple of the world size, and rank `r`
 //! owns its elements `[r * part, (r + 1) * part)`. Each rank keeps the state of the elements it
 //! owns only, updates them, and the ranks all-gather the updated elements bucket by bucket, so
@@ -116,7 +117,9 @@ impl Bucket {
         for &i in &self.params {
             let v = value(i);
             parts.push(if v.defined() {
-                v.reshape([-1]).to_kind(Kind::Float)
+                v.reshape([-1])
+                    .to_kind(Kind::Float)
+                    .to_device(params[i].device())
             } else {
                 Tensor::zeros(
                     [params[i].numel() as i64],
@@ -191,7 +194,10 @@ pub(crate) struct StepConsts {
 }
 
 /// One AdamW update, in place, of the float32 weights `w` from the float32 gradient `g` and
-/// the moments `m`, `v` (torch.optim.AdamW's arithmetic, in its order).
+/// the moments `m`, `v`: torch.optim.AdamW's update (decoupled decay, bias-corrected moments,
+/// `eps` after the square root), written with plain multiply-adds where torch uses `lerp_` and
+/// `addcdiv_`, so the two can differ in the last bit; the sharded and unsharded paths share
+/// this one function and so agree exactly.
 pub(crate) fn adamw_(w: &mut Tensor, g: &Tensor, m: &mut Tensor, v: &mut Tensor, k: &StepConsts) {
     let _ = m.g_mul_scalar_(k.b1);
     let _ = m.g_add_(&(g * (1.0 - k.b1)));
@@ -427,7 +433,7 @@ impl Sharded {
     }
 
     /// The whole state, gathered from every rank (a collective): per parameter `i`, its
-    /// `(exp_avg, exp_avg_sq, master)`, bucket by bucket. With `keep` false (a rank that does
+    /// `(exp_avg, exp_avg_sq, master)` on the host, bucket by bucket. With `keep` false (a rank that does
     /// not write) each bucket is dropped as soon as it has been exchanged, so such a rank never
     /// holds more than one bucket of the whole state, and the result is empty.
     pub(crate) fn gather(
@@ -452,7 +458,13 @@ impl Sharded {
             for (&i, &off) in b.params.iter().zip(&b.offsets) {
                 let n = params[i].numel() as i64;
                 let shape = params[i].size();
-                let cut = |t: &Tensor| t.narrow(0, off, n).view(shape.as_slice()).copy();
+                // on the host: the writer collects the whole state there, not on the device
+                let cut = |t: &Tensor| {
+                    t.narrow(0, off, n)
+                        .view(shape.as_slice())
+                        .to_device(tch::Device::Cpu)
+                        .copy()
+                };
                 out[i] = Some((cut(&m), cut(&v), w.as_ref().map(cut)));
             }
         }
@@ -460,7 +472,8 @@ impl Sharded {
     }
 
     /// Replaces the owned state with this rank's share of `whole` (a checkpoint read whole by
-    /// every rank); with master weights the parameters become the whole masters rounded.
+    /// every rank, on the host: each bucket moves to the device in turn); with master weights
+    /// the parameters become the whole masters rounded.
     pub(crate) fn load(&mut self, params: &mut [Tensor], whole: &WholeState<'_>) {
         let _guard = tch::no_grad_guard();
         let (rank, world) = (self.rank as i64, self.world);
