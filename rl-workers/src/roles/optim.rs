@@ -38,8 +38,12 @@ pub struct AdamW {
     cfg: OptimConfig,
     names: Vec<String>,
     params: Vec<Tensor>,
-    /// Mixed precision: float32 masters and gradient accumulators.
-    master: Option<Master>,
+    /// Mixed precision: float32 master weights, one per parameter (under ZeRO the
+    /// [`Sharded`] state holds this rank's part instead).
+    master: Option<Vec<Tensor>>,
+    /// Mixed precision: float32 accumulators of the whole gradients (not under ZeRO stage 2,
+    /// which accumulates this rank's part of the reduced gradient instead).
+    accum: Option<Accum>,
     /// AdamW's moments, one float32 tensor per parameter; empty until first needed (and
     /// always under ZeRO, whose [`Sharded`] state holds this rank's part instead).
     exp_avg: Vec<Tensor>,
@@ -76,10 +80,9 @@ impl GradReleaser {
     }
 }
 
-/// Float32 master weights and gradient accumulators, one per parameter.
+/// Float32 gradient accumulators, one per parameter.
 #[derive(Debug)]
-struct Master {
-    weights: Vec<Tensor>,
+struct Accum {
     grads: Vec<Tensor>,
     /// Whether a micro-batch gave the parameter a gradient since the last zeroing.
     touched: Vec<bool>,
@@ -100,6 +103,7 @@ impl AdamW {
             names,
             params,
             master: None,
+            accum: None,
             exp_avg: Vec::new(),
             exp_avg_sq: Vec::new(),
             sharded: None,
@@ -156,7 +160,7 @@ impl AdamW {
                 Tensor::new()
             }
         };
-        let masters = self.master.as_ref().map(|m| &m.weights);
+        let masters = self.master.as_ref();
         let master = |i: usize| masters.map_or_else(Tensor::new, |w| w[i].shallow_clone());
         let whole = WholeState {
             exp_avg: &exp_avg,
@@ -172,6 +176,10 @@ impl AdamW {
         self.exp_avg = Vec::new();
         self.exp_avg_sq = Vec::new();
         self.master = None;
+        if stage == ZeroStage::Gradients {
+            // each micro-batch's gradient goes straight into this rank's part
+            self.accum = None;
+        }
         Ok(())
     }
 
@@ -188,7 +196,7 @@ impl AdamW {
         if group.world_size() == 1 {
             return Ok(());
         }
-        for w in &mut m.weights {
+        for w in m {
             group.broadcast(w, 0)?;
         }
         Ok(())
@@ -214,12 +222,13 @@ impl AdamW {
     /// accumulators (with mixed precision), and under ZeRO stage 2 the owned gradient part. The
     /// parameters and their own gradients are not counted.
     pub fn state_bytes(&self) -> i64 {
-        if let Some(s) = &self.sharded {
-            return s.state_bytes();
-        }
         let floats: i64 = self.params.iter().map(|p| p.numel() as i64).sum();
-        let per = if self.master.is_some() { 4 } else { 2 };
-        floats * 4 * per
+        let accum = if self.accum.is_some() { 4 * floats } else { 0 };
+        if let Some(s) = &self.sharded {
+            return s.state_bytes() + accum;
+        }
+        let per = if self.master.is_some() { 3 } else { 2 };
+        floats * 4 * per + accum
     }
 
     /// An optimiser with float32 master weights copied from the trainable variables of `vs`
@@ -233,12 +242,11 @@ impl AdamW {
             .iter()
             .map(|p| p.detach().to_kind(Kind::Float).copy())
             .collect();
-        let grads = weights.iter().map(Tensor::zeros_like).collect();
-        optim.master = Some(Master {
+        optim.accum = Some(Accum {
+            grads: weights.iter().map(Tensor::zeros_like).collect(),
             touched: vec![false; weights.len()],
-            weights,
-            grads,
         });
+        optim.master = Some(weights);
         optim
     }
 
@@ -285,13 +293,13 @@ impl AdamW {
     /// in float32. ZeRO stage 2: reduce-scatters the gradient into this rank's part and
     /// releases the parameters' gradients (a collective). Otherwise a no-op.
     pub fn accumulate_grads(&mut self) -> rl_core::Result<()> {
-        if let Some(s) = &mut self.sharded {
-            if s.accumulate(&mut self.params)? {
-                self.release_grads()?;
-            }
-            return Ok(());
+        if let Some(s) = &mut self.sharded
+            && s.reduces_per_micro_batch()
+        {
+            s.reduce_scatter_grads(&self.params)?;
+            return self.release_grads();
         }
-        let Some(m) = &mut self.master else {
+        let Some(m) = &mut self.accum else {
             return Ok(());
         };
         let _guard = tch::no_grad_guard();
@@ -314,10 +322,10 @@ impl AdamW {
         }
     }
 
-    /// The gradient the step uses for parameter `i`: the float32 accumulator with master
-    /// weights (undefined when no micro-batch touched it), else the parameter's own.
+    /// The whole gradient of parameter `i`: the float32 accumulator with mixed precision
+    /// (undefined when no micro-batch touched it), else the parameter's own.
     fn grad(&self, i: usize) -> Tensor {
-        match &self.master {
+        match &self.accum {
             Some(m) if m.touched[i] => m.grads[i].shallow_clone(),
             Some(_) => Tensor::new(),
             None => self.params[i].grad(),
@@ -349,7 +357,7 @@ impl AdamW {
         for p in &mut self.params {
             p.zero_grad();
         }
-        if let Some(m) = &mut self.master {
+        if let Some(m) = &mut self.accum {
             let _guard = tch::no_grad_guard();
             for g in &mut m.grads {
                 let _ = g.zero_();
@@ -376,10 +384,11 @@ impl AdamW {
         if group.world_size() == 1 {
             return Ok(());
         }
-        if let Some(s) = &mut self.sharded {
-            return s.average(&self.params, group);
+        if self.reduces_per_micro_batch() {
+            // ZeRO stage 2 reduced every micro-batch's gradient already
+            return Ok(());
         }
-        if let Some(m) = &mut self.master {
+        if let Some(m) = &mut self.accum {
             // float32 accumulators, defined (zero) for every parameter on every rank
             m.touched.fill(true);
             return group.all_reduce(&mut m.grads, rl_core::dist::ReduceOp::Avg);
@@ -390,8 +399,10 @@ impl AdamW {
     /// The global L2 norm of the gradients (0 for parameters without a gradient); a
     /// collective under ZeRO stage 2.
     pub fn grad_norm(&self) -> rl_core::Result<f64> {
-        if let Some(s) = &self.sharded {
-            return s.grad_norm(&self.params);
+        if let Some(s) = &self.sharded
+            && s.reduces_per_micro_batch()
+        {
+            return s.part_grad_norm();
         }
         let _guard = tch::no_grad_guard();
         let mut total = 0f64;
@@ -419,8 +430,10 @@ impl AdamW {
         let _guard = tch::no_grad_guard();
         let coef = (max_norm / (norm + 1e-6)).min(1.0);
         if coef < 1.0 {
-            if let Some(s) = &mut self.sharded {
-                s.scale_grads(&self.params, coef);
+            if let Some(s) = &mut self.sharded
+                && s.reduces_per_micro_batch()
+            {
+                s.scale_part_grads(coef);
             } else {
                 for i in 0..self.params.len() {
                     let mut g = self.grad(i);
@@ -449,8 +462,12 @@ impl AdamW {
             lr,
             weight_decay: self.cfg.weight_decay,
         };
-        if let Some(s) = &mut self.sharded {
-            s.step(&mut self.params, &k)?;
+        if self.sharded.is_some() {
+            // stage 1: the whole (averaged, clipped) gradients; stage 2 holds its own part
+            let whole: Vec<Tensor> = (0..self.params.len()).map(|i| self.grad(i)).collect();
+            if let Some(s) = &mut self.sharded {
+                s.step(&mut self.params, &whole, &k)?;
+            }
             // the whole gradients are spent: free them until the next backward
             return self.release_grads();
         }
@@ -465,7 +482,7 @@ impl AdamW {
             let (m, v) = (&mut self.exp_avg[i], &mut self.exp_avg_sq[i]);
             match &mut self.master {
                 Some(master) => {
-                    let w = &mut master.weights[i];
+                    let w = &mut master[i];
                     adamw_(w, &g, m, v, &k);
                     p.copy_(&w.to_kind(p.kind()));
                 }
@@ -509,7 +526,7 @@ impl AdamW {
                             (z.shallow_clone(), z)
                         }
                     };
-                    let w = self.master.as_ref().map(|m| m.weights[i].shallow_clone());
+                    let w = self.master.as_ref().map(|m| m[i].shallow_clone());
                     (m, v, w)
                 })
                 .collect(),
@@ -606,7 +623,7 @@ impl AdamW {
                     // the parameters are the masters rounded, exactly as after the saved step
                     let p = &mut self.params[i];
                     p.copy_(&w.to_kind(p.kind()));
-                    m.weights[i] = w;
+                    m[i] = w;
                 }
             }
         }
@@ -723,7 +740,7 @@ mod tests {
                 opt.accumulate_grads().unwrap();
                 assert!(opt.clip_and_step(1e9, 1e-4).unwrap().1);
             }
-            let master_x = opt.master.as_ref().map(|m| m.weights[0].copy());
+            let master_x = opt.master.as_ref().map(|m| m[0].copy());
             (x.to_kind(Kind::Float), master_x)
         };
         let (plain, none) = run(false);
@@ -770,7 +787,7 @@ mod tests {
         let mut other = AdamW::for_model(&mut vs2, OptimConfig::default(), &mp).unwrap();
         other.load(dir.path()).unwrap();
         let (a, b) = (opt.master.as_ref().unwrap(), other.master.as_ref().unwrap());
-        assert!(a.weights[0].equal(&b.weights[0]));
+        assert!(a[0].equal(&b[0]));
         assert!(x.equal(&y), "the parameter is the loaded master rounded");
     }
 

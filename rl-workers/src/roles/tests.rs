@@ -119,9 +119,12 @@ fn actor_cfg(micro: Option<usize>, dynamic: bool) -> ActorConfig {
 }
 
 fn params(p: &SharedPolicy) -> Vec<(String, Tensor)> {
-    let lm = p.lock().unwrap();
-    let mut v: Vec<_> = lm
-        .var_store()
+    vars(p.lock().unwrap().var_store())
+}
+
+/// Copies of every variable of `vs`, in name order.
+fn vars(vs: &tch::nn::VarStore) -> Vec<(String, Tensor)> {
+    let mut v: Vec<_> = vs
         .variables()
         .into_iter()
         .map(|(k, t)| (k, t.copy()))
@@ -439,18 +442,7 @@ fn packed_forwards_equal_padded_ones_on_skewed_lengths() {
         let mut critic = CriticWorker::new(critic_model, ccfg, 2).unwrap();
         let v = critic.compute_values(&batch).unwrap();
         critic.update(&batch, &Mse).unwrap();
-        let cparams: Vec<(String, Tensor)> = {
-            let mut v: Vec<_> = critic
-                .model()
-                .var_store()
-                .variables()
-                .into_iter()
-                .map(|(k, t)| (k, t.copy()))
-                .collect();
-            v.sort_by(|a, b| a.0.cmp(&b.0));
-            v
-        };
-        runs.push((lp, rlp, v, params(&p), cparams));
+        runs.push((lp, rlp, v, params(&p), vars(critic.model().var_store())));
     }
     let (pad, pk) = (&runs[0], &runs[1]);
     let mask = batch.get(keys::RESPONSE_MASK).unwrap();

@@ -18,7 +18,7 @@
 //! gradient into the owned part and releases the whole gradient, so the sums round in another
 //! order (about 1e-7 relative).
 
-use rl_core::dist::{self, Collective, ReduceOp, SharedCollective};
+use rl_core::dist::{self, ReduceOp, SharedCollective};
 use tch::{Kind, Tensor};
 
 /// Elements per bucket: 25 MiB of float32.
@@ -60,7 +60,7 @@ impl ZeroStage {
 }
 
 /// A run of consecutive parameters flattened into one vector.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub(crate) struct Bucket {
     /// Indices into the optimiser's parameters.
     params: Vec<usize>,
@@ -77,24 +77,11 @@ pub(crate) struct Bucket {
 pub(crate) fn buckets(params: &[Tensor], world: usize, cap: i64) -> Vec<Bucket> {
     let world = world as i64;
     let mut out: Vec<Bucket> = Vec::new();
-    let mut cur = Bucket {
-        params: Vec::new(),
-        offsets: Vec::new(),
-        part: 0,
-        numel: 0,
-    };
+    let mut cur = Bucket::default();
     for (i, p) in params.iter().enumerate() {
         let n = p.numel() as i64;
         if !cur.params.is_empty() && cur.numel + n > cap {
-            out.push(std::mem::replace(
-                &mut cur,
-                Bucket {
-                    params: Vec::new(),
-                    offsets: Vec::new(),
-                    part: 0,
-                    numel: 0,
-                },
-            ));
+            out.push(std::mem::take(&mut cur));
         }
         cur.params.push(i);
         cur.offsets.push(cur.numel);
@@ -110,31 +97,51 @@ pub(crate) fn buckets(params: &[Tensor], world: usize, cap: i64) -> Vec<Bucket> 
 }
 
 impl Bucket {
-    /// The bucket as one float32 vector of `world * part` elements: `value(i)` for each of its
-    /// parameters (zeros where it is undefined), then zero padding.
-    fn flat(&self, world: usize, params: &[Tensor], value: impl Fn(usize) -> Tensor) -> Tensor {
+    /// Elements `[from, to)` of the bucket as one float32 vector on the parameters' device:
+    /// `value(i)` for each parameter overlapping the range (zeros where it is undefined), then
+    /// zero padding past the bucket's end.
+    fn range(
+        &self,
+        params: &[Tensor],
+        value: impl Fn(usize) -> Tensor,
+        from: i64,
+        to: i64,
+    ) -> Tensor {
+        let device = params[self.params[0]].device();
         let mut parts: Vec<Tensor> = Vec::with_capacity(self.params.len() + 1);
-        for &i in &self.params {
+        for (&i, &off) in self.params.iter().zip(&self.offsets) {
+            let n = params[i].numel() as i64;
+            let (lo, hi) = (from.max(off), to.min(off + n));
+            if lo >= hi {
+                continue;
+            }
             let v = value(i);
             parts.push(if v.defined() {
                 v.reshape([-1])
+                    .narrow(0, lo - off, hi - lo)
                     .to_kind(Kind::Float)
-                    .to_device(params[i].device())
+                    .to_device(device)
             } else {
-                Tensor::zeros(
-                    [params[i].numel() as i64],
-                    (Kind::Float, params[i].device()),
-                )
+                Tensor::zeros([hi - lo], (Kind::Float, device))
             });
         }
-        let pad = self.part * world as i64 - self.numel;
+        let pad = to - from.max(self.numel);
         if pad > 0 {
-            parts.push(Tensor::zeros(
-                [pad],
-                (Kind::Float, params[self.params[0]].device()),
-            ));
+            parts.push(Tensor::zeros([pad], (Kind::Float, device)));
         }
         Tensor::cat(&parts, 0)
+    }
+
+    /// The whole bucket, `world * part` elements (see [`Bucket::range`]).
+    fn flat(&self, world: usize, params: &[Tensor], value: impl Fn(usize) -> Tensor) -> Tensor {
+        self.range(params, value, 0, self.part * world as i64)
+    }
+
+    /// Rank `rank`'s `part` elements of the bucket (see [`Bucket::range`]), made from the
+    /// overlapping parameters only; a new tensor (`cat` copies), never a view of `value`'s.
+    fn local(&self, rank: usize, params: &[Tensor], value: impl Fn(usize) -> Tensor) -> Tensor {
+        let from = rank as i64 * self.part;
+        self.range(params, value, from, from + self.part)
     }
 
     /// Copies a whole bucket vector (`world * part` elements) into its parameters, each rounded
@@ -150,7 +157,8 @@ impl Bucket {
     }
 }
 
-/// The state one rank keeps under ZeRO stage 1 or 2.
+/// The state one rank keeps under ZeRO stage 1 or 2 (the whole gradients of stage 1, and
+/// their float32 accumulators under mixed precision, stay with [`AdamW`](super::AdamW)).
 pub(crate) struct Sharded {
     pub(crate) group: SharedCollective,
     pub(crate) stage: ZeroStage,
@@ -164,10 +172,6 @@ pub(crate) struct Sharded {
     master: Option<Vec<Tensor>>,
     /// Stage 2: the owned part of the averaged gradient, accumulated over micro-batches.
     grad: Vec<Tensor>,
-    /// Stage 1 with master weights: float32 accumulators of the whole gradients.
-    full_grads: Option<Vec<Tensor>>,
-    /// Whether a micro-batch touched each full accumulator since the last zeroing.
-    touched: Vec<bool>,
 }
 
 impl std::fmt::Debug for Sharded {
@@ -234,43 +238,29 @@ impl Sharded {
         };
         let buckets = buckets(params, world, BUCKET_ELEMS);
         let _guard = tch::no_grad_guard();
-        let local = |b: &Bucket, value: &dyn Fn(usize) -> Tensor| {
-            b.flat(world, params, value)
-                .narrow(0, rank as i64 * b.part, b.part)
-                .copy()
-        };
-        let exp_avg = buckets.iter().map(|b| local(b, whole.exp_avg)).collect();
-        let exp_avg_sq = buckets.iter().map(|b| local(b, whole.exp_avg_sq)).collect();
-        let master = whole
-            .master
-            .map(|m| buckets.iter().map(|b| local(b, m)).collect());
-        let device = params.first().map_or(tch::Device::Cpu, Tensor::device);
-        let grad = match stage {
-            ZeroStage::Gradients => buckets
+        let shares = |value: &dyn Fn(usize) -> Tensor| -> Vec<Tensor> {
+            buckets
                 .iter()
-                .map(|b| Tensor::zeros([b.part], (Kind::Float, device)))
-                .collect(),
+                .map(|b| b.local(rank, params, value))
+                .collect()
+        };
+        let exp_avg = shares(whole.exp_avg);
+        let exp_avg_sq = shares(whole.exp_avg_sq);
+        let master = whole.master.map(shares);
+        let grad = match stage {
+            ZeroStage::Gradients => shares(&|_| Tensor::new()),
             _ => Vec::new(),
         };
-        let full_grads =
-            (stage == ZeroStage::OptimizerState && whole.master.is_some()).then(|| {
-                params
-                    .iter()
-                    .map(|p| Tensor::zeros_like(p).to_kind(Kind::Float))
-                    .collect()
-            });
         Ok(Sharded {
             group,
             stage,
             rank,
             world,
-            touched: vec![false; params.len()],
             buckets,
             exp_avg,
             exp_avg_sq,
             master,
             grad,
-            full_grads,
         })
     }
 
@@ -280,130 +270,65 @@ impl Sharded {
     }
 
     /// Whether every micro-batch's gradient is reduced (stage 2): then every rank must call
-    /// [`Sharded::accumulate`] the same number of times per mini-batch.
+    /// [`Sharded::reduce_scatter_grads`] the same number of times per mini-batch.
     pub(crate) fn reduces_per_micro_batch(&self) -> bool {
         self.stage == ZeroStage::Gradients
     }
 
-    /// After a micro-batch's backward: stage 2 reduce-scatters the parameters' gradients into
-    /// the owned parts (a collective); stage 1 with master weights adds them into the float32
-    /// accumulators. Either way the parameters' gradients are then released or zeroed.
-    pub(crate) fn accumulate(&mut self, params: &mut [Tensor]) -> rl_core::Result<bool> {
+    /// Stage 2, after a micro-batch's backward: reduce-scatters (averages) the parameters'
+    /// gradients into the owned parts, bucket by bucket (a collective).
+    pub(crate) fn reduce_scatter_grads(&mut self, params: &[Tensor]) -> rl_core::Result<()> {
         let _guard = tch::no_grad_guard();
-        match (self.stage, &mut self.full_grads) {
-            (ZeroStage::Gradients, _) => {
-                let mut g = dist::lock(&self.group)?;
-                for (b, acc) in self.buckets.iter().zip(&mut self.grad) {
-                    let flat = b.flat(self.world, params, |i| params[i].grad());
-                    let mine = g.reduce_scatter(&flat, ReduceOp::Avg)?;
-                    let _ = acc.g_add_(&mine);
-                }
-                Ok(true)
-            }
-            (_, Some(full)) => {
-                for (i, p) in params.iter().enumerate() {
-                    let g = p.grad();
-                    if g.defined() {
-                        let _ = full[i].g_add_(&g.to_kind(Kind::Float));
-                        self.touched[i] = true;
-                    }
-                }
-                Ok(true)
-            }
-            _ => Ok(false),
+        let mut g = dist::lock(&self.group)?;
+        for (b, acc) in self.buckets.iter().zip(&mut self.grad) {
+            let flat = b.flat(self.world, params, |i| params[i].grad());
+            let mine = g.reduce_scatter(&flat, ReduceOp::Avg)?;
+            let _ = acc.g_add_(&mine);
+        }
+        Ok(())
+    }
+
+    /// Stage 2: the global L2 norm of the averaged gradient from the owned parts (a
+    /// collective).
+    pub(crate) fn part_grad_norm(&self) -> rl_core::Result<f64> {
+        let _guard = tch::no_grad_guard();
+        let mut total = [0f64];
+        for g in &self.grad {
+            let n = g.to_kind(Kind::Double).norm().double_value(&[]);
+            total[0] += n * n;
+        }
+        dist::all_reduce_f64(&mut *dist::lock(&self.group)?, &mut total, ReduceOp::Sum)?;
+        Ok(total[0].sqrt())
+    }
+
+    /// Stage 2: multiplies the owned gradient parts by `coef` (clipping).
+    pub(crate) fn scale_part_grads(&mut self, coef: f64) {
+        let _guard = tch::no_grad_guard();
+        for g in &mut self.grad {
+            let _ = g.g_mul_scalar_(coef);
         }
     }
 
-    /// At the end of a mini-batch: stage 1 averages the whole gradients over the ranks (as plain
-    /// data parallelism does); stage 2 has already reduced them.
-    pub(crate) fn average(
+    /// One AdamW step of the owned elements, from the owned gradient parts (stage 2) or the
+    /// owned elements of `whole_grads` (stage 1: the averaged, clipped gradient of each
+    /// parameter), then the all-gather of every bucket into the parameters (a collective).
+    pub(crate) fn step(
         &mut self,
-        params: &[Tensor],
-        group: &mut dyn Collective,
+        params: &mut [Tensor],
+        whole_grads: &[Tensor],
+        k: &StepConsts,
     ) -> rl_core::Result<()> {
-        if self.stage == ZeroStage::Gradients {
-            return Ok(());
-        }
-        if let Some(full) = &mut self.full_grads {
-            self.touched.fill(true);
-            return group.all_reduce(full, ReduceOp::Avg);
-        }
-        super::optim::define_and_average(params, group)
-    }
-
-    /// The whole gradient of parameter `i` (stage 1): the float32 accumulator with master
-    /// weights (undefined when untouched), else the parameter's own.
-    fn full_grad(&self, params: &[Tensor], i: usize) -> Tensor {
-        match &self.full_grads {
-            Some(full) if self.touched[i] => full[i].shallow_clone(),
-            Some(_) => Tensor::new(),
-            None => params[i].grad(),
-        }
-    }
-
-    /// The global L2 norm of the averaged gradient (a collective at stage 2).
-    pub(crate) fn grad_norm(&self, params: &[Tensor]) -> rl_core::Result<f64> {
         let _guard = tch::no_grad_guard();
-        let mut total = 0f64;
-        if self.stage == ZeroStage::Gradients {
-            for g in &self.grad {
-                let n = g.to_kind(Kind::Double).norm().double_value(&[]);
-                total += n * n;
-            }
-            let mut t = [total];
-            dist::all_reduce_f64(&mut *dist::lock(&self.group)?, &mut t, ReduceOp::Sum)?;
-            return Ok(t[0].sqrt());
-        }
-        for i in 0..params.len() {
-            let g = self.full_grad(params, i);
-            if g.defined() {
-                let n = g.to_kind(Kind::Double).norm().double_value(&[]);
-                total += n * n;
-            }
-        }
-        Ok(total.sqrt())
-    }
-
-    /// Multiplies the gradient by `coef` (clipping).
-    pub(crate) fn scale_grads(&mut self, params: &[Tensor], coef: f64) {
-        let _guard = tch::no_grad_guard();
-        if self.stage == ZeroStage::Gradients {
-            for g in &mut self.grad {
-                let _ = g.g_mul_scalar_(coef);
-            }
-            return;
-        }
-        for i in 0..params.len() {
-            let mut g = self.full_grad(params, i);
-            if g.defined() {
-                let _ = g.g_mul_scalar_(coef);
-            }
-        }
-    }
-
-    /// One AdamW step of the owned elements, then the all-gather of every bucket into the
-    /// parameters (a collective).
-    pub(crate) fn step(&mut self, params: &mut [Tensor], k: &StepConsts) -> rl_core::Result<()> {
-        let _guard = tch::no_grad_guard();
-        let (rank, world) = (self.rank as i64, self.world);
+        let rank = self.rank;
         let mut group = dist::lock(&self.group)?;
         for (bi, b) in self.buckets.iter().enumerate() {
-            let local = |flat: Tensor| flat.narrow(0, rank * b.part, b.part).copy();
             let g = match self.stage {
                 ZeroStage::Gradients => self.grad[bi].shallow_clone(),
-                _ => {
-                    let full = &self.full_grads;
-                    let touched = &self.touched;
-                    local(b.flat(world, params, |i| match full {
-                        Some(f) if touched[i] => f[i].shallow_clone(),
-                        Some(_) => Tensor::new(),
-                        None => params[i].grad(),
-                    }))
-                }
+                _ => b.local(rank, params, |i| whole_grads[i].shallow_clone()),
             };
             let mut w = match &self.master {
                 Some(m) => m[bi].shallow_clone(),
-                None => local(b.flat(world, params, |i| params[i].shallow_clone())),
+                None => b.local(rank, params, |i| params[i].shallow_clone()),
             };
             adamw_(
                 &mut w,
@@ -418,18 +343,12 @@ impl Sharded {
         Ok(())
     }
 
-    /// Zeroes the owned gradient parts and the accumulators.
+    /// Zeroes the owned gradient parts.
     pub(crate) fn zero_grad(&mut self) {
         let _guard = tch::no_grad_guard();
         for g in &mut self.grad {
             let _ = g.zero_();
         }
-        if let Some(full) = &mut self.full_grads {
-            for g in full {
-                let _ = g.zero_();
-            }
-        }
-        self.touched.fill(false);
     }
 
     /// The whole state, gathered from every rank (a collective): per parameter `i`, its
@@ -476,31 +395,26 @@ impl Sharded {
     /// the parameters become the whole masters rounded.
     pub(crate) fn load(&mut self, params: &mut [Tensor], whole: &WholeState<'_>) {
         let _guard = tch::no_grad_guard();
-        let (rank, world) = (self.rank as i64, self.world);
+        let (rank, world) = (self.rank, self.world);
         for (bi, b) in self.buckets.iter().enumerate() {
-            let local = |value: &dyn Fn(usize) -> Tensor| {
-                b.flat(world, params, value)
-                    .narrow(0, rank * b.part, b.part)
-                    .copy()
-            };
-            self.exp_avg[bi] = local(whole.exp_avg);
-            self.exp_avg_sq[bi] = local(whole.exp_avg_sq);
+            self.exp_avg[bi] = b.local(rank, params, whole.exp_avg);
+            self.exp_avg_sq[bi] = b.local(rank, params, whole.exp_avg_sq);
             if let (Some(ms), Some(m)) = (&mut self.master, whole.master) {
-                ms[bi] = local(m);
+                ms[bi] = b.local(rank, params, m);
                 let full = b.flat(world, params, m);
                 b.scatter_into(&full, params);
             }
         }
     }
 
-    /// Bytes of state this rank holds (moments, masters, gradient parts and accumulators).
+    /// Bytes of state this rank holds: its parts of the moments, the masters and (stage 2) the
+    /// gradient.
     pub(crate) fn state_bytes(&self) -> i64 {
         let bytes = |ts: &[Tensor]| ts.iter().map(|t| t.numel() as i64 * 4).sum::<i64>();
         bytes(&self.exp_avg)
             + bytes(&self.exp_avg_sq)
             + self.master.as_deref().map_or(0, bytes)
             + bytes(&self.grad)
-            + self.full_grads.as_deref().map_or(0, bytes)
     }
 }
 
@@ -527,6 +441,32 @@ mod tests {
             Vec::<f32>::try_from(&flat).unwrap(),
             [vec![1.0; 5], vec![2.0; 7]].concat()
         );
+    }
+
+    #[test]
+    fn each_ranks_part_is_its_slice_of_the_whole_bucket() {
+        let params: Vec<Tensor> = [5i64, 7, 3]
+            .iter()
+            .map(|&n| Tensor::zeros([n], (Kind::Float, tch::Device::Cpu)))
+            .collect();
+        let value = |i: usize| {
+            if i == 1 {
+                Tensor::new() // undefined: zeros
+            } else {
+                Tensor::arange(params[i].numel() as i64, (Kind::Float, tch::Device::Cpu))
+                    + 10.0 * i as f64
+            }
+        };
+        for world in [1usize, 2, 4, 6, 20] {
+            let b = &buckets(&params, world, 100)[0];
+            let whole = b.flat(world, &params, value);
+            assert_eq!(whole.size(), [b.part * world as i64]);
+            for rank in 0..world {
+                let mine = b.local(rank, &params, value);
+                let want = whole.narrow(0, rank as i64 * b.part, b.part);
+                assert!(mine.equal(&want), "world {world}, rank {rank}");
+            }
+        }
     }
 
     #[test]
