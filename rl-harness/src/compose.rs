@@ -837,10 +837,12 @@ pub fn build_on_policy_in(
     }
     let need_ref = arr.actor_loss.use_kl_loss || cfg.algorithm.use_kl_in_reward;
     let reference = if need_ref {
-        Some(Box::new(
+        Some(Box::new(shard_reference(
             ReferenceWorker::from_policy(&actor.policy(), arr.ref_micro_batch_size)?
                 .with_remove_padding(arr.model.use_remove_padding),
-        ) as Box<dyn rl_core::roles::Reference>)
+            cfg,
+            group,
+        )?) as Box<dyn rl_core::roles::Reference>)
     } else {
         None
     };
@@ -1252,15 +1254,33 @@ fn actor_config(cfg: &ExperimentConfig) -> rl_workers::roles::ActorConfig {
 fn frozen_reference(
     cfg: &ExperimentConfig,
     policy: &SharedPolicy,
+    group: Option<&SharedCollective>,
 ) -> Result<Option<Box<dyn Reference>>> {
     if cfg.dpo.0.reference_free {
         return Ok(None);
     }
     let arr = &cfg.actor_rollout_ref;
-    Ok(Some(Box::new(
+    Ok(Some(Box::new(shard_reference(
         ReferenceWorker::from_policy(policy, arr.ref_micro_batch_size)?
             .with_remove_padding(arr.model.use_remove_padding),
-    )))
+        cfg,
+        group,
+    )?)))
+}
+
+/// The reference sharded over `group` as the actor is under ZeRO stage 3 (its forwards then
+/// gather a layer at a time); otherwise as it is.
+fn shard_reference(
+    reference: ReferenceWorker,
+    cfg: &ExperimentConfig,
+    group: Option<&SharedCollective>,
+) -> Result<ReferenceWorker> {
+    Ok(match group {
+        Some(g) if cfg.actor_rollout_ref.actor.zero_stage == 3 => {
+            reference.shard_params(g.clone())?
+        }
+        _ => reference,
+    })
 }
 
 /// Builds offline DPO on `preference_data`.
@@ -1284,7 +1304,7 @@ pub fn build_dpo_in(
     let (source, val_batches) = preference_sources(cfg, tokenizer, group)?;
     let dcfg = dpo_config(cfg, source.sampler.batches_per_epoch())?;
     let mut actor = pair_actor(cfg, policy)?;
-    let reference = frozen_reference(cfg, &actor.policy())?;
+    let reference = frozen_reference(cfg, &actor.policy(), group)?;
     if let Some(g) = group {
         actor = actor.with_group(g.clone())?;
     }
@@ -1363,7 +1383,7 @@ pub fn build_online_dpo_in(
     let rollout = rollout_worker(cfg, &policy, tokenizer, dcfg.n, progress)?;
     let pairs = cfg.actor_rollout_ref.actor.ppo_mini_batch_size;
     let mut actor = pair_actor(cfg, policy)?;
-    let reference = frozen_reference(cfg, &actor.policy())?;
+    let reference = frozen_reference(cfg, &actor.policy(), group)?;
     if let Some(g) = group {
         actor = actor.with_group(g.clone())?;
     }

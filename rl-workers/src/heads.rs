@@ -165,8 +165,23 @@ macro_rules! lora_methods {
             l.save(&self.vs, dir.as_ref(), $task, base)
         }
 
+        /// ZeRO stage 3: shards the parameters over `group` ([`crate::ParamShards`]): each
+        /// rank keeps its part and gathers a layer as it computes. Every rank must hold the
+        /// same weights. Not with LoRA adapters.
+        pub fn shard_params(&mut self, group: rl_core::dist::SharedCollective) -> Result<()> {
+            if self.lora.is_some() {
+                return Err(Error::invalid(
+                    "zero_stage",
+                    "stage 3 with LoRA adapters is not supported (the frozen base would need its own shards): use zero_stage 2",
+                ));
+            }
+            self.model.shard(&self.vs, group)
+        }
+
         /// Writes what training changes, for a checkpoint: with LoRA the adapters (and a
         /// trained head) in PEFT's format, else the whole model as a Hugging Face folder.
+        /// Sharded (stage 3), every rank must hold the whole weights meanwhile
+        /// (`Model::hold_all`).
         pub fn save_trained(&self, dir: impl AsRef<Path>) -> Result<()> {
             match &self.lora {
                 Some(l) => l.save(&self.vs, dir.as_ref(), $task, None),
@@ -177,6 +192,8 @@ macro_rules! lora_methods {
         /// Restores what [`save_trained`](Self::save_trained) wrote into this model (the
         /// same adapters, or the same architecture), naming a missing or mis-shaped tensor.
         pub fn load_trained(&self, dir: impl AsRef<Path>) -> Result<()> {
+            // stage 3: every rank loads into the gathered weights, keeping its part
+            let _all = self.model.hold_all()?;
             match &self.lora {
                 Some(l) => l.load(&self.vs, dir.as_ref()),
                 None => {
@@ -252,6 +269,7 @@ impl CausalLm {
     /// transformers' `from_pretrained`; LoRA adapters are merged into the weights.
     pub fn save_pretrained(&self, dir: impl AsRef<Path>) -> Result<()> {
         let dir = dir.as_ref();
+        self.model.check_whole()?;
         write_config(self.config(), "ForCausalLM", self.kind(), dir)?;
         hf::save_tensors(&export_tensors(&self.vs, self.lora.as_ref()), dir)
     }
@@ -270,6 +288,7 @@ impl CausalLm {
         position_ids: &Tensor,
         cache: Option<&mut KvCache>,
     ) -> Result<Tensor> {
+        let _root = self.model.hold_root()?;
         let hidden = self
             .model
             .forward(input_ids, attention_mask, position_ids, cache)?;
@@ -399,6 +418,7 @@ impl ValueModel {
     /// Writes `config.json` (architectures `*ForTokenClassification`, one label) and weights.
     pub fn save_pretrained(&self, dir: impl AsRef<Path>) -> Result<()> {
         let dir = dir.as_ref();
+        self.model.check_whole()?;
         let mut cfg = self.config().clone();
         cfg.set_num_labels(1);
         write_config(
@@ -421,6 +441,7 @@ impl ValueModel {
         attention_mask: &Tensor,
         position_ids: &Tensor,
     ) -> Result<Tensor> {
+        let _root = self.model.hold_root()?;
         let hidden = self
             .model
             .forward(input_ids, attention_mask, position_ids, None)?;
@@ -508,6 +529,7 @@ impl RewardModel {
     /// Writes `config.json` (architectures `*ForSequenceClassification`) and weights.
     pub fn save_pretrained(&self, dir: impl AsRef<Path>) -> Result<()> {
         let dir = dir.as_ref();
+        self.model.check_whole()?;
         write_config(
             self.config(),
             "ForSequenceClassification",
@@ -534,6 +556,7 @@ impl RewardModel {
             &[None, None],
             "[batch, seq_len]",
         )?;
+        let _root = self.model.hold_root()?;
         let hidden = self
             .model
             .forward(input_ids, attention_mask, position_ids, None)?;
@@ -546,6 +569,11 @@ impl RewardModel {
             .expand([size[0], 1, hidden_size], false);
         let at_last = hidden.gather(1, &index, false).squeeze_dim(1);
         Ok(self.score.forward(&at_last).to_kind(Kind::Float))
+    }
+
+    /// The decoder stack.
+    pub fn model(&self) -> &Model {
+        &self.model
     }
 
     /// The hyper-parameters.

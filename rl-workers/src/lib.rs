@@ -10,10 +10,13 @@
 //! - [`generate`] with [`RolloutConfig`]: the batched, KV-cached rollout engine.
 //! - [`generate_multi_turn`] with a [`ToolEnv`]: multi-turn rollouts that call tools between
 //!   turns, keeping the KV cache.
+//! - [`ParamShards`]: ZeRO stage 3, the parameters sharded over data-parallel ranks and
+//!   gathered a layer at a time.
 //! - [`roles`]: actor, rollout (sharing the actor's weights), reference and critic workers.
 //! - [`seeded`], [`hold_generator`]: seeded initialisations that other threads cannot disturb.
 
 mod error;
+mod fsdp;
 pub mod gguf;
 mod heads;
 mod hf;
@@ -25,6 +28,7 @@ mod rollout;
 mod seed;
 
 pub use error::{Error, Result};
+pub use fsdp::{HeldAll, ParamShards};
 pub use heads::{CONFIG_JSON, CausalLm, RewardModel, ValueModel};
 pub use lora::{LoraConfig, TargetModules};
 pub use model::{Config, Family, KvCache, LinearShape, Model, TokenIds};

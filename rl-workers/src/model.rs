@@ -2,6 +2,7 @@
 //! (RMSNorm, RoPE with `rope_theta`, grouped-query attention, SwiGLU MLP, Qwen2's q/k/v biases),
 //! with the [`KvCache`] passed in so actor and rollout share one set of weights.
 
+use std::cell::{Cell, RefCell};
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
@@ -10,6 +11,7 @@ use tch::nn::{Init, Path as VarPath};
 use tch::{Device, Kind, Tensor};
 
 use crate::error::{Error, Result, expect_dims, expect_kind};
+use crate::fsdp::{Held, HeldAll, ParamShards, ROOT, layer_unit};
 
 /// The model families this crate implements, picked from `architectures` / `model_type`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -484,6 +486,7 @@ impl Mlp {
 }
 
 /// Rotary position embedding tables for one forward.
+#[derive(Debug)]
 struct Rope {
     /// `[batch, 1, seq_len, head_dim]`
     cos: Tensor,
@@ -776,6 +779,39 @@ pub struct Model {
     /// `[head_dim / 2]` f32
     inv_freq: Tensor,
     cfg: Config,
+    /// ZeRO stage 3: the model's parameters sharded over the data-parallel ranks
+    /// ([`crate::fsdp`]), gathered a unit at a time as the stack computes.
+    shards: Option<ParamShards>,
+    /// Stage 3 training: the forwards whose layers' backward [`Model::finish_backward`] runs.
+    tapes: RefCell<Vec<Tape>>,
+    /// Stage 3 training: whether the root unit is held from a training forward until
+    /// [`Model::finish_backward`] (the loss's backward through the heads needs it).
+    train_root: Cell<bool>,
+}
+
+/// What a stage-3 training forward keeps for its layers' backward: each layer's input (the
+/// layers ran without a graph) and the last layer's output, the leaf the loss's backward
+/// reaches.
+#[derive(Debug)]
+struct Tape {
+    input_ids: Tensor,
+    inputs: Vec<Tensor>,
+    last: Tensor,
+    rope: Rope,
+    mask: Tensor,
+}
+
+/// The elementwise maximum of `values` over the shards' group.
+fn dist_max(s: &ParamShards, values: &mut [f64]) -> Result<()> {
+    let mut g = rl_core::dist::lock(s.group()).map_err(Error::Core)?;
+    rl_core::dist::all_reduce_f64(&mut *g, values, rl_core::dist::ReduceOp::Max)
+        .map_err(Error::Core)
+}
+
+/// Whether autograd records operations now (tch does not expose libtorch's `GradMode`).
+fn grad_enabled() -> bool {
+    let probe = Tensor::zeros([1], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    (probe * 1.0).requires_grad()
 }
 
 /// The `[batch, 1, seq_len, kv_len]` boolean mask: causal, keys must be real tokens, and every
@@ -842,7 +878,165 @@ impl Model {
             norm,
             inv_freq,
             cfg: cfg.clone(),
+            shards: None,
+            tapes: RefCell::new(Vec::new()),
+            train_root: Cell::new(false),
         })
+    }
+
+    /// Shards the variables of `vs` (the whole model this stack is part of, heads included)
+    /// over `group`: ZeRO stage 3 ([`crate::fsdp`]). Every rank must hold the same weights.
+    pub(crate) fn shard(
+        &mut self,
+        vs: &tch::nn::VarStore,
+        group: rl_core::dist::SharedCollective,
+    ) -> Result<()> {
+        if self.shards.is_some() {
+            return Err(Error::invalid(
+                "zero_stage",
+                "the parameters are sharded already",
+            ));
+        }
+        self.shards = Some(ParamShards::new(vs, group)?);
+        Ok(())
+    }
+
+    /// The stage-3 shards of the parameters, when sharded.
+    pub fn param_shards(&self) -> Option<&ParamShards> {
+        self.shards.as_ref()
+    }
+
+    /// Stage 3: holds the root unit (embeddings, final norm, heads) until the guard drops (a
+    /// collective when it is not held yet); `None` when not sharded.
+    pub(crate) fn hold_root(&self) -> Result<Option<Held<'_>>> {
+        self.shards.as_ref().map(|s| s.hold(ROOT)).transpose()
+    }
+
+    /// Stage 3: every unit gathered (a collective: every rank calls it), for whole-weight reads
+    /// and writes (checkpoints, replica checks); writes reach the shards when the guard drops.
+    /// `None` when not sharded.
+    pub fn hold_all(&self) -> Result<Option<HeldAll<'_>>> {
+        self.shards.as_ref().map(ParamShards::hold_all).transpose()
+    }
+
+    /// Fails when the parameters are sharded and not all gathered (a whole-weight write would
+    /// read the released ones).
+    pub(crate) fn check_whole(&self) -> Result<()> {
+        match &self.shards {
+            Some(s) if !s.all_held() => Err(Error::invalid(
+                "zero_stage",
+                "the weights are sharded (stage 3): gather them on every rank first (Model::hold_all)",
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// Stage 3: makes the collectives of one forward without computing it, for a rank that
+    /// has no rows where the others still compute. A no-op when not sharded.
+    pub(crate) fn idle_forward(&self) -> Result<()> {
+        let Some(s) = &self.shards else {
+            return Ok(());
+        };
+        let _root = s.hold(ROOT)?;
+        for i in 0..self.layers.len() {
+            s.hold(layer_unit(i))?;
+        }
+        Ok(())
+    }
+
+    /// Stage 3, after `done` forwards without gradient (micro-batches): the ranks agree on
+    /// the most any of them ran and this one makes idle forwards up to it (collectives). A
+    /// no-op when not sharded.
+    pub(crate) fn pad_forwards(&self, done: usize) -> Result<()> {
+        let Some(s) = &self.shards else {
+            return Ok(());
+        };
+        let mut most = [done as f64];
+        dist_max(s, &mut most)?;
+        for _ in done..most[0] as usize {
+            self.idle_forward()?;
+        }
+        Ok(())
+    }
+
+    /// Stage 3, at each decode step of a generation: whether every rank is done (`done` is
+    /// this rank's word; a collective). Without shards, `done`.
+    pub(crate) fn all_done(&self, done: bool) -> Result<bool> {
+        let Some(s) = &self.shards else {
+            return Ok(done);
+        };
+        let mut running = [if done { 0.0 } else { 1.0 }];
+        dist_max(s, &mut running)?;
+        Ok(running[0] == 0.0)
+    }
+
+    /// Stage 3: the collectives of one training micro-batch (forward, backward, gradient
+    /// reduce-scatter) contributing nothing, for a rank with fewer micro-batches than the
+    /// others. A no-op when not sharded.
+    pub(crate) fn idle_train_round(&self) -> Result<()> {
+        let Some(s) = &self.shards else {
+            return Ok(());
+        };
+        {
+            let _root = s.hold(ROOT)?;
+            self.hold_train_root(s)?;
+            for i in 0..self.layers.len() {
+                s.hold(layer_unit(i))?;
+            }
+        }
+        self.finish_backward()
+    }
+
+    fn hold_train_root(&self, s: &ParamShards) -> Result<()> {
+        if !self.train_root.get() {
+            s.gather(ROOT)?;
+            self.train_root.set(true);
+        }
+        Ok(())
+    }
+
+    /// Stage 3, after the loss's backward (which reached the last layer's output and the
+    /// root's parameters): back-propagates through the layers, last first, each gathered,
+    /// recomputed from its saved input and reduce-scattered into this rank's gradient part
+    /// (then freed), then the embeddings; finally reduce-scatters the root's gradient and
+    /// releases the root. Every rank calls it once per training micro-batch. A no-op when not
+    /// sharded.
+    pub(crate) fn finish_backward(&self) -> Result<()> {
+        let Some(s) = &self.shards else {
+            return Ok(());
+        };
+        let tapes = std::mem::take(&mut *self.tapes.borrow_mut());
+        let mut grads: Vec<Tensor> = tapes.iter().map(|t| t.last.grad()).collect();
+        for (i, layer) in self.layers.iter().enumerate().rev() {
+            let u = layer_unit(i);
+            {
+                let _layer = s.hold(u)?;
+                for (t, g) in tapes.iter().zip(&mut grads) {
+                    if !g.defined() {
+                        continue;
+                    }
+                    let xs = t.inputs[i].detach().set_requires_grad(true);
+                    let out = layer.forward(&xs, &t.rope, &t.mask, None);
+                    (out * &*g).sum(Kind::Float).f_backward()?;
+                    *g = xs.grad();
+                }
+            }
+            s.reduce_grads(u)?;
+        }
+        if self.embed_tokens.requires_grad() {
+            for (t, g) in tapes.iter().zip(&grads) {
+                if g.defined() {
+                    let embedded =
+                        Tensor::embedding(&self.embed_tokens, &t.input_ids, -1, false, false);
+                    (embedded * g).sum(Kind::Float).f_backward()?;
+                }
+            }
+        }
+        s.reduce_grads(ROOT)?;
+        if self.train_root.replace(false) {
+            s.release(ROOT);
+        }
+        Ok(())
     }
 
     /// The config the stack was built from.
@@ -950,6 +1144,12 @@ impl Model {
         position_ids: &Tensor,
         head: impl FnOnce(&Tensor) -> Result<Tensor>,
     ) -> Result<Tensor> {
+        if self.shards.is_some() {
+            return Err(Error::invalid(
+                "zero_stage",
+                "stage 3 checkpoints its layers itself: call forward and then finish_backward",
+            ));
+        }
         let size = expect_dims("input_ids", input_ids, &[None, None], "[batch, seq_len]")?;
         expect_dims(
             "attention_mask",
@@ -1026,7 +1226,7 @@ impl Model {
             ));
         }
         let mask = attention_mask_4d(attention_mask, s, past);
-        Ok(self.run_layers(input_ids, position_ids, &mask, cache))
+        self.run_layers(input_ids, position_ids, &mask, cache)
     }
 
     /// Forward of sequences packed into rows without padding (verl's `use_remove_padding`):
@@ -1048,36 +1248,73 @@ impl Model {
     ) -> Result<Tensor> {
         self.check_inputs(input_ids, segment_ids, position_ids, 0)?;
         let mask = packed_mask_4d(segment_ids);
-        Ok(self.run_layers(input_ids, position_ids, &mask, None))
+        self.run_layers(input_ids, position_ids, &mask, None)
     }
 
     /// Embeds `input_ids` and runs every layer under the boolean attention `mask`
     /// (`[batch, 1, seq_len, kv_len]`), through `cache` when given; then the final norm.
+    /// Sharded (stage 3), each layer is gathered for its turn, and a training forward keeps a
+    /// [`Tape`] for [`Model::finish_backward`] instead of a graph through the layers.
     fn run_layers(
         &self,
         input_ids: &Tensor,
         position_ids: &Tensor,
         mask: &Tensor,
         cache: Option<&mut KvCache>,
-    ) -> Tensor {
+    ) -> Result<Tensor> {
+        let _root = self.hold_root()?;
         let past = cache.as_ref().map_or(0, |c| c.len);
         let s = input_ids.size()[1];
         let kind = self.embed_tokens.kind();
-        let mut xs = Tensor::embedding(&self.embed_tokens, input_ids, -1, false, false);
         let rope = self.rope(position_ids, kind);
+        if let Some(shards) = &self.shards
+            && cache.is_none()
+            && grad_enabled()
+        {
+            self.hold_train_root(shards)?;
+            let (inputs, last) = tch::no_grad(|| -> Result<(Vec<Tensor>, Tensor)> {
+                let mut xs = Tensor::embedding(&self.embed_tokens, input_ids, -1, false, false);
+                let mut inputs = Vec::with_capacity(self.layers.len());
+                for (i, layer) in self.layers.iter().enumerate() {
+                    let _layer = shards.hold(layer_unit(i))?;
+                    inputs.push(xs.shallow_clone());
+                    xs = layer.forward(&xs, &rope, mask, None);
+                }
+                Ok((inputs, xs))
+            })?;
+            let last = last.detach().set_requires_grad(true);
+            let out = self.norm.forward(&last);
+            self.tapes.borrow_mut().push(Tape {
+                input_ids: input_ids.shallow_clone(),
+                inputs,
+                last,
+                rope,
+                mask: mask.shallow_clone(),
+            });
+            return Ok(out);
+        }
+        let hold = |i: usize| -> Result<Option<Held<'_>>> {
+            self.shards
+                .as_ref()
+                .map(|sh| sh.hold(layer_unit(i)))
+                .transpose()
+        };
+        let mut xs = Tensor::embedding(&self.embed_tokens, input_ids, -1, false, false);
         match cache {
             Some(c) => {
                 for (i, layer) in self.layers.iter().enumerate() {
+                    let _layer = hold(i)?;
                     xs = layer.forward(&xs, &rope, mask, Some((&c.keys[i], &c.values[i], past)));
                 }
                 c.len += s;
             }
             None => {
-                for layer in &self.layers {
+                for (i, layer) in self.layers.iter().enumerate() {
+                    let _layer = hold(i)?;
                     xs = layer.forward(&xs, &rope, mask, None);
                 }
             }
         }
-        self.norm.forward(&xs)
+        Ok(self.norm.forward(&xs))
     }
 }

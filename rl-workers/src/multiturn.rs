@@ -344,6 +344,13 @@ pub fn generate_multi_turn(
     opts: &mut GenerateOptions<'_>,
 ) -> Result<MultiTurnOutput> {
     check_prompts(input_ids, attention_mask, position_ids, cfg)?;
+    if lm.model().param_shards().is_some() {
+        // every turn's forwards would be collectives, and the ranks' turns differ
+        return Err(Error::invalid(
+            "actor_rollout_ref.actor.zero_stage",
+            "multi-turn rollouts with tools are not built for ZeRO stage 3 yet: use 0, 1 or 2",
+        ));
+    }
     tch::no_grad(|| {
         Rollout::start(lm, input_ids, attention_mask, position_ids, cfg, env, opts)?.run()
     })

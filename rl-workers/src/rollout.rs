@@ -342,12 +342,14 @@ pub(crate) fn prefill_repeated(
         position_ids.to_device(device),
     );
     let mut cache = KvCache::new(lm.config(), prompts, capacity, lm.kind(), device);
+    let root = lm.model().hold_root()?;
     let hidden =
         lm.model()
             .forward(&input_ids, &attention_mask, &position_ids, Some(&mut cache))?;
     let mut logits = lm
         .logits(&hidden.narrow(1, prompt_len - 1, 1).squeeze_dim(1))
         .to_kind(Kind::Float);
+    drop(root);
     let repeat =
         Tensor::arange(prompts, (Kind::Int64, device)).repeat_interleave_self_int(n, 0, None);
     let prompt = if n > 1 {
@@ -505,7 +507,19 @@ fn generate_inner(
                 generated_tokens: generated,
             });
         }
-        if finished == rows || step + 1 == max_new {
+        let stop = finished == rows || step + 1 == max_new;
+        // ZeRO stage 3: every decode step is a collective, so the ranks stop together
+        if lm.model().all_done(stop)? {
+            break;
+        }
+        if stop {
+            // this rank's rows all ended while another rank's decode: keep in step with it
+            loop {
+                lm.model().idle_forward()?;
+                if lm.model().all_done(true)? {
+                    break;
+                }
+            }
             break;
         }
         // drop finished rows once they are an eighth of the compute batch
@@ -524,6 +538,7 @@ fn generate_inner(
         }
         let a = active.len() as i64;
         mask = Tensor::cat(&[&mask, &Tensor::ones([a, 1], (Kind::Int64, device))], 1);
+        let _root = lm.model().hold_root()?;
         let hidden =
             lm.model()
                 .forward(&tokens.view([a, 1]), &mask, &next_pos, Some(&mut cache))?;

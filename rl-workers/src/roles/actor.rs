@@ -168,11 +168,14 @@ impl ActorWorker {
             let vars: Vec<tch::Tensor> = sorted_vars(lm.var_store());
             broadcast_from_rank0(&group, &vars)?;
         }
-        let stage =
-            ZeroStage::from_config("actor_rollout_ref.actor.zero_stage", self.cfg.zero_stage)
-                .map_err(role_err("actor"))?;
-        self.optim.broadcast_masters(&mut *dist::lock(&group)?)?;
-        self.optim.shard(group.clone(), stage)?;
+        shard_role(
+            "actor",
+            "actor_rollout_ref.actor.zero_stage",
+            self.cfg.zero_stage,
+            &group,
+            &mut self.optim,
+            &mut *lock(&self.lm, "actor")?,
+        )?;
         self.group = Some(group);
         Ok(self)
     }
@@ -188,7 +191,9 @@ impl ActorWorker {
         let Some(group) = &self.group else {
             return Ok(());
         };
-        let vars = sorted_vars(lock(&self.lm, "actor")?.var_store());
+        let lm = lock(&self.lm, "actor")?;
+        let _whole = lm.model().hold_all().map_err(role_err("actor"))?;
+        let vars = sorted_vars(lm.var_store());
         dist::check_replicas(&mut *dist::lock(group)?, "actor weights", &vars)
     }
 
@@ -215,15 +220,71 @@ pub(crate) fn sorted_vars(vs: &tch::nn::VarStore) -> Vec<tch::Tensor> {
     vars.into_iter().map(|(_, t)| t).collect()
 }
 
+/// A head whose parameters ZeRO stage 3 can shard.
+pub(crate) trait ShardableHead {
+    /// Shards the parameters over `group` ([`crate::ParamShards`]).
+    fn shard_params(&mut self, group: SharedCollective) -> crate::Result<()>;
+    /// The decoder stack, which holds the shards.
+    fn stack(&self) -> &crate::Model;
+}
+
+impl ShardableHead for CausalLm {
+    fn shard_params(&mut self, group: SharedCollective) -> crate::Result<()> {
+        CausalLm::shard_params(self, group)
+    }
+    fn stack(&self) -> &crate::Model {
+        self.model()
+    }
+}
+
+impl ShardableHead for crate::ValueModel {
+    fn shard_params(&mut self, group: SharedCollective) -> crate::Result<()> {
+        crate::ValueModel::shard_params(self, group)
+    }
+    fn stack(&self) -> &crate::Model {
+        self.model()
+    }
+}
+
+/// Splits a trained role's state over `group` at the ZeRO stage of config `key` (`stage`):
+/// the optimiser state (stages 1 and 2), or at stage 3 the head's parameters with it. Call it
+/// after rank 0's weights were broadcast; a collective.
+pub(crate) fn shard_role(
+    role: &'static str,
+    key: &str,
+    stage: u8,
+    group: &SharedCollective,
+    optim: &mut AdamW,
+    head: &mut dyn ShardableHead,
+) -> rl_core::Result<()> {
+    let stage = ZeroStage::from_config(key, stage).map_err(role_err(role))?;
+    optim.broadcast_masters(&mut *dist::lock(group)?)?;
+    if stage != ZeroStage::Parameters || dist::lock(group)?.world_size() == 1 {
+        return optim.shard(group.clone(), stage);
+    }
+    head.shard_params(group.clone()).map_err(role_err(role))?;
+    match head.stack().param_shards() {
+        Some(shards) => optim.shard_params(shards),
+        None => Err(role_err(role)(Error::invalid(
+            key,
+            "stage 3 left the parameters whole",
+        ))),
+    }
+}
+
 /// Runs `f` over micro-batches without gradient and reassembles `[batch, response_len]` outputs.
+/// With `stack`'s parameters sharded (stage 3) the ranks then run as many forwards (a rank
+/// with fewer micro-batches makes idle ones).
 fn no_grad_per_micro(
     batch: &Batch,
     rows: Option<usize>,
     tokens: Option<usize>,
+    stack: &crate::Model,
     mut f: impl FnMut(&Batch) -> rl_core::Result<Vec<tch::Tensor>>,
 ) -> rl_core::Result<Vec<tch::Tensor>> {
     let _guard = tch::no_grad_guard();
     let micros = micro::split(batch, rows, tokens)?;
+    let count = micros.len();
     let mut outs: Vec<Vec<tch::Tensor>> = Vec::new();
     let mut order = Vec::new();
     for Micro { batch, rows } in micros {
@@ -236,6 +297,7 @@ fn no_grad_per_micro(
         }
         order.push(rows);
     }
+    stack.pad_forwards(count).map_err(role_err("forward"))?;
     Ok(outs
         .iter()
         .map(|parts| micro::reassemble(parts, &order))
@@ -249,10 +311,11 @@ pub(crate) fn update_loop(
     rollout_n: usize,
     batch: &Batch,
     optim: &mut AdamW,
-    prefix: &str,
+    prefix: &'static str,
+    stack: &crate::Model,
     loss: impl FnMut(&Batch, rl_core::roles::MiniBatchInfo) -> rl_core::Result<(tch::Tensor, Metrics)>,
 ) -> rl_core::Result<Metrics> {
-    update_loop_dp(cfg, rollout_n, batch, optim, prefix, None, loss)
+    update_loop_dp(cfg, rollout_n, batch, optim, prefix, None, stack, loss)
 }
 
 /// [`update_loop`], data parallel over `group` when given.
@@ -260,15 +323,18 @@ pub(crate) fn update_loop(
 /// With a `group`, `batch` is this rank's shard: a mini-batch is `1 / world_size` of the global
 /// one, its normalisers ([`MiniBatchInfo`](rl_core::roles::MiniBatchInfo)) are the global counts
 /// (all-reduced), each micro-batch carries `meta_info.dp_size`, and gradients are averaged over
-/// the ranks before clipping (verl's `agg_loss` with `dp_size` under FSDP).
+/// the ranks before clipping (verl's `agg_loss` with `dp_size` under FSDP). With `stack`'s
+/// parameters sharded (ZeRO stage 3) each micro-batch's backward continues through the layers
+/// ([`crate::Model::finish_backward`]).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn update_loop_dp(
     cfg: &ActorConfig,
     rollout_n: usize,
     batch: &Batch,
     optim: &mut AdamW,
-    prefix: &str,
+    prefix: &'static str,
     group: Option<&SharedCollective>,
+    stack: &crate::Model,
     mut loss: impl FnMut(
         &Batch,
         rl_core::roles::MiniBatchInfo,
@@ -314,8 +380,8 @@ pub(crate) fn update_loop_dp(
             }
         }
         optim.zero_grad();
-        // ZeRO stage 2 reduces every micro-batch's gradient, so the ranks must run as many
-        // (token-balanced micro-batches can differ in number): the extra ones add nothing
+        // ZeRO stages 2 and 3 reduce every micro-batch's gradient, so the ranks must run as
+        // many (token-balanced micro-batches can differ in number): the extra ones add nothing
         let rounds = match group {
             Some(g) if optim.reduces_per_micro_batch() => {
                 let mut n = [micros.len() as f64];
@@ -328,10 +394,12 @@ pub(crate) fn update_loop_dp(
         for m in &micros {
             let (l, ms) = loss(&m.batch, info)?;
             l.backward();
+            stack.finish_backward().map_err(role_err(prefix))?;
             optim.accumulate_grads()?;
             mm.extend(ms);
         }
         for _ in micros.len()..rounds {
+            stack.idle_train_round().map_err(role_err(prefix))?;
             optim.accumulate_grads()?;
         }
         micro::fold_micro_metrics(&mm, &mut metrics);
@@ -353,18 +421,21 @@ pub(crate) fn update_loop_dp(
 /// Saves a trained role's state into `dir`: `model` writes what training changed (the model,
 /// or with LoRA only the adapters), then the optimiser state. Data parallel, every rank calls
 /// it and rank 0 alone writes; the others only take part in gathering a ZeRO-sharded
-/// optimiser state.
+/// optimiser state and (stage 3) `stack`'s parameters, which every rank holds whole until the
+/// save ends.
 pub(crate) fn save_trained_state(
     role: &'static str,
     group: Option<&SharedCollective>,
     optim: &AdamW,
     dir: &Path,
+    stack: &crate::Model,
     model: impl FnOnce(&Path) -> crate::error::Result<()>,
 ) -> rl_core::Result<()> {
     let writer = match group {
         Some(g) => dist::lock(g)?.rank() == 0,
         None => true,
     };
+    let _whole = stack.hold_all().map_err(role_err(role))?;
     if !writer {
         return optim.join_save();
     }
@@ -389,6 +460,7 @@ impl Actor for ActorWorker {
             self.cfg
                 .use_dynamic_bsz
                 .then_some(self.cfg.log_prob_max_token_len_per_gpu),
+            lm.model(),
             |m| {
                 let out = micro::log_probs_with(&lm, m, temperature, extras, packed)?;
                 Ok(std::iter::once(out.log_prob)
@@ -435,6 +507,7 @@ impl Actor for ActorWorker {
             &mut self.optim,
             "actor",
             self.group.as_ref(),
+            lm.model(),
             |micro, info| {
                 micro_index += 1;
                 lm.set_lora_dropout_seed(Some(base_seed.wrapping_add(micro_index)));
@@ -449,9 +522,14 @@ impl Actor for ActorWorker {
 
     fn save_state(&self, dir: &Path) -> rl_core::Result<()> {
         let lm = lock(&self.lm, "actor")?;
-        save_trained_state("actor", self.group.as_ref(), &self.optim, dir, |d| {
-            lm.save_trained(d)
-        })
+        save_trained_state(
+            "actor",
+            self.group.as_ref(),
+            &self.optim,
+            dir,
+            lm.model(),
+            |d| lm.save_trained(d),
+        )
     }
 
     fn data_parallel_ranks(&self) -> usize {
@@ -463,6 +541,7 @@ impl Actor for ActorWorker {
 
     fn weights_digest(&self) -> rl_core::Result<Option<u64>> {
         let lm = lock(&self.lm, "actor")?;
+        let _whole = lm.model().hold_all().map_err(role_err("actor"))?;
         Ok(Some(dist::digest(&sorted_vars(lm.var_store()))?))
     }
 
@@ -725,7 +804,10 @@ impl ReferenceWorker {
         }
         let mut lm =
             CausalLm::new(src.config(), src.device(), src.kind()).map_err(role_err("reference"))?;
+        // a policy sharded by ZeRO stage 3: every rank gathers it (a collective)
+        let whole = src.model().hold_all().map_err(role_err("reference"))?;
         lm.var_store_mut().copy(src.var_store())?;
+        drop(whole);
         lm.var_store_mut().freeze();
         Ok(ReferenceWorker {
             lm: RefModel::Own(Box::new(lm)),
@@ -739,6 +821,18 @@ impl ReferenceWorker {
     pub fn with_remove_padding(mut self, packed: bool) -> Self {
         self.packed = packed;
         self
+    }
+
+    /// ZeRO stage 3: shards the reference's own weights over `group` (every rank holds the
+    /// same); its forwards then gather a layer at a time. A no-op for the LoRA policy's base
+    /// (the policy's sharding applies) or a world of one. A collective.
+    pub fn shard_params(mut self, group: SharedCollective) -> rl_core::Result<Self> {
+        if dist::lock(&group)?.world_size() > 1
+            && let RefModel::Own(lm) = &mut self.lm
+        {
+            lm.shard_params(group).map_err(role_err("reference"))?;
+        }
+        Ok(self)
     }
 
     /// Whether the reference is the LoRA policy's base model rather than a copy.
@@ -768,7 +862,7 @@ impl Reference for ReferenceWorker {
         let temperature = meta_f64(batch, "temperature", 1.0);
         let (micro_batch_size, packed) = (self.micro_batch_size, self.packed);
         let run = |lm: &CausalLm| {
-            no_grad_per_micro(batch, micro_batch_size, None, |m| {
+            no_grad_per_micro(batch, micro_batch_size, None, lm.model(), |m| {
                 Ok(vec![micro::log_probs(lm, m, temperature, false, packed)?.0])
             })
         };

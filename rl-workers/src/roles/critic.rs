@@ -9,13 +9,13 @@ use rl_core::{Batch, keys};
 use crate::error::Error;
 use crate::heads::ValueModel;
 use crate::roles::actor::{
-    broadcast_from_rank0, check_dp_mini_batch, save_trained_state, sorted_vars, update_loop_dp,
+    broadcast_from_rank0, check_dp_mini_batch, save_trained_state, shard_role, sorted_vars,
+    update_loop_dp,
 };
 use crate::roles::config::CriticConfig;
 use crate::roles::micro;
 use crate::roles::optim::AdamW;
 use crate::roles::role_err;
-use crate::roles::zero::ZeroStage;
 
 /// The value model of PPO: `values` for the states before each response token, and clipped
 /// value-loss updates with the same mini/micro-batch loop as the actor (data parallel with
@@ -76,10 +76,14 @@ impl CriticWorker {
             "critic",
         )?;
         broadcast_from_rank0(&group, &sorted_vars(self.model.var_store()))?;
-        let stage = ZeroStage::from_config("critic.zero_stage", self.cfg.zero_stage)
-            .map_err(role_err("critic"))?;
-        self.optim.broadcast_masters(&mut *dist::lock(&group)?)?;
-        self.optim.shard(group.clone(), stage)?;
+        shard_role(
+            "critic",
+            "critic.zero_stage",
+            self.cfg.zero_stage,
+            &group,
+            &mut self.optim,
+            &mut self.model,
+        )?;
         self.group = Some(group);
         Ok(self)
     }
@@ -90,6 +94,7 @@ impl CriticWorker {
         let Some(group) = &self.group else {
             return Ok(());
         };
+        let _whole = self.model.model().hold_all().map_err(role_err("critic"))?;
         let vars = sorted_vars(self.model.var_store());
         dist::check_replicas(&mut *dist::lock(group)?, "critic weights", &vars)
     }
@@ -114,6 +119,7 @@ impl Critic for CriticWorker {
             cfg.ppo_micro_batch_size_per_gpu,
             cfg.use_dynamic_bsz.then_some(cfg.ppo_max_token_len_per_gpu),
         )?;
+        let count = micros.len();
         let mut parts = Vec::new();
         let mut order = Vec::new();
         for m in micros {
@@ -124,6 +130,11 @@ impl Critic for CriticWorker {
             )?);
             order.push(m.rows);
         }
+        // stage 3: as many forwards on every rank
+        self.model
+            .model()
+            .pad_forwards(count)
+            .map_err(role_err("critic"))?;
         let mut out = Batch::new();
         out.insert(keys::VALUES, micro::reassemble(&parts, &order))?;
         Ok(out)
@@ -144,6 +155,7 @@ impl Critic for CriticWorker {
             &mut self.optim,
             "critic",
             self.group.as_ref(),
+            model.model(),
             |m, info| {
                 let v = micro::values(model, m, packed)?;
                 objective.loss(m, &v, info)
@@ -152,9 +164,14 @@ impl Critic for CriticWorker {
     }
 
     fn save_state(&self, dir: &Path) -> rl_core::Result<()> {
-        save_trained_state("critic", self.group.as_ref(), &self.optim, dir, |d| {
-            self.model.save_trained(d)
-        })
+        save_trained_state(
+            "critic",
+            self.group.as_ref(),
+            &self.optim,
+            dir,
+            self.model.model(),
+            |d| self.model.save_trained(d),
+        )
     }
 
     fn data_parallel_ranks(&self) -> usize {
@@ -165,6 +182,7 @@ impl Critic for CriticWorker {
     }
 
     fn weights_digest(&self) -> rl_core::Result<Option<u64>> {
+        let _whole = self.model.model().hold_all().map_err(role_err("critic"))?;
         Ok(Some(dist::digest(&sorted_vars(self.model.var_store()))?))
     }
 

@@ -378,6 +378,8 @@ pub(crate) fn log_probs_with(
 ) -> rl_core::Result<LogProbOutputs> {
     let tr = trim(micro)?;
     let device = lm.device();
+    // stage 3: the root unit (embeddings, head) stays gathered from the stack to the head
+    let _root = lm.model().hold_root().map_err(role_err("actor"))?;
     let packing = if packed { Some(pack(&tr)?) } else { None };
     // the states predicting response tokens: [batch, keep, hidden], or packed [n, hidden]
     let (hidden, responses) = match &packing {
@@ -471,6 +473,7 @@ const SUM_PI_SQUARED_CHUNK: i64 = 1 << 24;
 pub(crate) fn values(critic: &ValueModel, micro: &Batch, packed: bool) -> rl_core::Result<Tensor> {
     let tr = trim(micro)?;
     let device = critic.var_store().device();
+    let _root = critic.model().hold_root().map_err(role_err("critic"))?;
     if packed {
         let p = pack(&tr)?;
         let v = critic.values(&p.predicting_states(critic.model(), device, "critic")?);

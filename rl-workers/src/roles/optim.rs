@@ -11,6 +11,7 @@ use tch::nn::VarStore;
 use tch::{Kind, Tensor};
 
 use crate::error::{Error, Result};
+use crate::fsdp::GradReleaser;
 use crate::roles::config::OptimConfig;
 use crate::roles::zero::{Sharded, StepConsts, WholeState, ZeroStage, adamw_};
 
@@ -54,30 +55,6 @@ pub struct AdamW {
     /// them where ZeRO has taken what it needs from them.
     releaser: Option<GradReleaser>,
     counters: OptimCounters,
-}
-
-/// A libtorch optimiser over the parameters, used only for its `zero_grad`, which sets
-/// gradients to none (tch has no call that frees a gradient).
-struct GradReleaser(tch::COptimizer);
-
-impl std::fmt::Debug for GradReleaser {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("GradReleaser")
-    }
-}
-
-impl GradReleaser {
-    fn new(params: &[Tensor]) -> Result<GradReleaser> {
-        let mut opt = tch::COptimizer::sgd(0.0, 0.0, 0.0, 0.0, false)?;
-        for p in params {
-            opt.add_parameters(p, 0)?;
-        }
-        Ok(GradReleaser(opt))
-    }
-
-    fn release(&self) -> Result<()> {
-        Ok(self.0.zero_grad()?)
-    }
 }
 
 /// Float32 gradient accumulators, one per parameter.
@@ -129,7 +106,8 @@ impl AdamW {
     /// Splits the optimiser state over the ranks of `group` (ZeRO `stage` 1 or 2, see
     /// [`crate::roles::zero`]); a no-op for [`ZeroStage::Replicated`] or a world of one. A
     /// collective only in that every rank must call it with the same parameters; call it
-    /// before the first step (after loading or broadcasting the weights).
+    /// before the first step (after loading or broadcasting the weights). Stage 3 shards the
+    /// model's parameters too: see [`AdamW::shard_params`].
     pub fn shard(
         &mut self,
         group: rl_core::dist::SharedCollective,
@@ -138,6 +116,32 @@ impl AdamW {
         if stage == ZeroStage::Replicated || rl_core::dist::lock(&group)?.world_size() == 1 {
             return Ok(());
         }
+        if stage == ZeroStage::Parameters {
+            return Err(rl_core::Error::Role {
+                role: "optimizer",
+                source: "ZeRO stage 3 shards with the model's parameters: use shard_params".into(),
+            });
+        }
+        self.shard_with(stage, |params, whole| {
+            Sharded::new(group, stage, params, whole)
+        })
+    }
+
+    /// ZeRO stage 3: the optimiser state split as the model's parameter `shards` are, stepping
+    /// their parts in place; every trained parameter must be one of theirs. Call it right
+    /// after sharding the model, before the first step.
+    pub fn shard_params(&mut self, shards: &crate::ParamShards) -> rl_core::Result<()> {
+        let names = self.names.clone();
+        self.shard_with(ZeroStage::Parameters, |params, whole| {
+            Sharded::with_params(shards, &names, params, whole)
+        })
+    }
+
+    fn shard_with(
+        &mut self,
+        stage: ZeroStage,
+        make: impl FnOnce(&[Tensor], &WholeState<'_>) -> rl_core::Result<Sharded>,
+    ) -> rl_core::Result<()> {
         if self.sharded.is_some() {
             return Err(rl_core::Error::Role {
                 role: "optimizer",
@@ -169,14 +173,14 @@ impl AdamW {
                 .is_some()
                 .then_some(&master as &dyn Fn(usize) -> Tensor),
         };
-        let sharded = Sharded::new(group, stage, &self.params, &whole)?;
+        let sharded = make(&self.params, &whole)?;
         self.releaser = Some(GradReleaser::new(&self.params).map_err(role)?);
         self.sharded = Some(sharded);
         // the whole state is now this rank's part: free the rest
         self.exp_avg = Vec::new();
         self.exp_avg_sq = Vec::new();
         self.master = None;
-        if stage == ZeroStage::Gradients {
+        if stage >= ZeroStage::Gradients {
             // each micro-batch's gradient goes straight into this rank's part
             self.accum = None;
         }
@@ -293,6 +297,12 @@ impl AdamW {
     /// in float32. ZeRO stage 2: reduce-scatters the gradient into this rank's part and
     /// releases the parameters' gradients (a collective). Otherwise a no-op.
     pub fn accumulate_grads(&mut self) -> rl_core::Result<()> {
+        if let Some(s) = &mut self.sharded
+            && s.shards_params()
+        {
+            // stage 3 reduced each layer's gradient as the backward passed it
+            return Ok(());
+        }
         if let Some(s) = &mut self.sharded
             && s.reduces_per_micro_batch()
         {

@@ -398,6 +398,12 @@ impl RmWorker {
         )?;
         let stage = ZeroStage::from_config("reward_model.train.zero_stage", self.cfg.zero_stage)
             .map_err(role_err("reward_model"))?;
+        if stage == ZeroStage::Parameters {
+            return Err(role_err("reward_model")(Error::invalid(
+                "reward_model.train.zero_stage",
+                "stage 3 is built for the actor, critic and reference, not yet for reward-model training: use 0, 1 or 2",
+            )));
+        }
         self.optim.broadcast_masters(&mut *dist::lock(&group)?)?;
         self.optim.shard(group.clone(), stage)?;
         self.group = Some(group);
@@ -438,16 +444,30 @@ impl Critic for RmWorker {
             objective.loss(m, &tokens, info)
         };
         match &self.group {
-            Some(g) => update_loop_dp(&cfg, 2, batch, &mut self.optim, "rm", Some(g), loss),
-            None => update_loop(&cfg, 2, batch, &mut self.optim, "rm", loss),
+            Some(g) => update_loop_dp(
+                &cfg,
+                2,
+                batch,
+                &mut self.optim,
+                "rm",
+                Some(g),
+                model.model(),
+                loss,
+            ),
+            None => update_loop(&cfg, 2, batch, &mut self.optim, "rm", model.model(), loss),
         }
     }
 
     fn save_state(&self, dir: &Path) -> rl_core::Result<()> {
         let model = lock(&self.model, "reward_model")?;
-        save_trained_state("reward_model", self.group.as_ref(), &self.optim, dir, |d| {
-            model.save_trained(d)
-        })
+        save_trained_state(
+            "reward_model",
+            self.group.as_ref(),
+            &self.optim,
+            dir,
+            model.model(),
+            |d| model.save_trained(d),
+        )
     }
 
     fn load_state(&mut self, dir: &Path) -> rl_core::Result<()> {

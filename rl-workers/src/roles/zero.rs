@@ -21,6 +21,8 @@
 use rl_core::dist::{self, ReduceOp, SharedCollective};
 use tch::{Kind, Tensor};
 
+use crate::fsdp::ParamShards;
+
 /// Elements per bucket: 25 MiB of float32.
 pub(crate) const BUCKET_ELEMS: i64 = 25 * 1024 * 1024 / 4;
 
@@ -36,6 +38,9 @@ pub enum ZeroStage {
     OptimizerState,
     /// Stage 1 plus the gradients reduce-scattered into each rank's part.
     Gradients,
+    /// Stage 2 plus the parameters: each rank keeps its part of every layer and gathers a
+    /// layer just before it computes ([`crate::ParamShards`]; FSDP's `FULL_SHARD`).
+    Parameters,
 }
 
 impl ZeroStage {
@@ -45,14 +50,11 @@ impl ZeroStage {
             0 => Ok(ZeroStage::Replicated),
             1 => Ok(ZeroStage::OptimizerState),
             2 => Ok(ZeroStage::Gradients),
-            3 => Err(crate::error::Error::invalid(
-                key,
-                "stage 3 (parameters sharded too, FSDP's FULL_SHARD) is not built yet: use 0, 1 or 2",
-            )),
+            3 => Ok(ZeroStage::Parameters),
             s => Err(crate::error::Error::invalid(
                 key,
                 format!(
-                    "must be 0 (replicated), 1 (optimizer state) or 2 (plus gradients), got {s}"
+                    "must be 0 (replicated), 1 (optimizer state), 2 (plus gradients) or 3 (plus parameters), got {s}"
                 ),
             )),
         }
@@ -170,8 +172,12 @@ pub(crate) struct Sharded {
     exp_avg_sq: Vec<Tensor>,
     /// Mixed precision: float32 master weights of the owned elements.
     master: Option<Vec<Tensor>>,
-    /// Stage 2: the owned part of the averaged gradient, accumulated over micro-batches.
+    /// Stages 2 and 3: the owned part of the averaged gradient, accumulated over
+    /// micro-batches (stage 3: the [`ParamShards`]' own gradient parts, shared).
     grad: Vec<Tensor>,
+    /// Stage 3: the owned elements of the weights themselves, in the model's dtype (the
+    /// [`ParamShards`]' parts, shared: a step updates them in place).
+    weights: Vec<Tensor>,
 }
 
 impl std::fmt::Debug for Sharded {
@@ -261,6 +267,83 @@ impl Sharded {
             exp_avg_sq,
             master,
             grad,
+            weights: Vec::new(),
+        })
+    }
+
+    /// Stage 3: this rank's share of `whole` for `params` (named `names`), laid out as the
+    /// units of `shards` (one bucket per unit), whose weight and gradient parts it shares.
+    /// Every variable of the sharded model must be trained (no frozen base under LoRA).
+    pub(crate) fn with_params(
+        shards: &ParamShards,
+        names: &[String],
+        params: &[Tensor],
+        whole: &WholeState<'_>,
+    ) -> rl_core::Result<Sharded> {
+        let index: std::collections::HashMap<&str, usize> = names
+            .iter()
+            .enumerate()
+            .map(|(i, n)| (n.as_str(), i))
+            .collect();
+        let world = dist::lock(shards.group())?.world_size();
+        let mut buckets = Vec::with_capacity(shards.units.len());
+        for unit in &shards.units {
+            let mut b = Bucket {
+                part: unit.part,
+                ..Bucket::default()
+            };
+            for (n, &off) in unit.names.iter().zip(&unit.offsets) {
+                let &i = index.get(n.as_str()).ok_or_else(|| rl_core::Error::Role {
+                    role: "optimizer",
+                    source: format!(
+                        "ZeRO stage 3 shards every parameter with its optimizer state, but `{n}` is frozen (LoRA): use zero_stage 2 with LoRA"
+                    )
+                    .into(),
+                })?;
+                b.params.push(i);
+                b.offsets.push(off);
+                b.numel = off + params[i].numel() as i64;
+            }
+            buckets.push(b);
+        }
+        if buckets.iter().map(|b| b.params.len()).sum::<usize>() != params.len() {
+            return Err(rl_core::Error::Role {
+                role: "optimizer",
+                source: "ZeRO stage 3: the optimizer trains parameters the model does not hold"
+                    .into(),
+            });
+        }
+        shards.enable_grads();
+        let rank = shards.rank();
+        let _guard = tch::no_grad_guard();
+        let shares = |value: &dyn Fn(usize) -> Tensor| -> Vec<Tensor> {
+            buckets
+                .iter()
+                .map(|b| b.local(rank, params, value))
+                .collect()
+        };
+        let exp_avg = shares(whole.exp_avg);
+        let exp_avg_sq = shares(whole.exp_avg_sq);
+        let master = whole.master.map(shares);
+        Ok(Sharded {
+            group: shards.group().clone(),
+            stage: ZeroStage::Parameters,
+            rank,
+            world,
+            buckets,
+            exp_avg,
+            exp_avg_sq,
+            master,
+            grad: shards
+                .units
+                .iter()
+                .map(|u| u.grad.borrow().shallow_clone())
+                .collect(),
+            weights: shards
+                .units
+                .iter()
+                .map(|u| u.local.shallow_clone())
+                .collect(),
         })
     }
 
@@ -269,10 +352,16 @@ impl Sharded {
         self.master.is_some()
     }
 
-    /// Whether every micro-batch's gradient is reduced (stage 2): then every rank must call
-    /// [`Sharded::reduce_scatter_grads`] the same number of times per mini-batch.
+    /// Whether every micro-batch's gradient is reduced (stages 2 and 3): then every rank must
+    /// run as many micro-batches per mini-batch, and the gradient lives in the owned parts.
     pub(crate) fn reduces_per_micro_batch(&self) -> bool {
-        self.stage == ZeroStage::Gradients
+        self.stage >= ZeroStage::Gradients
+    }
+
+    /// Whether the parameters themselves are sharded (stage 3, which reduces gradients as the
+    /// backward reaches each layer).
+    pub(crate) fn shards_params(&self) -> bool {
+        self.stage == ZeroStage::Parameters
     }
 
     /// Stage 2, after a micro-batch's backward: reduce-scatters (averages) the parameters'
@@ -323,12 +412,13 @@ impl Sharded {
         let mut group = dist::lock(&self.group)?;
         for (bi, b) in self.buckets.iter().enumerate() {
             let g = match self.stage {
-                ZeroStage::Gradients => self.grad[bi].shallow_clone(),
+                ZeroStage::Gradients | ZeroStage::Parameters => self.grad[bi].shallow_clone(),
                 _ => b.local(rank, params, |i| whole_grads[i].shallow_clone()),
             };
-            let mut w = match &self.master {
-                Some(m) => m[bi].shallow_clone(),
-                None => b.local(rank, params, |i| params[i].shallow_clone()),
+            let mut w = match (&self.master, self.weights.get(bi)) {
+                (Some(m), _) => m[bi].shallow_clone(),
+                (None, Some(mine)) => mine.to_kind(Kind::Float).copy(),
+                (None, None) => b.local(rank, params, |i| params[i].shallow_clone()),
             };
             adamw_(
                 &mut w,
@@ -337,8 +427,16 @@ impl Sharded {
                 &mut self.exp_avg_sq[bi],
                 k,
             );
-            let full = group.all_gather_flat(&w)?;
-            b.scatter_into(&full, params);
+            match self.weights.get_mut(bi) {
+                // stage 3: the owned elements are all this rank keeps of the weights
+                Some(mine) => {
+                    let _ = mine.copy_(&w.to_kind(mine.kind()));
+                }
+                None => {
+                    let full = group.all_gather_flat(&w)?;
+                    b.scatter_into(&full, params);
+                }
+            }
         }
         Ok(())
     }
@@ -401,8 +499,15 @@ impl Sharded {
             self.exp_avg_sq[bi] = b.local(rank, params, whole.exp_avg_sq);
             if let (Some(ms), Some(m)) = (&mut self.master, whole.master) {
                 ms[bi] = b.local(rank, params, m);
-                let full = b.flat(world, params, m);
-                b.scatter_into(&full, params);
+                match self.weights.get_mut(bi) {
+                    Some(mine) => {
+                        let _ = mine.copy_(&ms[bi].to_kind(mine.kind()));
+                    }
+                    None => {
+                        let full = b.flat(world, params, m);
+                        b.scatter_into(&full, params);
+                    }
+                }
             }
         }
     }
@@ -475,16 +580,16 @@ mod tests {
             ZeroStage::from_config("k", 2).unwrap(),
             ZeroStage::Gradients
         );
-        let e = ZeroStage::from_config("critic.zero_stage", 3)
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.contains("critic.zero_stage") && e.contains("stage 3"),
-            "{e}"
+        assert_eq!(
+            ZeroStage::from_config("k", 3).unwrap(),
+            ZeroStage::Parameters
         );
         let e = ZeroStage::from_config("critic.zero_stage", 7)
             .unwrap_err()
             .to_string();
-        assert!(e.contains("got 7"), "{e}");
+        assert!(
+            e.contains("got 7") && e.contains("critic.zero_stage"),
+            "{e}"
+        );
     }
 }
