@@ -944,19 +944,16 @@ impl Model {
         Ok(())
     }
 
-    /// Stage 3, after `done` forwards without gradient (micro-batches): the ranks agree on
-    /// the most any of them ran and this one makes idle forwards up to it (collectives). A
-    /// no-op when not sharded.
-    pub(crate) fn pad_forwards(&self, done: usize) -> Result<()> {
+    /// Stage 3, before `count` forwards without gradient (micro-batches): the most any rank
+    /// will run (a collective; `count` when not sharded). After its own, a rank makes
+    /// [`Model::idle_forward`]s up to it.
+    pub(crate) fn most_forwards(&self, count: usize) -> Result<usize> {
         let Some(s) = &self.shards else {
-            return Ok(());
+            return Ok(count);
         };
-        let mut most = [done as f64];
+        let mut most = [count as f64];
         dist_max(s, &mut most)?;
-        for _ in done..most[0] as usize {
-            self.idle_forward()?;
-        }
-        Ok(())
+        Ok(most[0] as usize)
     }
 
     /// Stage 3, at each decode step of a generation: whether every rank is done (`done` is

@@ -173,6 +173,7 @@ fn child_entry() {
         "resume" => resume_child(&group, rank, &out),
         "zero" => zero_child(&group, rank, world, &out),
         "zero_resume" => zero_resume_child(&group, rank, world, &out),
+        "stage3_uneven" => stage3_uneven_child(&group, rank),
         other => panic!("unknown role {other}"),
     }
     println!("role ok");
@@ -520,7 +521,7 @@ fn on_policy_trainer(
     let policy = fresh_tiny_policy(tokenizer.vocab_size() as i64, 1).unwrap();
     let (mut train, val) = loaders(&cfg, tokenizer).unwrap();
     let arr = &cfg.actor_rollout_ref;
-    let reference = ReferenceWorker::from_policy(&policy, None).unwrap();
+    let mut reference = ReferenceWorker::from_policy(&policy, None).unwrap();
     let eos = tokenizer.eos_token_id().unwrap() as i64;
     let pad = tokenizer.pad_id_or_eos().unwrap() as i64;
     let rollout = RolloutWorker::new(
@@ -540,6 +541,10 @@ fn on_policy_trainer(
         train = LoaderSource(train.0.with_shard(rank, world).unwrap());
         if actor_dp {
             actor = actor.with_group(g.clone()).unwrap();
+        }
+        if arr.actor.zero_stage == 3 {
+            // as the harness does: the reference sharded like the actor
+            reference = reference.shard_params(g.clone()).unwrap();
         }
     }
     let mut critic_vars = Vec::new();
@@ -652,8 +657,8 @@ fn two_rank_grpo_run_keeps_identical_weights_and_logs_global_metrics() {
 }
 
 /// PPO with a critic (GAE): the critic's data-parallel update and the values gathered for the
-/// advantage.
-fn ppo_config(task: &TinyTask) -> ExperimentConfig {
+/// advantage; the actor and the critic at ZeRO stages `stages` (one process ignores them).
+fn ppo_config(task: &TinyTask, stages: (u8, u8)) -> ExperimentConfig {
     let mut cfg = grpo_config(task);
     cfg.algorithm.adv_estimator = AdvEstimator::Gae;
     // one mini-batch a step, so that a 2-rank mini-batch is one process's (with several, each
@@ -668,33 +673,64 @@ fn ppo_config(task: &TinyTask) -> ExperimentConfig {
             lr: 1e-3,
             ..OptimConfig::default()
         },
-        // ZeRO: the actor's gradients and state sharded, the critic's state (one process
-        // ignores both)
-        zero_stage: 1,
+        zero_stage: stages.1,
         ..CriticConfig::default()
     };
-    cfg.actor_rollout_ref.actor.zero_stage = 2;
+    cfg.actor_rollout_ref.actor.zero_stage = stages.0;
     cfg.trainer.total_training_steps = Some(2);
     cfg
 }
 
+/// The ZeRO stages (actor, critic) of the two PPO runs: the actor's gradients and state
+/// sharded with the critic's state; then both with their parameters (and the reference's).
+const PPO_STAGES: [(u8, u8); 2] = [(2, 1), (3, 3)];
+
 fn ppo_run_child(group: &SharedCollective, rank: usize, out: &Path) {
+    for stages in PPO_STAGES {
+        ppo_run(
+            group,
+            rank,
+            &out.join(format!("stages{}{}", stages.0, stages.1)),
+            stages,
+        );
+    }
+}
+
+fn ppo_run(group: &SharedCollective, rank: usize, out: &Path, stages: (u8, u8)) {
+    std::fs::create_dir_all(out).unwrap();
     let task = grpo_task();
     let (mut trainer, policy, critic) =
-        on_policy_trainer(&task, Some(group), ppo_config(&task), true);
+        on_policy_trainer(&task, Some(group), ppo_config(&task, stages), true);
     let mut log = Vec::new();
     while trainer.global_step() < trainer.total_steps() {
         log.push(trainer.step().unwrap());
     }
+    // every rank joins (stage 3 gathers the weights), rank 0 writes the whole weights
+    checkpoint(&trainer, &out.join("ckpt"));
+    let sharded = policy.lock().unwrap().model().param_shards().is_some();
+    assert_eq!(
+        sharded,
+        stages.0 == 3,
+        "the actor's shards at stages {stages:?}"
+    );
+    let actor = {
+        let lm = policy.lock().unwrap();
+        let _whole = lm.model().hold_all().unwrap();
+        named_params(lm.var_store())
+    };
     write(
         &out.join(format!("ppo-actor-rank{rank}.safetensors")),
-        &policy_params(&policy),
+        &actor,
     );
-    let critic: Vec<(String, Tensor)> = critic.into_iter().map(|(k, t)| (k, t.copy())).collect();
-    write(
-        &out.join(format!("ppo-critic-rank{rank}.safetensors")),
-        &critic,
-    );
+    if stages.1 < 3 {
+        // the live critic (at stage 3 only the checkpoint holds it whole)
+        let critic: Vec<(String, Tensor)> =
+            critic.into_iter().map(|(k, t)| (k, t.copy())).collect();
+        write(
+            &out.join(format!("ppo-critic-rank{rank}.safetensors")),
+            &critic,
+        );
+    }
     std::fs::write(
         out.join(format!("ppo-metrics-rank{rank}.json")),
         serde_json::to_string(&log).unwrap(),
@@ -707,39 +743,64 @@ fn two_rank_ppo_run_with_zero_keeps_actor_and_critic_identical_and_follows_one_p
     let out = tempfile::tempdir().unwrap();
     let t = Instant::now();
     spawn_group("ppo_run", 2, out.path());
-    println!("2-rank PPO run of 2 steps took {:?}", t.elapsed());
-    for role in ["actor", "critic"] {
-        let r0 = read(&out.path().join(format!("ppo-{role}-rank0.safetensors")));
-        let r1 = read(&out.path().join(format!("ppo-{role}-rank1.safetensors")));
-        assert_eq!(max_diff(&r0, &r1), 0.0, "the ranks' {role} weights differ");
-    }
-    let load = |r: usize| -> Value {
-        let text =
-            std::fs::read_to_string(out.path().join(format!("ppo-metrics-rank{r}.json"))).unwrap();
-        serde_json::from_str(&text).unwrap()
-    };
-    // and the run at ZeRO stages 2 (actor) and 1 (critic) follows one process
+    println!(
+        "2-rank PPO runs of 2 steps at stages {PPO_STAGES:?} took {:?}",
+        t.elapsed()
+    );
     let task = grpo_task();
-    let (mut solo, policy, critic) = on_policy_trainer(&task, None, ppo_config(&task), true);
-    while solo.global_step() < solo.total_steps() {
-        solo.step().unwrap();
-    }
-    let critic: Vec<(String, Tensor)> = critic.into_iter().map(|(k, t)| (k, t.copy())).collect();
-    for (role, want) in [("actor", policy_params(&policy)), ("critic", critic)] {
-        let r0 = read(&out.path().join(format!("ppo-{role}-rank0.safetensors")));
-        let d = max_diff(&r0, &as_map(want));
-        println!("PPO {role}: 2 ranks (ZeRO) vs 1 process, max |param diff| {d:.1e}");
-        assert!(d < 1e-5, "{role}: 2 ranks differ from 1 process by {d}");
-    }
-    let (m0, m1) = (load(0), load(1));
-    for (a, b) in m0.as_array().unwrap().iter().zip(m1.as_array().unwrap()) {
-        for key in [
-            "critic/vf_loss",
-            "critic/values/mean",
-            "critic/advantages/mean",
-        ] {
-            assert!(a[key].is_number(), "{key} missing: {a}");
-            assert_eq!(a[key], b[key], "{key}");
+    for stages in PPO_STAGES {
+        let dir = out.path().join(format!("stages{}{}", stages.0, stages.1));
+        let at = |name: &str| read(&dir.join(name));
+        let r0 = at("ppo-actor-rank0.safetensors");
+        let r1 = at("ppo-actor-rank1.safetensors");
+        assert_eq!(
+            max_diff(&r0, &r1),
+            0.0,
+            "{stages:?}: the ranks' actors differ"
+        );
+        if stages.1 < 3 {
+            let r0 = at("ppo-critic-rank0.safetensors");
+            let r1 = at("ppo-critic-rank1.safetensors");
+            assert_eq!(
+                max_diff(&r0, &r1),
+                0.0,
+                "{stages:?}: the ranks' critics differ"
+            );
+        }
+        // the run follows one process, through the checkpoints (whole whatever the stage)
+        let (mut solo, _, _) = on_policy_trainer(&task, None, ppo_config(&task, stages), true);
+        while solo.global_step() < solo.total_steps() {
+            solo.step().unwrap();
+        }
+        let solo_dir = dir.join("solo");
+        checkpoint(&solo, &solo_dir);
+        for role in ["actor", "critic"] {
+            let file = format!("{role}/model.safetensors");
+            let d = max_diff(&at(&format!("ckpt/{file}")), &read(&solo_dir.join(&file)));
+            println!(
+                "PPO {role} at stages {stages:?}: 2 ranks vs 1 process, max |param diff| {d:.1e}"
+            );
+            assert!(
+                d < 1e-5,
+                "{stages:?} {role}: 2 ranks differ from 1 process by {d}"
+            );
+        }
+        let load = |r: usize| -> Value {
+            serde_json::from_str(
+                &std::fs::read_to_string(dir.join(format!("ppo-metrics-rank{r}.json"))).unwrap(),
+            )
+            .unwrap()
+        };
+        let (m0, m1) = (load(0), load(1));
+        for (a, b) in m0.as_array().unwrap().iter().zip(m1.as_array().unwrap()) {
+            for key in [
+                "critic/vf_loss",
+                "critic/values/mean",
+                "critic/advantages/mean",
+            ] {
+                assert!(a[key].is_number(), "{key} missing: {a}");
+                assert_eq!(a[key], b[key], "{key}");
+            }
         }
     }
 }
@@ -1278,7 +1339,11 @@ fn zero_resumed(
         .iter()
         .map(|&case| {
             let mut role = ZeroRole::new(case, 2, group.map(|g| g.0), 3);
-            let from = if stage_has(case, 3) { "stage3" } else { "stage2" };
+            let from = if stage_has(case, 3) {
+                "stage3"
+            } else {
+                "stage2"
+            };
             role.load(&out.join(from).join(case));
             role.update(&mine);
             let dir = saves.join(case);
@@ -1442,4 +1507,82 @@ fn zero_stages_one_to_three_update_like_replicated_data_parallelism_and_checkpoi
             "{case}: resumed optimiser state differs by {od}"
         );
     }
+}
+
+// ---------------------------------------------------------------- ZeRO stage 3's lockstep
+
+/// Rank 0 generates 1 token a row (every id stops it) while rank 1 decodes 6, and computes
+/// log-probs in 1 micro-batch while rank 1 takes 3: every forward of a stage-3 model is a
+/// collective, so the rank with less to do must keep in step (idle forwards) rather than hang
+/// the other; and what each rank computes equals the unsharded model's.
+fn stage3_uneven_child(group: &SharedCollective, rank: usize) {
+    let cfg = ActorConfig {
+        zero_stage: 3,
+        log_prob_micro_batch_size_per_gpu: Some(2),
+        ..actor_cfg()
+    };
+    let sharded = ActorWorker::new(tiny_policy(), cfg.clone(), N)
+        .unwrap()
+        .with_group(group.clone())
+        .unwrap();
+    let mut whole = ActorWorker::new(tiny_policy(), cfg, N).unwrap();
+    let shards = sharded
+        .policy()
+        .lock()
+        .unwrap()
+        .model()
+        .param_shards()
+        .map(|s| s.local_bytes());
+    assert!(shards.is_some(), "stage 3 shards the policy");
+
+    let ids =
+        Tensor::from_slice(&(0..20).map(|i: i64| i * 7 % 113 + 4).collect::<Vec<_>>()).view([4, 5]);
+    let mask = ids.ones_like();
+    let pos = Tensor::arange(5, (Kind::Int64, Device::Cpu))
+        .unsqueeze(0)
+        .repeat([4, 1]);
+    let rcfg = RolloutConfig {
+        n: 1,
+        response_length: 6,
+        do_sample: false,
+        ..RolloutConfig::default()
+    };
+    let generate = |lm: &SharedPolicy| {
+        let lm = lm.lock().unwrap();
+        let mut opts = rl_workers::GenerateOptions::from_config(lm.config());
+        opts.eos_token_ids = if rank == 0 {
+            (0..128).collect()
+        } else {
+            Vec::new()
+        };
+        rl_workers::generate(&lm, &ids, &mask, &pos, &rcfg, &mut opts).unwrap()
+    };
+    let (got, want) = (generate(&sharded.policy()), generate(&whole.policy()));
+    assert!(
+        got.responses.equal(&want.responses),
+        "rank {rank}: sharded greedy tokens"
+    );
+    let decoded = got.response_mask.sum(Kind::Float).double_value(&[]) as usize;
+    assert_eq!(decoded, if rank == 0 { 4 } else { 24 }, "rank {rank}");
+
+    let mut sharded = sharded;
+    let rows = fixed_batch()
+        .slice(if rank == 0 { 0..2 } else { 2..8 })
+        .unwrap();
+    let got = sharded.compute_log_prob(&rows, true).unwrap();
+    let want = whole.compute_log_prob(&rows, true).unwrap();
+    for key in [keys::OLD_LOG_PROBS, keys::ENTROPYS] {
+        let d = (got.get(key).unwrap() - want.get(key).unwrap())
+            .abs()
+            .max()
+            .double_value(&[]);
+        assert!(d < 1e-5, "rank {rank}: {key} differs by {d}");
+    }
+}
+
+#[test]
+fn zero_stage_three_ranks_keep_in_step_through_uneven_generations_and_micro_batches() {
+    tch::set_num_threads(1);
+    let out = tempfile::tempdir().unwrap();
+    spawn_group("stage3_uneven", 2, out.path());
 }

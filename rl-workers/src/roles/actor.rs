@@ -285,6 +285,7 @@ fn no_grad_per_micro(
     let _guard = tch::no_grad_guard();
     let micros = micro::split(batch, rows, tokens)?;
     let count = micros.len();
+    let most = stack.most_forwards(count).map_err(role_err("forward"))?;
     let mut outs: Vec<Vec<tch::Tensor>> = Vec::new();
     let mut order = Vec::new();
     for Micro { batch, rows } in micros {
@@ -297,7 +298,9 @@ fn no_grad_per_micro(
         }
         order.push(rows);
     }
-    stack.pad_forwards(count).map_err(role_err("forward"))?;
+    for _ in count..most {
+        stack.idle_forward().map_err(role_err("forward"))?;
+    }
     Ok(outs
         .iter()
         .map(|parts| micro::reassemble(parts, &order))

@@ -119,7 +119,10 @@ impl Critic for CriticWorker {
             cfg.ppo_micro_batch_size_per_gpu,
             cfg.use_dynamic_bsz.then_some(cfg.ppo_max_token_len_per_gpu),
         )?;
+        // stage 3: as many forwards on every rank
         let count = micros.len();
+        let stack = self.model.model();
+        let most = stack.most_forwards(count).map_err(role_err("critic"))?;
         let mut parts = Vec::new();
         let mut order = Vec::new();
         for m in micros {
@@ -130,11 +133,9 @@ impl Critic for CriticWorker {
             )?);
             order.push(m.rows);
         }
-        // stage 3: as many forwards on every rank
-        self.model
-            .model()
-            .pad_forwards(count)
-            .map_err(role_err("critic"))?;
+        for _ in count..most {
+            stack.idle_forward().map_err(role_err("critic"))?;
+        }
         let mut out = Batch::new();
         out.insert(keys::VALUES, micro::reassemble(&parts, &order))?;
         Ok(out)
