@@ -89,6 +89,32 @@ impl TrainedModel {
             .cloned())
     }
 
+    /// ZeRO stage 3: gathers the whole weights (a collective: every rank calls it, rank 0
+    /// to export them, the others to take part) until [`TrainedModel::release_whole`]. A
+    /// no-op when the weights are whole.
+    pub fn gather_whole(&self) -> Result<()> {
+        let poisoned = || anyhow!("the {}'s lock is poisoned", self.name());
+        match self {
+            TrainedModel::Policy(p) => p.lock().map_err(|_| poisoned())?.model().gather_whole(),
+            TrainedModel::RewardModel(m) => {
+                m.lock().map_err(|_| poisoned())?.model().gather_whole()
+            }
+        }
+        .with_context(|| format!("gathering the {}'s sharded weights", self.name()))
+    }
+
+    /// Ends [`TrainedModel::gather_whole`].
+    pub fn release_whole(&self) -> Result<()> {
+        let poisoned = || anyhow!("the {}'s lock is poisoned", self.name());
+        match self {
+            TrainedModel::Policy(p) => p.lock().map_err(|_| poisoned())?.model().release_whole(),
+            TrainedModel::RewardModel(m) => {
+                m.lock().map_err(|_| poisoned())?.model().release_whole()
+            }
+        }
+        Ok(())
+    }
+
     /// Writes `config.json` and the weights into `out`.
     fn save_pretrained(&self, out: &Path) -> Result<()> {
         let poisoned = || anyhow!("the {}'s lock is poisoned", self.name());

@@ -176,22 +176,44 @@ pub fn build_trainer_in(
 
 /// After a finished run: the trained model (the policy, or the reward model of a reward_model
 /// run) as a Hugging Face folder in `<run dir>/model` and, when set, in `trainer.export_dir`.
+/// Rank 0's part: with the weights sharded (ZeRO stage 3) every other rank calls
+/// [`join_export`] meanwhile.
 fn export(built: &Built, run_dir: &Path, cfg: &ExperimentConfig) -> Result<()> {
-    let (Some(model), Some(src)) = (&built.model, &built.source_dir) else {
+    let Some(model) = &built.model else {
         return Ok(());
     };
-    let mut outs = vec![run_dir.join("model")];
-    outs.extend(cfg.trainer.export_dir.clone());
-    for out in outs {
-        compose::export_model(model, src, &out)?;
-        tracing::info!("{} exported to {}", model.name(), out.display());
-        note!(
-            "harness: trained {} written to {}",
-            model.name(),
-            out.display()
-        );
+    model.gather_whole()?;
+    let written = (|| -> Result<()> {
+        let Some(src) = &built.source_dir else {
+            return Ok(());
+        };
+        let mut outs = vec![run_dir.join("model")];
+        outs.extend(cfg.trainer.export_dir.clone());
+        for out in outs {
+            compose::export_model(model, src, &out)?;
+            tracing::info!("{} exported to {}", model.name(), out.display());
+            note!(
+                "harness: trained {} written to {}",
+                model.name(),
+                out.display()
+            );
+        }
+        Ok(())
+    })();
+    model.release_whole()?;
+    written
+}
+
+/// A rank other than 0 at the end of a finished run: takes part in gathering weights sharded
+/// by ZeRO stage 3 for rank 0's [`export`] (a no-op when they are whole).
+fn join_export(built: &Built, cfg: &ExperimentConfig) -> Result<()> {
+    match &built.model {
+        Some(model) if !config::eval_only(cfg) => {
+            model.gather_whole()?;
+            model.release_whole()
+        }
+        _ => Ok(()),
     }
-    Ok(())
 }
 
 fn git_info() -> (Option<String>, Option<bool>) {
@@ -417,7 +439,13 @@ pub fn train_rank(
         };
         let dir = PathBuf::new();
         build_trainer_in(&cfg, None, Some(&me.group))
-            .and_then(|mut built| drive(rt, place, id, &dir, &cfg, (&mut built, &bars), true))
+            .and_then(|mut built| {
+                let outcome = drive(rt, place, id, &dir, &cfg, (&mut built, &bars), true)?;
+                if matches!(outcome, Outcome::Finished) {
+                    join_export(&built, &cfg)?;
+                }
+                Ok(outcome)
+            })
             .and_then(|outcome| match outcome {
                 Outcome::Finished => Ok(id),
                 Outcome::Killed => bail!("run {id} stopped by a signal"),
@@ -898,7 +926,7 @@ pub fn resume_rank(
             build_trainer_in(&r.cfg, None, Some(&me.group))
                 .and_then(|mut built| {
                     load_resumed(&mut built, &r)?;
-                    drive(
+                    let outcome = drive(
                         rt,
                         place,
                         id,
@@ -906,7 +934,11 @@ pub fn resume_rank(
                         &r.cfg,
                         (&mut built, &bars),
                         false,
-                    )
+                    )?;
+                    if matches!(outcome, Outcome::Finished) {
+                        join_export(&built, &r.cfg)?;
+                    }
+                    Ok(outcome)
                 })
                 .and_then(|outcome| match outcome {
                     Outcome::Finished => Ok(None),

@@ -24,9 +24,11 @@ use common::{
 use tch::Tensor;
 
 /// The quickstart's GRPO shrunk to 3 steps of 4 prompts x 2 samples, a checkpoint every step,
-/// and on several ranks ZeRO stage 2 (the optimiser state and the gradients sharded; one rank
-/// ignores it): so every launcher test of it also checks that the ranks gather the state
-/// together for every checkpoint, including the one a signal asks for.
+/// and on several ranks ZeRO stage 3 (the parameters, gradients and optimiser state sharded,
+/// the policy and the reference gathered a layer at a time; one rank ignores it): so every
+/// launcher test of it also checks that the ranks keep in step through rollout, validation
+/// and update, and gather the state together for every checkpoint, including the one a signal
+/// asks for.
 const GRPO: &[&str] = &[
     "trainer.total_training_steps=3",
     "trainer.save_freq=1",
@@ -35,7 +37,7 @@ const GRPO: &[&str] = &[
     "data.train_batch_size=4",
     "actor_rollout_ref.actor.ppo_mini_batch_size=4",
     "actor_rollout_ref.rollout.n=2",
-    "actor_rollout_ref.actor.zero_stage=2",
+    "actor_rollout_ref.actor.zero_stage=3",
 ];
 
 fn experiment(name: &str) -> String {
@@ -219,7 +221,7 @@ fn two_ranks_of_sft_offline_dpo_and_spin_follow_one_rank_over_three_steps() {
             "trainer.max_ckpt_to_keep=10",
             "sft.train_batch_size=8",
             "actor_rollout_ref.actor.ppo_mini_batch_size=8",
-            "actor_rollout_ref.actor.zero_stage=1",
+            "actor_rollout_ref.actor.zero_stage=3",
         ],
     );
     let dpo = assert_two_ranks_follow_one(
@@ -232,7 +234,7 @@ fn two_ranks_of_sft_offline_dpo_and_spin_follow_one_rank_over_three_steps() {
             "trainer.max_ckpt_to_keep=10",
             "preference_data.train_batch_size=4",
             "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-            "actor_rollout_ref.actor.zero_stage=2",
+            "actor_rollout_ref.actor.zero_stage=3",
         ],
     );
     let spin = assert_two_ranks_follow_one(
@@ -366,7 +368,7 @@ fn a_two_rank_zero_checkpoint_resumes_on_one_rank_or_at_another_stage_with_the_t
         );
     }
     assert!(later > 10, "too few metrics after the checkpoint: {later}");
-    // and again through the launcher, on 2 ranks, at ZeRO stage 1 instead of the run's 2:
+    // and again through the launcher, on 2 ranks, at ZeRO stage 1 instead of the run's 3:
     // the checkpoint holds the whole state, whatever the stage and world size that wrote it
     ok(
         &env,

@@ -293,6 +293,13 @@ impl ParamShards {
     /// (checkpoints, replica checks); writes into the parameters reach the shards when the
     /// guard drops.
     pub(crate) fn hold_all(&self) -> Result<HeldAll<'_>> {
+        self.gather_all()?;
+        Ok(HeldAll { shards: self })
+    }
+
+    /// Gathers every unit (a collective) until [`ParamShards::release_all`]; on an error the
+    /// units gathered so far are released.
+    pub(crate) fn gather_all(&self) -> Result<()> {
         for u in 0..self.units.len() {
             if let Err(e) = self.gather(u) {
                 for v in 0..u {
@@ -301,7 +308,23 @@ impl ParamShards {
                 return Err(e);
             }
         }
-        Ok(HeldAll { shards: self })
+        Ok(())
+    }
+
+    /// Ends a hold of every unit; with `keep_writes`, first copies this rank's part of each
+    /// gathered vector back into its shard (what was written into the parameters meanwhile).
+    pub(crate) fn release_all(&self, keep_writes: bool) {
+        let _guard = tch::no_grad_guard();
+        for (u, unit) in self.units.iter().enumerate() {
+            if keep_writes && let Some(full) = unit.full.borrow().as_ref() {
+                unit.local.shallow_clone().copy_(&full.narrow(
+                    0,
+                    self.rank as i64 * unit.part,
+                    unit.part,
+                ));
+            }
+            self.release(u);
+        }
     }
 
     /// Whether every unit is gathered now.
@@ -351,18 +374,7 @@ pub struct HeldAll<'a> {
 
 impl Drop for HeldAll<'_> {
     fn drop(&mut self) {
-        let s = self.shards;
-        let _guard = tch::no_grad_guard();
-        for (u, unit) in s.units.iter().enumerate() {
-            if let Some(full) = unit.full.borrow().as_ref() {
-                unit.local.shallow_clone().copy_(&full.narrow(
-                    0,
-                    s.rank as i64 * unit.part,
-                    unit.part,
-                ));
-            }
-            s.release(u);
-        }
+        self.shards.release_all(true);
     }
 }
 

@@ -919,6 +919,21 @@ impl Model {
         self.shards.as_ref().map(ParamShards::hold_all).transpose()
     }
 
+    /// Stage 3: gathers every unit (a collective: every rank calls it) and keeps them whole
+    /// until [`Model::release_whole`], for reading whole weights across calls that cannot hold
+    /// a guard (an export under a lock taken per call). Writes meanwhile are not kept. A no-op
+    /// when not sharded.
+    pub fn gather_whole(&self) -> Result<()> {
+        self.shards.as_ref().map_or(Ok(()), ParamShards::gather_all)
+    }
+
+    /// Ends [`Model::gather_whole`].
+    pub fn release_whole(&self) {
+        if let Some(s) = &self.shards {
+            s.release_all(false);
+        }
+    }
+
     /// Fails when the parameters are sharded and not all gathered (a whole-weight write would
     /// read the released ones).
     pub(crate) fn check_whole(&self) -> Result<()> {
