@@ -587,7 +587,8 @@ pub struct RmTrainGroup {
     /// Mixed precision of the reward model's weights (`param_dtype = "bf16"`). Default off.
     pub mixed_precision: MixedPrecision,
     /// ZeRO stage over the data-parallel ranks: 0 replicated, 1 optimizer state sharded, 2
-    /// gradients too (docs/distributed.md, "Sharding"). Default 0.
+    /// gradients too (docs/distributed.md, "Sharding"; stage 3 is built for the policy and the
+    /// critic, not for reward-model training). Default 0.
     pub zero_stage: u8,
 }
 

@@ -44,7 +44,7 @@ fn verls_example_command_lines_convert_and_train() {
         for line in [
             "mapped      trainer.algorithm = \"on_policy\" (the entry point)",
             "no effect   trainer.nnodes: a multi-node run starts its ranks under torchrun",
-            "no effect   actor_rollout_ref.actor.fsdp_config.param_offload: there is no FSDP here",
+            "no effect   actor_rollout_ref.actor.fsdp_config.param_offload: FSDP is set here by `zero_stage` alone",
         ] {
             assert!(err.contains(line), "{name} lacks {line:?}: {err}");
         }

@@ -74,10 +74,10 @@ pub enum Foreign {
     NoEffect(&'static str),
 }
 
-const NO_FSDP: &str = "there is no FSDP here: each rank holds the whole model, and \
-                       `zero_stage` (1 or 2; `actor_rollout_ref.actor.`, `critic.` or \
-                       `reward_model.train.`) shards the optimizer state and gradients over the \
-                       ranks (docs/distributed.md, \"Sharding\")";
+const NO_FSDP: &str = "FSDP is set here by `zero_stage` alone \
+                       (`actor_rollout_ref.actor.`, `critic.` or `reward_model.train.`), which \
+                       shards the optimizer state (1), the gradients (2) and the weights (3, \
+                       FSDP's FULL_SHARD) over the ranks (docs/distributed.md, \"Sharding\")";
 const NO_VLLM: &str = "rollout runs on the built-in engine inside the trainer's process, not \
                        on vLLM or SGLang";
 const NO_SP: &str = "there is no sequence parallelism here";

@@ -214,7 +214,9 @@ pub struct ActorConfig {
     pub mixed_precision: MixedPrecision,
     /// ZeRO stage of the data-parallel training state (DeepSpeed's and OpenRLHF's
     /// `zero_stage`): 0 every rank holds everything, 1 AdamW's moments and the master weights
-    /// are split over the ranks, 2 the gradients too. Default 0. Ignored on one rank.
+    /// are split over the ranks, 2 the gradients too, 3 the weights too (each layer gathered
+    /// as it computes, FSDP's `FULL_SHARD`; not with LoRA or multi-turn tools). Default 0.
+    /// Ignored on one rank.
     pub zero_stage: u8,
     /// Forward passes on the real tokens packed into rows, without padding (verl's
     /// `use_remove_padding`, set from `actor_rollout_ref.model.use_remove_padding`); the results equal the padded forward's up
@@ -324,7 +326,9 @@ pub struct CriticConfig {
     pub mixed_precision: MixedPrecision,
     /// ZeRO stage of the data-parallel training state (DeepSpeed's and OpenRLHF's
     /// `zero_stage`): 0 every rank holds everything, 1 AdamW's moments and the master weights
-    /// are split over the ranks, 2 the gradients too. Default 0. Ignored on one rank.
+    /// are split over the ranks, 2 the gradients too, 3 the weights too (each layer gathered
+    /// as it computes, FSDP's `FULL_SHARD`; not with LoRA or multi-turn tools). Default 0.
+    /// Ignored on one rank.
     pub zero_stage: u8,
     /// Forward passes on the real tokens packed into rows, without padding (verl's
     /// `use_remove_padding`, set from `critic.model.use_remove_padding`); the results equal the padded forward's up
