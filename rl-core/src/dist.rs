@@ -100,6 +100,37 @@ pub trait Collective: Send {
         let parts = self.all_gather(input)?;
         Ok(Tensor::cat(&parts, 0))
     }
+    /// [`Collective::all_gather_flat`] started without waiting: [`Pending::wait`] returns its
+    /// result, and collectives issued meanwhile are allowed (every rank issues them all in the
+    /// same order). FSDP's prefetch: the next layer's gather runs while this one computes.
+    ///
+    /// The default runs the collective at once and hands back its result; `rl_dist`'s process
+    /// group runs it on the backend's threads.
+    fn all_gather_flat_start(&mut self, input: &Tensor) -> Result<Pending> {
+        let out = self.all_gather_flat(input)?;
+        Ok(Pending::new(move || Ok(out)))
+    }
+}
+
+/// A collective in flight ([`Collective::all_gather_flat_start`]).
+pub struct Pending(Box<dyn FnOnce() -> Result<Tensor> + Send>);
+
+impl std::fmt::Debug for Pending {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Pending")
+    }
+}
+
+impl Pending {
+    /// A collective whose completion `wait` gives.
+    pub fn new(wait: impl FnOnce() -> Result<Tensor> + Send + 'static) -> Pending {
+        Pending(Box::new(wait))
+    }
+
+    /// Blocks until the collective completes; its result.
+    pub fn wait(self) -> Result<Tensor> {
+        (self.0)()
+    }
 }
 
 /// A collective shared by the roles and the trainer of one rank.

@@ -29,6 +29,11 @@ struct rl_c10d_group {
   c10::intrusive_ptr<c10d::Backend> backend;
 };
 
+struct rl_c10d_work {
+  c10::intrusive_ptr<c10d::Work> work;
+  int64_t timeout_ms;
+};
+
 namespace {
 
 char* to_error(const std::string& message) {
@@ -217,6 +222,29 @@ char* rl_c10d_all_gather_flat(
             *static_cast<at::Tensor*>(output), *static_cast<at::Tensor*>(input), opts),
         timeout_ms);
   });
+}
+
+char* rl_c10d_all_gather_flat_start(
+    rl_c10d_group* group,
+    void* output,
+    void* input,
+    int64_t timeout_ms,
+    rl_c10d_work** out) {
+  return guarded([&] {
+    c10d::AllgatherOptions opts;
+    opts.timeout = std::chrono::milliseconds(timeout_ms);
+    auto work = group->backend->_allgather_base(
+        *static_cast<at::Tensor*>(output), *static_cast<at::Tensor*>(input), opts);
+    *out = new rl_c10d_work{std::move(work), timeout_ms};
+  });
+}
+
+char* rl_c10d_work_wait(rl_c10d_work* work) {
+  return guarded([&] { wait_for(work->work, work->timeout_ms); });
+}
+
+void rl_c10d_work_free(rl_c10d_work* work) {
+  delete work;
 }
 
 char* rl_c10d_barrier(rl_c10d_group* group, int64_t timeout_ms) {

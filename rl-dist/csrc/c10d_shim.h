@@ -12,6 +12,8 @@ extern "C" {
 #endif
 
 typedef struct rl_c10d_group rl_c10d_group;
+// An asynchronous collective in flight (c10d's `Work`).
+typedef struct rl_c10d_work rl_c10d_work;
 
 // Reduction codes shared with Rust's `ReduceOp` (only the ones c10d backends execute natively).
 enum { RL_C10D_SUM = 0, RL_C10D_MAX = 1, RL_C10D_MIN = 2 };
@@ -59,6 +61,18 @@ char* rl_c10d_all_gather_flat(
     void* output,
     void* input,
     int64_t timeout_ms);
+// `rl_c10d_all_gather_flat` started and not waited for: `*out` is the work in flight, which
+// `rl_c10d_work_wait` completes (bounded by `timeout_ms`) and `rl_c10d_work_free` releases. The
+// backend keeps `output` and `input` alive until the collective completes. Collectives issued
+// meanwhile are allowed; every rank must issue them all in the same order.
+char* rl_c10d_all_gather_flat_start(
+    rl_c10d_group* group,
+    void* output,
+    void* input,
+    int64_t timeout_ms,
+    rl_c10d_work** out);
+char* rl_c10d_work_wait(rl_c10d_work* work);
+void rl_c10d_work_free(rl_c10d_work* work);
 char* rl_c10d_barrier(rl_c10d_group* group, int64_t timeout_ms);
 // Changes the backend's bound on every later collective.
 char* rl_c10d_set_timeout(rl_c10d_group* group, int64_t timeout_ms);

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use rl_core::dist::{Collective, ReduceOp as CoreOp, SharedCollective};
+use rl_core::dist::{Collective, Pending, ReduceOp as CoreOp, SharedCollective};
 use tch::Tensor;
 
 use crate::error::Result;
@@ -68,5 +68,10 @@ impl Collective for ProcessGroup {
 
     fn all_gather_flat(&mut self, input: &Tensor) -> rl_core::Result<Tensor> {
         ProcessGroup::all_gather_flat(self, input).map_err(core_err)
+    }
+
+    fn all_gather_flat_start(&mut self, input: &Tensor) -> rl_core::Result<Pending> {
+        let pending = ProcessGroup::all_gather_flat_start(self, input).map_err(core_err)?;
+        Ok(Pending::new(move || pending.wait().map_err(core_err)))
     }
 }

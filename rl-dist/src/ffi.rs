@@ -12,6 +12,11 @@ struct RawGroup {
     _private: [u8; 0],
 }
 
+#[repr(C)]
+struct RawWork {
+    _private: [u8; 0],
+}
+
 pub(crate) const BACKEND_GLOO: c_int = 0;
 pub(crate) const BACKEND_NCCL: c_int = 1;
 pub(crate) const OP_SUM: c_int = 0;
@@ -64,6 +69,15 @@ unsafe extern "C" {
         input: *mut c_void,
         timeout_ms: i64,
     ) -> *mut c_char;
+    fn rl_c10d_all_gather_flat_start(
+        group: *mut RawGroup,
+        output: *mut c_void,
+        input: *mut c_void,
+        timeout_ms: i64,
+        out: *mut *mut RawWork,
+    ) -> *mut c_char;
+    fn rl_c10d_work_wait(work: *mut RawWork) -> *mut c_char;
+    fn rl_c10d_work_free(work: *mut RawWork);
     fn rl_c10d_barrier(group: *mut RawGroup, timeout_ms: i64) -> *mut c_char;
     fn rl_c10d_set_timeout(group: *mut RawGroup, timeout_ms: i64) -> *mut c_char;
     fn rl_c10d_free_error(error: *mut c_char);
@@ -238,6 +252,31 @@ impl Group {
         })
     }
 
+    /// [`Group::all_gather_flat`] started: the returned work completes it. The backend holds
+    /// `output` and `input` (sharing their storage) until the collective completes.
+    pub(crate) fn all_gather_flat_start(
+        &mut self,
+        output: &mut Tensor,
+        input: &Tensor,
+        timeout: Duration,
+    ) -> Result<Work, String> {
+        let mut out: *mut RawWork = std::ptr::null_mut();
+        // SAFETY: as in `all_reduce`; the backend copies the tensor handles (sharing storage),
+        // so the tensors stay alive for the collective whatever Rust does with its handles.
+        status(unsafe {
+            rl_c10d_all_gather_flat_start(
+                self.0.as_ptr(),
+                tensor_ptr(output),
+                tensor_ptr(input),
+                millis(timeout),
+                &mut out,
+            )
+        })?;
+        NonNull::new(out)
+            .map(Work)
+            .ok_or_else(|| "the shim returned no work".to_owned())
+    }
+
     pub(crate) fn barrier(&mut self, timeout: Duration) -> Result<(), String> {
         // SAFETY: `self.0` is a live group.
         status(unsafe { rl_c10d_barrier(self.0.as_ptr(), millis(timeout)) })
@@ -248,6 +287,27 @@ impl Group {
     pub(crate) fn set_timeout(&mut self, timeout: Duration) -> Result<(), String> {
         // SAFETY: `self.0` is a live group.
         status(unsafe { rl_c10d_set_timeout(self.0.as_ptr(), millis(timeout)) })
+    }
+}
+
+/// An owned asynchronous collective in flight; freeing it does not cancel the collective.
+pub(crate) struct Work(NonNull<RawWork>);
+
+// SAFETY: c10d's `Work` may be waited on from any thread; the handle is owned exclusively.
+unsafe impl Send for Work {}
+
+impl Work {
+    /// Blocks until the collective completes (bounded by its group's timeout).
+    pub(crate) fn wait(&mut self) -> Result<(), String> {
+        // SAFETY: `self.0` is a live work from `rl_c10d_all_gather_flat_start`.
+        status(unsafe { rl_c10d_work_wait(self.0.as_ptr()) })
+    }
+}
+
+impl Drop for Work {
+    fn drop(&mut self) {
+        // SAFETY: `self.0` came from the shim and is freed exactly once, here.
+        unsafe { rl_c10d_work_free(self.0.as_ptr()) }
     }
 }
 

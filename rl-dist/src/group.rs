@@ -474,21 +474,46 @@ impl ProcessGroup {
     /// - returns `[world_size * n]`
     pub fn all_gather_flat(&mut self, input: &Tensor) -> Result<Tensor> {
         const OP: &str = "all_gather_flat";
-        let input = input.f_contiguous().map_err(self.tensor_err(OP))?;
-        if input.dim() != 1 {
-            return Err(Error::InvalidArgument {
-                rank: self.rank,
-                op: OP,
-                reason: format!("needs a 1-D tensor, got shape {:?}", input.size()),
-            });
-        }
-        let total = input.numel() as i64 * self.world_size as i64;
-        let mut out = Tensor::f_empty([total], (input.kind(), input.device()))
-            .map_err(self.tensor_err(OP))?;
+        let (input, mut out) = self.flat_gather_buffers(OP, input)?;
         self.raw
             .all_gather_flat(&mut out, &input, self.timeout)
             .map_err(self.failed(OP))?;
         Ok(out)
+    }
+
+    /// [`ProcessGroup::all_gather_flat`] started without waiting: the collective runs on the
+    /// backend's threads while the caller computes, and [`PendingGather::wait`] returns its
+    /// result (FSDP's prefetch of the next layer). Other collectives may be issued meanwhile;
+    /// every rank must issue all of them in the same order.
+    pub fn all_gather_flat_start(&mut self, input: &Tensor) -> Result<PendingGather> {
+        const OP: &str = "all_gather_flat_start";
+        let (input, mut out) = self.flat_gather_buffers(OP, input)?;
+        let work = self
+            .raw
+            .all_gather_flat_start(&mut out, &input, self.timeout)
+            .map_err(self.failed(OP))?;
+        Ok(PendingGather {
+            work,
+            out,
+            rank: self.rank,
+            world_size: self.world_size,
+        })
+    }
+
+    /// A 1-D contiguous `input` and the `[world_size * n]` output of a flat all-gather.
+    fn flat_gather_buffers(&self, op: &'static str, input: &Tensor) -> Result<(Tensor, Tensor)> {
+        let input = input.f_contiguous().map_err(self.tensor_err(op))?;
+        if input.dim() != 1 {
+            return Err(Error::InvalidArgument {
+                rank: self.rank,
+                op,
+                reason: format!("needs a 1-D tensor, got shape {:?}", input.size()),
+            });
+        }
+        let total = input.numel() as i64 * self.world_size as i64;
+        let out = Tensor::f_empty([total], (input.kind(), input.device()))
+            .map_err(self.tensor_err(op))?;
+        Ok((input, out))
     }
 
     /// Returns once every rank has called `barrier`.
@@ -608,6 +633,37 @@ fn plan_buckets(tensors: &[Tensor], bucket_bytes: usize) -> Vec<(Kind, tch::Devi
     }
     done.extend(open.into_iter().map(|(k, d, idx, _)| (k, d, idx)));
     done
+}
+
+/// A flat all-gather in flight ([`ProcessGroup::all_gather_flat_start`]).
+pub struct PendingGather {
+    work: ffi::Work,
+    out: Tensor,
+    rank: usize,
+    world_size: usize,
+}
+
+impl std::fmt::Debug for PendingGather {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PendingGather")
+            .field("rank", &self.rank)
+            .field("out", &self.out.size())
+            .finish()
+    }
+}
+
+impl PendingGather {
+    /// Waits for the collective: every rank's input concatenated in rank order.
+    pub fn wait(mut self) -> Result<Tensor> {
+        let (rank, world_size) = (self.rank, self.world_size);
+        self.work.wait().map_err(|cause| Error::Collective {
+            rank,
+            world_size,
+            op: "all_gather_flat_start",
+            cause,
+        })?;
+        Ok(self.out)
+    }
 }
 
 #[cfg(test)]

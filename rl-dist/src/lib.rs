@@ -24,4 +24,6 @@ mod group;
 
 pub use collective::shared_from_env;
 pub use error::{Error, Result};
-pub use group::{Backend, DEFAULT_BUCKET_BYTES, ENV_VARS, InitOptions, ProcessGroup, ReduceOp};
+pub use group::{
+    Backend, DEFAULT_BUCKET_BYTES, ENV_VARS, InitOptions, PendingGather, ProcessGroup, ReduceOp,
+};

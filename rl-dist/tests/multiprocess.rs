@@ -304,6 +304,31 @@ fn collectives() {
     .expect("default all_gather_flat");
     assert_eq!(to_f64(&default), want);
 
+    // all_gather_flat started ahead (FSDP's prefetch): collectives issued while it is in
+    // flight (a reduce-scatter and an all-reduce) complete in their turn, and its wait gives
+    // what the blocking gather gives; through the trait, and the trait's default too.
+    let input = Tensor::full([3], r, (Kind::BFloat16, Device::Cpu));
+    let ahead = pg
+        .all_gather_flat_start(&input)
+        .expect("all_gather_flat_start");
+    let meanwhile = pg
+        .reduce_scatter(
+            &Tensor::ones([2 * world as i64], (Kind::Float, Device::Cpu)),
+            ReduceOp::Sum,
+        )
+        .expect("reduce_scatter while a gather is in flight");
+    assert_eq!(to_f64(&meanwhile), vec![world as f64; 2]);
+    let mut flag = Tensor::from_slice(&[r]);
+    pg.all_reduce(&mut flag, ReduceOp::Max).expect("all_reduce");
+    assert_eq!(to_f64(&ahead.wait().expect("wait")), want);
+    let through_trait =
+        rl_core::dist::Collective::all_gather_flat_start(&mut pg, &input).expect("trait start");
+    assert_eq!(to_f64(&through_trait.wait().expect("trait wait")), want);
+    let by_default =
+        rl_core::dist::Collective::all_gather_flat_start(&mut AllReduceOnly(&mut pg), &input)
+            .expect("default start");
+    assert_eq!(to_f64(&by_default.wait().expect("default wait")), want);
+
     // Bucketed all-reduce equals per-tensor all-reduce, with mixed dtypes and a bucket so small
     // that the list spans several buckets.
     let grads = |seed: f64| -> Vec<Tensor> {

@@ -20,7 +20,7 @@
 
 use std::cell::{Cell, RefCell};
 
-use rl_core::dist::{self, ReduceOp, SharedCollective};
+use rl_core::dist::{self, Pending, ReduceOp, SharedCollective};
 use tch::nn::VarStore;
 use tch::{Device, Kind, Tensor};
 
@@ -89,6 +89,10 @@ pub struct ParamShards {
     rank: usize,
     world: usize,
     pub(crate) units: Vec<Unit>,
+    /// The unit whose all-gather was started ahead of its turn ([`ParamShards::prefetch`]).
+    prefetched: RefCell<Option<(usize, Pending)>>,
+    /// Gathers a prefetch served.
+    prefetch_hits: Cell<u64>,
 }
 
 impl std::fmt::Debug for ParamShards {
@@ -192,6 +196,8 @@ impl ParamShards {
             rank,
             world,
             units,
+            prefetched: RefCell::new(None),
+            prefetch_hits: Cell::new(0),
         })
     }
 
@@ -217,9 +223,22 @@ impl ParamShards {
         let unit = &self.units[u];
         if unit.held.get() == 0 {
             let _guard = tch::no_grad_guard();
-            let full = dist::lock(&self.group)
-                .and_then(|mut g| g.all_gather_flat(&unit.local))
-                .map_err(core)?;
+            let ahead = self.prefetched.borrow_mut().take();
+            let full = match ahead {
+                Some((v, pending)) if v == u => {
+                    self.prefetch_hits.set(self.prefetch_hits.get() + 1);
+                    pending.wait().map_err(core)?
+                }
+                other => {
+                    // a gather started for another unit completes first (every rank started it)
+                    if let Some((_, pending)) = other {
+                        drop(pending.wait().map_err(core)?);
+                    }
+                    dist::lock(&self.group)
+                        .and_then(|mut g| g.all_gather_flat(&unit.local))
+                        .map_err(core)?
+                }
+            };
             for ((p, shape), &off) in unit.params.iter().zip(&unit.shapes).zip(&unit.offsets) {
                 let n: i64 = shape.iter().product();
                 p.shallow_clone()
@@ -228,6 +247,24 @@ impl ParamShards {
             *unit.full.borrow_mut() = Some(full);
         }
         unit.held.set(unit.held.get() + 1);
+        Ok(())
+    }
+
+    /// Starts unit `u`'s all-gather now, to run while the current unit computes (FSDP's
+    /// prefetch; the next [`ParamShards::gather`] of `u` waits for it). Nothing when `u` is
+    /// held already, out of range, or another prefetch is in flight: the decision depends only
+    /// on the holds, which every rank makes alike, so every rank starts the same collectives.
+    pub(crate) fn prefetch(&self, u: usize) -> Result<()> {
+        let Some(unit) = self.units.get(u) else {
+            return Ok(());
+        };
+        if unit.held.get() > 0 || self.prefetched.borrow().is_some() {
+            return Ok(());
+        }
+        let pending = dist::lock(&self.group)
+            .and_then(|mut g| g.all_gather_flat_start(&unit.local))
+            .map_err(core)?;
+        *self.prefetched.borrow_mut() = Some((u, pending));
         Ok(())
     }
 
@@ -325,6 +362,11 @@ impl ParamShards {
             }
             self.release(u);
         }
+    }
+
+    /// How many gathers found their unit prefetched (started while the unit before computed).
+    pub fn prefetch_hits(&self) -> u64 {
+        self.prefetch_hits.get()
     }
 
     /// Whether every unit is gathered now.

@@ -808,6 +808,13 @@ fn dist_max(s: &ParamShards, values: &mut [f64]) -> Result<()> {
         .map_err(Error::Core)
 }
 
+/// Which way a stage-3 pass walks the layers (what to prefetch).
+#[derive(Debug, Clone, Copy)]
+enum Pass {
+    Forward,
+    Backward,
+}
+
 /// Whether autograd records operations now (tch does not expose libtorch's `GradMode`).
 fn grad_enabled() -> bool {
     let probe = Tensor::zeros([1], (Kind::Float, Device::Cpu)).set_requires_grad(true);
@@ -954,7 +961,7 @@ impl Model {
         };
         let _root = s.hold(ROOT)?;
         for i in 0..self.layers.len() {
-            s.hold(layer_unit(i))?;
+            self.hold_layer(s, i, Pass::Forward)?;
         }
         Ok(())
     }
@@ -993,10 +1000,25 @@ impl Model {
             let _root = s.hold(ROOT)?;
             self.hold_train_root(s)?;
             for i in 0..self.layers.len() {
-                s.hold(layer_unit(i))?;
+                self.hold_layer(s, i, Pass::Forward)?;
             }
         }
         self.finish_backward()
+    }
+
+    /// Stage 3: holds layer `i` for its turn in `pass` and starts gathering the layer that
+    /// comes next in it (FSDP's forward and backward prefetch), so that gather runs while
+    /// layer `i` computes.
+    fn hold_layer<'s>(&self, s: &'s ParamShards, i: usize, pass: Pass) -> Result<Held<'s>> {
+        let held = s.hold(layer_unit(i))?;
+        let next = match pass {
+            Pass::Forward => (i + 1 < self.layers.len()).then_some(i + 1),
+            Pass::Backward => i.checked_sub(1),
+        };
+        if let Some(next) = next {
+            s.prefetch(layer_unit(next))?;
+        }
+        Ok(held)
     }
 
     fn hold_train_root(&self, s: &ParamShards) -> Result<()> {
@@ -1022,7 +1044,7 @@ impl Model {
         for (i, layer) in self.layers.iter().enumerate().rev() {
             let u = layer_unit(i);
             {
-                let _layer = s.hold(u)?;
+                let _layer = self.hold_layer(s, i, Pass::Backward)?;
                 for (t, g) in tapes.iter().zip(&mut grads) {
                     if !g.defined() {
                         continue;
@@ -1288,7 +1310,7 @@ impl Model {
                 let mut xs = Tensor::embedding(&self.embed_tokens, input_ids, -1, false, false);
                 let mut inputs = Vec::with_capacity(self.layers.len());
                 for (i, layer) in self.layers.iter().enumerate() {
-                    let _layer = shards.hold(layer_unit(i))?;
+                    let _layer = self.hold_layer(shards, i, Pass::Forward)?;
                     inputs.push(xs.shallow_clone());
                     xs = layer.forward(&xs, &rope, mask, None);
                 }
@@ -1308,7 +1330,7 @@ impl Model {
         let hold = |i: usize| -> Result<Option<Held<'_>>> {
             self.shards
                 .as_ref()
-                .map(|sh| sh.hold(layer_unit(i)))
+                .map(|sh| self.hold_layer(sh, i, Pass::Forward))
                 .transpose()
         };
         let mut xs = Tensor::embedding(&self.embed_tokens, input_ids, -1, false, false);

@@ -1558,6 +1558,17 @@ fn stage3_uneven_child(group: &SharedCollective, rank: usize) {
         rl_workers::generate(&lm, &ids, &mask, &pos, &rcfg, &mut opts).unwrap()
     };
     let (got, want) = (generate(&sharded.policy()), generate(&whole.policy()));
+    let hits = sharded
+        .policy()
+        .lock()
+        .unwrap()
+        .model()
+        .param_shards()
+        .unwrap()
+        .prefetch_hits();
+    // each forward gathers layer 1 while layer 0 computes: the prefill and the decode steps
+    // (rank 0's idle ones too)
+    assert_eq!(hits, 6, "rank {rank}: prefetched layers");
     assert!(
         got.responses.equal(&want.responses),
         "rank {rank}: sharded greedy tokens"

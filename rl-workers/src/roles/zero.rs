@@ -430,7 +430,7 @@ impl Sharded {
             match self.weights.get_mut(bi) {
                 // stage 3: the owned elements are all this rank keeps of the weights
                 Some(mine) => {
-                    let _ = mine.copy_(&w.to_kind(mine.kind()));
+                    mine.copy_(&w.to_kind(mine.kind()));
                 }
                 None => {
                     let full = group.all_gather_flat(&w)?;
@@ -501,7 +501,7 @@ impl Sharded {
                 ms[bi] = b.local(rank, params, m);
                 match self.weights.get_mut(bi) {
                     Some(mine) => {
-                        let _ = mine.copy_(&ms[bi].to_kind(mine.kind()));
+                        mine.copy_(&ms[bi].to_kind(mine.kind()));
                     }
                     None => {
                         let full = b.flat(world, params, m);
