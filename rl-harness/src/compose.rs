@@ -89,30 +89,26 @@ impl TrainedModel {
             .cloned())
     }
 
+    /// `f` over the model's decoder stack, under the model's lock.
+    fn with_stack<R>(&self, f: impl FnOnce(&rl_workers::Model) -> R) -> Result<R> {
+        let poisoned = || anyhow!("the {}'s lock is poisoned", self.name());
+        Ok(match self {
+            TrainedModel::Policy(p) => f(p.lock().map_err(|_| poisoned())?.model()),
+            TrainedModel::RewardModel(m) => f(m.lock().map_err(|_| poisoned())?.model()),
+        })
+    }
+
     /// ZeRO stage 3: gathers the whole weights (a collective: every rank calls it, rank 0
     /// to export them, the others to take part) until [`TrainedModel::release_whole`]. A
     /// no-op when the weights are whole.
     pub fn gather_whole(&self) -> Result<()> {
-        let poisoned = || anyhow!("the {}'s lock is poisoned", self.name());
-        match self {
-            TrainedModel::Policy(p) => p.lock().map_err(|_| poisoned())?.model().gather_whole(),
-            TrainedModel::RewardModel(m) => {
-                m.lock().map_err(|_| poisoned())?.model().gather_whole()
-            }
-        }
-        .with_context(|| format!("gathering the {}'s sharded weights", self.name()))
+        self.with_stack(rl_workers::Model::gather_whole)?
+            .with_context(|| format!("gathering the {}'s sharded weights", self.name()))
     }
 
     /// Ends [`TrainedModel::gather_whole`].
     pub fn release_whole(&self) -> Result<()> {
-        let poisoned = || anyhow!("the {}'s lock is poisoned", self.name());
-        match self {
-            TrainedModel::Policy(p) => p.lock().map_err(|_| poisoned())?.model().release_whole(),
-            TrainedModel::RewardModel(m) => {
-                m.lock().map_err(|_| poisoned())?.model().release_whole()
-            }
-        }
-        Ok(())
+        self.with_stack(rl_workers::Model::release_whole)
     }
 
     /// Writes `config.json` and the weights into `out`.

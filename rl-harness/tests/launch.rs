@@ -234,7 +234,9 @@ fn two_ranks_of_sft_offline_dpo_and_spin_follow_one_rank_over_three_steps() {
             "trainer.max_ckpt_to_keep=10",
             "preference_data.train_batch_size=4",
             "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            // stage 3 with packed forwards, the policy's and the sharded reference's
             "actor_rollout_ref.actor.zero_stage=3",
+            "actor_rollout_ref.model.use_remove_padding=true",
         ],
     );
     let spin = assert_two_ranks_follow_one(
@@ -249,6 +251,7 @@ fn two_ranks_of_sft_offline_dpo_and_spin_follow_one_rank_over_three_steps() {
             "sft.train_batch_size=4",
             "actor_rollout_ref.actor.ppo_mini_batch_size=4",
             "dpo.ref_update_freq=1",
+            "actor_rollout_ref.actor.zero_stage=2",
         ],
     );
     eprintln!("worst weight differences: sft {sft:e}, dpo {dpo:e}, spin {spin:e}");
@@ -279,6 +282,7 @@ fn two_ranks_of_online_dpo_follow_one_rank_over_three_steps() {
             "dpo.n=4",
             "actor_rollout_ref.rollout.n=4",
             "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+            "actor_rollout_ref.actor.zero_stage=1",
             r#"reward.sources.arithmetic={name="gsm8k",method="flexible",format_score=0.5}"#,
             // Adam moves a weight by at most ~lr a step: at the file's 1e-4, the two updates
             // between the first and the last checkpoint would barely clear the 1e-4 bar
@@ -368,7 +372,7 @@ fn a_two_rank_zero_checkpoint_resumes_on_one_rank_or_at_another_stage_with_the_t
         );
     }
     assert!(later > 10, "too few metrics after the checkpoint: {later}");
-    // and again through the launcher, on 2 ranks, at ZeRO stage 1 instead of the run's 3:
+    // and again through the launcher, on 2 ranks, at ZeRO stage 2 instead of the run's 3:
     // the checkpoint holds the whole state, whatever the stage and world size that wrote it
     ok(
         &env,
@@ -377,7 +381,7 @@ fn a_two_rank_zero_checkpoint_resumes_on_one_rank_or_at_another_stage_with_the_t
             &run.to_string(),
             "--from-step",
             "2",
-            "actor_rollout_ref.actor.zero_stage=1",
+            "actor_rollout_ref.actor.zero_stage=2",
             "--nproc-per-node",
             "2",
             "--dist-timeout-s",

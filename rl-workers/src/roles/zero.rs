@@ -243,6 +243,28 @@ impl Sharded {
             (g.rank(), g.world_size())
         };
         let buckets = buckets(params, world, BUCKET_ELEMS);
+        let mut state = Sharded::over(group, stage, (rank, world), buckets, params, whole);
+        if stage == ZeroStage::Gradients {
+            let _guard = tch::no_grad_guard();
+            state.grad = state
+                .buckets
+                .iter()
+                .map(|b| b.local(rank, params, &|_| Tensor::new()))
+                .collect();
+        }
+        Ok(state)
+    }
+
+    /// The state over `buckets`: this rank's share of `whole`'s moments and masters, with no
+    /// gradient parts and no weights of its own (the constructors add what their stage keeps).
+    fn over(
+        group: SharedCollective,
+        stage: ZeroStage,
+        (rank, world): (usize, usize),
+        buckets: Vec<Bucket>,
+        params: &[Tensor],
+        whole: &WholeState<'_>,
+    ) -> Sharded {
         let _guard = tch::no_grad_guard();
         let shares = |value: &dyn Fn(usize) -> Tensor| -> Vec<Tensor> {
             buckets
@@ -253,11 +275,7 @@ impl Sharded {
         let exp_avg = shares(whole.exp_avg);
         let exp_avg_sq = shares(whole.exp_avg_sq);
         let master = whole.master.map(shares);
-        let grad = match stage {
-            ZeroStage::Gradients => shares(&|_| Tensor::new()),
-            _ => Vec::new(),
-        };
-        Ok(Sharded {
+        Sharded {
             group,
             stage,
             rank,
@@ -266,9 +284,9 @@ impl Sharded {
             exp_avg,
             exp_avg_sq,
             master,
-            grad,
+            grad: Vec::new(),
             weights: Vec::new(),
-        })
+        }
     }
 
     /// Stage 3: this rank's share of `whole` for `params` (named `names`), laid out as the
@@ -314,37 +332,27 @@ impl Sharded {
             });
         }
         shards.enable_grads();
-        let rank = shards.rank();
-        let _guard = tch::no_grad_guard();
-        let shares = |value: &dyn Fn(usize) -> Tensor| -> Vec<Tensor> {
-            buckets
-                .iter()
-                .map(|b| b.local(rank, params, value))
-                .collect()
-        };
-        let exp_avg = shares(whole.exp_avg);
-        let exp_avg_sq = shares(whole.exp_avg_sq);
-        let master = whole.master.map(shares);
-        Ok(Sharded {
-            group: shards.group().clone(),
-            stage: ZeroStage::Parameters,
-            rank,
-            world,
+        let group = shards.group().clone();
+        let position = (shards.rank(), world);
+        let mut state = Sharded::over(
+            group,
+            ZeroStage::Parameters,
+            position,
             buckets,
-            exp_avg,
-            exp_avg_sq,
-            master,
-            grad: shards
-                .units
-                .iter()
-                .map(|u| u.grad.borrow().shallow_clone())
-                .collect(),
-            weights: shards
-                .units
-                .iter()
-                .map(|u| u.local.shallow_clone())
-                .collect(),
-        })
+            params,
+            whole,
+        );
+        state.grad = shards
+            .units
+            .iter()
+            .map(|u| u.grad.borrow().shallow_clone())
+            .collect();
+        state.weights = shards
+            .units
+            .iter()
+            .map(|u| u.local.shallow_clone())
+            .collect();
+        Ok(state)
     }
 
     /// Whether the float32 master weights are kept.
