@@ -168,6 +168,12 @@ pub trait Actor {
     fn data_parallel_ranks(&self) -> usize {
         1
     }
+    /// Whether every forward of this role is a collective (ZeRO stage 3 gathers the weights a
+    /// layer at a time), so every data-parallel rank must run the same forwards: none may sit
+    /// out a batch that leaves it no rows. False by default.
+    fn forwards_are_collective(&self) -> bool {
+        false
+    }
 }
 
 /// The frozen reference policy.

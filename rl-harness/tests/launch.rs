@@ -872,6 +872,23 @@ fn torchrun_starts_the_ranks_of_one_run() {
     assert_eq!(rt.block_on(store.checkpoints(1)).unwrap().len(), 3);
 }
 
+/// At ZeRO stage 3 every forward is a collective, so a validation batch that leaves a rank
+/// without prompts would hang the others in their gathers: it is refused when the ranks build
+/// their trainers, naming the key, instead.
+#[test]
+fn a_stage_three_validation_batch_smaller_than_the_ranks_is_refused_naming_its_key() {
+    let env = setup_warm();
+    let file = experiment("quickstart");
+    let mut args = vec!["train", file.as_str()];
+    args.extend_from_slice(GRPO);
+    args.extend(["data.val_batch_size=1", "--nproc-per-node", "2"]);
+    let e = env.fails(&args);
+    assert!(
+        e.contains("data.val_batch_size") && e.contains("zero_stage = 3"),
+        "{e}"
+    );
+}
+
 #[test]
 fn configs_that_cannot_run_data_parallel_are_refused_before_any_rank_starts() {
     let env = setup();

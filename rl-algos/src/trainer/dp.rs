@@ -140,6 +140,32 @@ fn layout_widths(batch: &Batch) -> rl_core::Result<(i64, i64)> {
     Ok((width(keys::PROMPTS)?, width(keys::RESPONSES)?))
 }
 
+/// With an actor whose every forward is a collective (ZeRO stage 3), every validation batch
+/// must give each of the `world` ranks at least one item (`per` rows each: 1 for prompts or
+/// rows, 2 for pairs): a rank left without any would skip forwards the others wait in. Errors
+/// naming `key`, the setting that sizes the validation batches.
+pub(crate) fn check_val_shards(
+    actor: &dyn Actor,
+    val: &[Batch],
+    per: usize,
+    world: usize,
+    key: &'static str,
+) -> rl_core::Result<()> {
+    if !actor.forwards_are_collective() {
+        return Ok(());
+    }
+    match val.iter().position(|b| b.len() / per < world) {
+        None => Ok(()),
+        Some(i) => Err(rl_core::Error::InvalidArgument {
+            name: key,
+            reason: format!(
+                "at actor_rollout_ref.actor.zero_stage = 3 every forward runs on all ranks together, but validation batch {i} holds {} item(s) for {world} ranks, which leaves a rank none: make every validation batch at least {world} (or use zero_stage 2)",
+                val[i].len() / per
+            ),
+        }),
+    }
+}
+
 /// `batch` with its prompts left-padded (0, mask 0) to `prompt_width` and its responses
 /// right-padded (0, mask 0; positions go on past the last one, as the rollout writes them) to
 /// `response_width`. Which side a 2-D tensor pads on follows from its width: `prompts` on the

@@ -258,6 +258,13 @@ impl OnPolicyTrainer {
                 ));
             }
         }
+        super::dp::check_val_shards(
+            self.roles.actor.as_ref(),
+            &self.val,
+            1,
+            world,
+            "data.val_batch_size",
+        )?;
         self.group = Some(group);
         Ok(self)
     }

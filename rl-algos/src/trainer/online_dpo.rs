@@ -130,6 +130,13 @@ impl OnlineDpoTrainer {
     /// was not given a group of the same size.
     pub fn with_group(mut self, group: SharedCollective, prompts: usize) -> rl_core::Result<Self> {
         let dp = Dp::new(group, self.actor.as_ref(), "data.train_batch_size", prompts)?;
+        super::dp::check_val_shards(
+            self.actor.as_ref(),
+            &self.val,
+            1,
+            dp.world,
+            "data.val_batch_size",
+        )?;
         if !self.pairs_per_update.is_multiple_of(dp.world) {
             return Err(rl_core::Error::InvalidArgument {
                 name: "actor_rollout_ref.actor.ppo_mini_batch_size",

@@ -501,12 +501,21 @@ impl DpoTrainer {
     /// Errors when `pairs` does not split over the ranks or the actor was not given a group of
     /// the same size.
     pub fn with_group(mut self, group: SharedCollective, pairs: usize) -> rl_core::Result<Self> {
-        self.dp = Some(Dp::new(
+        let dp = Dp::new(
             group,
             self.actor.as_ref(),
             "preference_data.train_batch_size",
             pairs,
-        )?);
+        )?;
+        // the validation pairs come in batches of `train_batch_size` pairs
+        super::dp::check_val_shards(
+            self.actor.as_ref(),
+            &self.val,
+            2,
+            dp.world,
+            "preference_data.train_batch_size",
+        )?;
+        self.dp = Some(dp);
         Ok(self)
     }
 

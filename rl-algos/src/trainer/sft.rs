@@ -103,12 +103,20 @@ impl SftTrainer {
         group: SharedCollective,
         batch_size: usize,
     ) -> rl_core::Result<Self> {
-        self.dp = Some(Dp::new(
+        let dp = Dp::new(
             group,
             self.actor.as_ref(),
             "sft.train_batch_size",
             batch_size,
-        )?);
+        )?;
+        super::dp::check_val_shards(
+            self.actor.as_ref(),
+            &self.val,
+            1,
+            dp.world,
+            "data.val_batch_size",
+        )?;
+        self.dp = Some(dp);
         Ok(self)
     }
 

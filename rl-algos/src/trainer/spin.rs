@@ -302,12 +302,15 @@ impl SpinTrainer {
     /// Errors when `rows` does not split over the ranks or the actor was not given a group of
     /// the same size.
     pub fn with_group(mut self, group: SharedCollective, rows: usize) -> rl_core::Result<Self> {
-        self.dp = Some(Dp::new(
-            group,
+        let dp = Dp::new(group, self.actor.as_ref(), "sft.train_batch_size", rows)?;
+        super::dp::check_val_shards(
             self.actor.as_ref(),
-            "sft.train_batch_size",
-            rows,
-        )?);
+            &self.val,
+            1,
+            dp.world,
+            "data.val_batch_size",
+        )?;
+        self.dp = Some(dp);
         Ok(self)
     }
 

@@ -542,6 +542,10 @@ impl Actor for ActorWorker {
             .unwrap_or(1)
     }
 
+    fn forwards_are_collective(&self) -> bool {
+        self.optim.zero_stage() == ZeroStage::Parameters
+    }
+
     fn weights_digest(&self) -> rl_core::Result<Option<u64>> {
         let lm = lock(&self.lm, "actor")?;
         let _whole = lm.model().hold_all().map_err(role_err("actor"))?;

@@ -249,7 +249,7 @@ impl Sharded {
             state.grad = state
                 .buckets
                 .iter()
-                .map(|b| b.local(rank, params, &|_| Tensor::new()))
+                .map(|b| b.local(rank, params, |_| Tensor::new()))
                 .collect();
         }
         Ok(state)
