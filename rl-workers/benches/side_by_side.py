@@ -1,14 +1,26 @@
-"""Side-by-side benchmark: rl-workers (Rust, tch) against transformers/PyTorch on one model.
+"""Side-by-side benchmark: rl-workers (Rust, tch) against transformers/PyTorch on one model,
+interleaved so that load cannot flatter either side.
 
-Run from the repository root after `scripts/import-smollm2` and `scripts/reference-env`:
+Run from the repository root after `scripts/import-smollm2` and `scripts/reference-env` (or
+through `scripts/bench`, which does both):
   .venv/bin/python rl-workers/benches/side_by_side.py [--model DIR] [--threads 2] [--new-tokens 64]
+      [--rounds 3] [--json-out FILE]
 
 Both sides get the same 32 chat prompts as the same token ids, run on CPU with the same thread
 count, each in its own process (so peak RSS is per side): batched generation of NEW_TOKENS tokens
 greedy and sampled (temperature 1, no top-k/top-p), then forward+backward of the mean token
-log-likelihood on the greedy batch. Also measures this machine's floor: matmul throughput and
-memory bandwidth. Prints a JSON summary and a Markdown table.
+log-likelihood on the greedy batch. Each round also measures this machine's floor (matmul
+throughput and memory bandwidth) right after the two sides.
+
+The sides run interleaved, Rust then transformers, ROUNDS times (at least 3), with the load
+average read before each process. Every ratio is formed within a round (the two sides of a
+round ran back to back under about the same load) and reported as the median and the spread
+(lowest to highest) over the rounds. A verdict is printed only where the spread allows one: a
+target (e.g. greedy >= 2x transformers) is met or missed only when every round's ratio is on
+the same side of it, and one side is called faster only when the spread is narrower than the
+distance of the median from 1; otherwise the line says "no verdict" and why.
 """
+import statistics
 import argparse
 import json
 import os
@@ -140,16 +152,60 @@ def floor(threads):
     return out
 
 
+# What issue 25 asks of each measure: (key, label, target, "higher" or "lower" is better).
+TARGETS = [
+    ("greedy_speedup", "greedy tokens/s, ours / transformers", 2.0, "higher"),
+    ("sampled_speedup", "sampled tokens/s, ours / transformers", 2.0, "higher"),
+    ("fwd_bwd_time_ratio", "forward+backward time, ours / transformers", 0.8, "lower"),
+    ("peak_rss_ratio", "peak RSS, ours / transformers", 1.0, "lower"),
+    ("greedy_rust_over_floor", "greedy time, ours / the compute floor", 1.3, "lower"),
+    ("fwd_bwd_rust_over_floor", "forward+backward time, ours / the compute floor", None, "lower"),
+]
+
+
+def spread(values):
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "rounds": values}
+
+
+def verdict(values, target, better, versus="transformers"):
+    """What the rounds allow us to say about a ratio: against 1 (which side is faster; not for a
+    ratio to the floor, which bounds us rather than competes) and against the target, each only
+    when every round agrees."""
+    med, lo, hi = statistics.median(values), min(values), max(values)
+    width, effect = hi - lo, abs(med - 1.0)
+    if versus == "floor":
+        side = "(a bound, not a side)"
+    elif width >= effect:
+        side = f"no verdict on which is faster: the spread ({width:.2f}) is not narrower than the effect ({effect:.2f})"
+    else:
+        ours_better = (med > 1.0) == (better == "higher")
+        side = "ours better" if ours_better else "transformers better"
+    if target is None:
+        return side, "no target"
+    ok = (lambda v: v >= target) if better == "higher" else (lambda v: v <= target)
+    if all(ok(v) for v in values):
+        aim = f"meets the target ({'>=' if better == 'higher' else '<='} {target}) in every round"
+    elif not any(ok(v) for v in values):
+        aim = f"misses the target ({'>=' if better == 'higher' else '<='} {target}) in every round"
+    else:
+        aim = f"no verdict on the target {target}: the rounds fall on both sides of it"
+    return side, aim
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", default=os.path.join(ROOT, "models", "smollm2-135m-instruct"))
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--json-out")
     p.add_argument("--prompts")
     p.add_argument("--hf-side", action="store_true")
     args = p.parse_args()
     if args.hf_side:
         return hf_side(args)
+    if args.rounds < 3:
+        p.error("--rounds must be at least 3: fewer cannot show a spread worth a verdict")
 
     from transformers import AutoTokenizer
 
@@ -160,15 +216,15 @@ def main():
     json.dump(rows, open(prompts, "w"))
     subprocess.run(["cargo", "build", "--release", "-q", "-p", "rl-workers", "--example", "bench_model"],
                    cwd=ROOT, check=True)
-    load = os.getloadavg()
     rust_cmd = [os.path.join(ROOT, "target", "release", "examples", "bench_model"), args.model, prompts,
                 str(args.new_tokens), str(args.threads)]
-    rust = json.loads(subprocess.run(rust_cmd, check=True, capture_output=True, text=True).stdout)
     hf_cmd = [sys.executable, __file__, "--hf-side", "--model", args.model, "--prompts", prompts,
               "--threads", str(args.threads), "--new-tokens", str(args.new_tokens)]
-    hf = json.loads(subprocess.run(hf_cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
-    fl = floor(args.threads)
     eos = json.load(open(os.path.join(args.model, "config.json")))["eos_token_id"]
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(args.model, "model.safetensors"), "pt") as f:
+        params = sum(f.get_slice(k).get_shape()[0] * (f.get_slice(k).get_shape() + [1])[1] for k in f.keys())
 
     def cut(rows):
         out = []
@@ -181,31 +237,68 @@ def main():
             out.append(keep)
         return out
 
-    same = cut(rust.pop("greedy_responses")) == cut(hf.pop("greedy_responses"))
-    # the floor: FLOPs over measured matmul throughput, bytes over measured copy bandwidth
-    from safetensors import safe_open
+    rounds = []
+    for r in range(args.rounds):
+        load_rust = os.getloadavg()
+        rust = json.loads(subprocess.run(rust_cmd, check=True, capture_output=True, text=True).stdout)
+        load_hf = os.getloadavg()
+        hf = json.loads(subprocess.run(hf_cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
+        fl = floor(args.threads)
+        same = cut(rust.pop("greedy_responses")) == cut(hf.pop("greedy_responses"))
+        # the floor: FLOPs over measured matmul throughput, bytes over measured copy bandwidth
+        steps = args.new_tokens
+        gen_flops = 2 * params * len(QUESTIONS) * steps  # every row computed every step (upper bound)
+        gen_bytes = 4 * params * steps  # f32 weights streamed once per decode step
+        gen_floor = max(gen_flops / (fl["matmul_gflops_m32"] * 1e9), gen_bytes / (fl["copy_gb_per_s"] * 1e9))
+        b, t = rust["fwd_bwd_shape"]
+        fb_floor = 6 * params * b * t / (fl["matmul_gflops_m2048"] * 1e9)
+        rounds.append({
+            "rust": rust, "transformers": hf, "floor": fl,
+            "load_avg_before_rust": load_rust, "load_avg_before_transformers": load_hf,
+            "greedy_tokens_identical": same,
+            "greedy_speedup": rust["greedy_tokens_per_s"] / hf["greedy_tokens_per_s"],
+            "sampled_speedup": rust["sampled_tokens_per_s"] / hf["sampled_tokens_per_s"],
+            "fwd_bwd_time_ratio": rust["fwd_bwd_seconds"] / hf["fwd_bwd_seconds"],
+            "peak_rss_ratio": rust["peak_rss_mib"] / hf["peak_rss_mib"],
+            "greedy_floor_seconds": gen_floor,
+            "greedy_rust_over_floor": rust["greedy_seconds"] / gen_floor,
+            "fwd_bwd_floor_seconds": fb_floor,
+            "fwd_bwd_rust_over_floor": rust["fwd_bwd_seconds"] / fb_floor,
+        })
+        print(f"round {r + 1}/{args.rounds}: load {load_rust[0]:.2f} / {load_hf[0]:.2f}, greedy "
+              f"{rust['greedy_seconds']:.2f} s vs {hf['greedy_seconds']:.2f} s", file=sys.stderr)
 
-    with safe_open(os.path.join(args.model, "model.safetensors"), "pt") as f:
-        params = sum(f.get_slice(k).get_shape()[0] * (f.get_slice(k).get_shape() + [1])[1] for k in f.keys())
-    rows, steps = len(QUESTIONS), args.new_tokens
-    gen_flops = 2 * params * rows * steps  # every row computed every step (upper bound)
-    gen_bytes = 4 * params * steps  # f32 weights streamed once per decode step
-    gen_floor = max(gen_flops / (fl["matmul_gflops_m32"] * 1e9), gen_bytes / (fl["copy_gb_per_s"] * 1e9))
-    b, t = rust["fwd_bwd_shape"]
-    fb_floor = 6 * params * b * t / (fl["matmul_gflops_m2048"] * 1e9)
     summary = {
-        "rust": rust, "transformers": hf, "floor": fl, "load_avg_before": load, "load_avg_after": os.getloadavg(),
-        "params": params,
-        "greedy_tokens_identical": same,
-        "greedy_speedup": rust["greedy_tokens_per_s"] / hf["greedy_tokens_per_s"],
-        "sampled_speedup": rust["sampled_tokens_per_s"] / hf["sampled_tokens_per_s"],
-        "fwd_bwd_time_ratio": rust["fwd_bwd_seconds"] / hf["fwd_bwd_seconds"],
-        "greedy_floor_seconds": gen_floor,
-        "greedy_rust_over_floor": rust["greedy_seconds"] / gen_floor,
-        "fwd_bwd_floor_seconds": fb_floor,
-        "fwd_bwd_rust_over_floor": rust["fwd_bwd_seconds"] / fb_floor,
+        "params": params, "rounds": rounds, "threads": args.threads, "new_tokens": args.new_tokens,
+        "greedy_tokens_identical": all(r["greedy_tokens_identical"] for r in rounds),
+        "load_avg": [r["load_avg_before_rust"][0] for r in rounds] + [r["load_avg_before_transformers"][0] for r in rounds],
+        "ratios": {}, "sides": {},
     }
-    print(json.dumps(summary, indent=1))
+    for key in ("greedy_seconds", "sampled_seconds", "fwd_bwd_seconds", "peak_rss_mib",
+                "greedy_tokens_per_s", "sampled_tokens_per_s"):
+        summary["sides"][key] = {side: spread([r[side][key] for r in rounds]) for side in ("rust", "transformers")}
+    lines = [
+        f"| measure | median | spread over {args.rounds} rounds | which is better | target |",
+        "| --- | ---: | ---: | --- | --- |",
+    ]
+    for key, label, target, better in TARGETS:
+        values = [r[key] for r in rounds]
+        side, aim = verdict(values, target, better, "floor" if key.endswith("_over_floor") else "transformers")
+        summary["ratios"][key] = dict(spread(values), verdict=side, target=aim)
+        lines.append(f"| {label} | {statistics.median(values):.2f} | {min(values):.2f} - {max(values):.2f} | {side} | {aim} |")
+    if args.json_out:
+        json.dump(summary, open(args.json_out, "w"), indent=1)
+    s = summary["sides"]
+    print("| side | greedy (s) | sampled (s) | forward+backward (s) | peak RSS (MiB) |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for side in ("rust", "transformers"):
+        cell = lambda k: f"{s[k][side]['median']:.2f} ({s[k][side]['min']:.2f}-{s[k][side]['max']:.2f})"
+        print(f"| {side} | {cell('greedy_seconds')} | {cell('sampled_seconds')} | {cell('fwd_bwd_seconds')} | {cell('peak_rss_mib')} |")
+    print()
+    print("\n".join(lines))
+    print()
+    print(f"load average before each process: {', '.join(f'{x:.2f}' for x in summary['load_avg'])}; "
+          f"greedy tokens identical on both sides: {summary['greedy_tokens_identical']}")
 
 
 if __name__ == "__main__":
