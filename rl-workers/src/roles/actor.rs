@@ -548,7 +548,12 @@ impl Actor for ActorWorker {
 
     fn weights_digest(&self) -> rl_core::Result<Option<u64>> {
         let lm = lock(&self.lm, "actor")?;
-        let _whole = lm.model().hold_all().map_err(role_err("actor"))?;
+        if lm.model().param_shards().is_some() {
+            // ZeRO stage 3: each rank holds its own part, and the whole they gather is one by
+            // construction; gathering it to digest would hold the whole model on every rank at
+            // every check (`check_replicas` still does, on demand)
+            return Ok(None);
+        }
         Ok(Some(dist::digest(&sorted_vars(lm.var_store()))?))
     }
 

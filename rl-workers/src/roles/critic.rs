@@ -183,7 +183,10 @@ impl Critic for CriticWorker {
     }
 
     fn weights_digest(&self) -> rl_core::Result<Option<u64>> {
-        let _whole = self.model.model().hold_all().map_err(role_err("critic"))?;
+        if self.model.model().param_shards().is_some() {
+            // ZeRO stage 3: no whole weights to compare (see the actor's)
+            return Ok(None);
+        }
         Ok(Some(dist::digest(&sorted_vars(self.model.var_store()))?))
     }
 
