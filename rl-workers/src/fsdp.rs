@@ -115,6 +115,28 @@ fn unit_of(name: &str) -> usize {
         .map_or(ROOT, layer_unit)
 }
 
+/// `tensors` with their element counts (an undefined tensor counts as zeros) as one `kind`
+/// vector of `len` elements, zero-padded past their end.
+fn flatten(
+    tensors: impl Iterator<Item = (Tensor, i64)>,
+    len: i64,
+    kind: Kind,
+    device: Device,
+) -> Tensor {
+    let mut parts: Vec<Tensor> = Vec::new();
+    let mut numel = 0;
+    for (t, n) in tensors {
+        parts.push(if t.defined() {
+            t.reshape([-1]).to_kind(kind)
+        } else {
+            Tensor::zeros([n], (kind, device))
+        });
+        numel += n;
+    }
+    parts.push(Tensor::zeros([len - numel], (kind, device)));
+    Tensor::cat(&parts, 0)
+}
+
 /// A released parameter's stand-in: one NaN broadcast to `shape`.
 fn placeholder(shape: &[i64], kind: Kind, device: Device) -> Tensor {
     Tensor::full([1], f64::NAN, (kind, device)).expand(shape, false)
@@ -165,10 +187,8 @@ impl ParamShards {
                 numel += t.numel() as i64;
             }
             let part = (numel + world as i64 - 1) / world as i64;
-            let mut flat: Vec<Tensor> =
-                vars.iter().map(|(_, t)| t.detach().reshape([-1])).collect();
-            flat.push(Tensor::zeros([part * world as i64 - numel], (kind, device)));
-            let local = Tensor::cat(&flat, 0)
+            let whole = vars.iter().map(|(_, t)| (t.detach(), t.numel() as i64));
+            let local = flatten(whole, part * world as i64, kind, device)
                 .narrow(0, rank as i64 * part, part)
                 .copy();
             let (names, params): (Vec<String>, Vec<Tensor>) = vars.into_iter().unzip();
@@ -295,24 +315,14 @@ impl ParamShards {
     pub(crate) fn reduce_grads(&self, u: usize) -> Result<()> {
         let unit = &self.units[u];
         let _guard = tch::no_grad_guard();
-        let mut parts: Vec<Tensor> = Vec::with_capacity(unit.params.len() + 1);
-        let mut numel = 0;
-        for (p, shape) in unit.params.iter().zip(&unit.shapes) {
-            let n: i64 = shape.iter().product();
-            let g = p.grad();
-            parts.push(if g.defined() {
-                g.reshape([-1]).to_kind(Kind::Float)
-            } else {
-                Tensor::zeros([n], (Kind::Float, unit.device))
-            });
-            numel += n;
-        }
-        parts.push(Tensor::zeros(
-            [unit.part * self.world as i64 - numel],
-            (Kind::Float, unit.device),
-        ));
-        let flat = Tensor::cat(&parts, 0);
-        drop(parts);
+        let grads =
+            (unit.params.iter().zip(&unit.shapes)).map(|(p, s)| (p.grad(), s.iter().product()));
+        let flat = flatten(
+            grads,
+            unit.part * self.world as i64,
+            Kind::Float,
+            unit.device,
+        );
         unit.releaser.release()?;
         let mine = dist::lock(&self.group)
             .and_then(|mut g| g.reduce_scatter(&flat, ReduceOp::Avg))

@@ -38,19 +38,25 @@ fn err(reason: String) -> rl_core::Error {
 impl Dp {
     /// Checks that `actor` averages its gradients over the group's ranks and that the global
     /// batch `batch_key` (`batch` rows or pairs) splits over them.
+    ///
+    /// `val` are the trainer's validation batches: with an actor whose forwards are collectives
+    /// (ZeRO stage 3) each must give every rank an item ([`check_val_shards`]).
     pub(crate) fn new(
         group: SharedCollective,
         actor: &dyn Actor,
         batch_key: &str,
         batch: usize,
+        val: ValBatches<'_>,
     ) -> rl_core::Result<Self> {
-        Self::for_role(
+        let dp = Self::for_role(
             group,
             "actor",
             actor.data_parallel_ranks(),
             batch_key,
             batch,
-        )
+        )?;
+        check_val_shards(actor, val.batches, val.per, dp.world, val.key)?;
+        Ok(dp)
     }
 
     /// [`new`](Self::new) for any trained role: `ranks` is the number of ranks the `role`
@@ -138,6 +144,14 @@ fn layout_widths(batch: &Batch) -> rl_core::Result<(i64, i64)> {
         }
     };
     Ok((width(keys::PROMPTS)?, width(keys::RESPONSES)?))
+}
+
+/// A trainer's validation batches, for [`Dp::new`]: `per` rows make one item (1 for prompts
+/// or rows, 2 for pairs), and `key` is the setting that sizes the batches.
+pub(crate) struct ValBatches<'a> {
+    pub(crate) batches: &'a [Batch],
+    pub(crate) per: usize,
+    pub(crate) key: &'static str,
 }
 
 /// With an actor whose every forward is a collective (ZeRO stage 3), every validation batch

@@ -11,7 +11,7 @@ use rl_core::roles::{Actor, Reference, Reward, Rollout};
 use rl_core::{Batch, Sample, StepMetrics, Trainer, keys};
 use tch::Kind;
 
-use crate::trainer::dp::{self, Dp};
+use crate::trainer::dp::{self, Dp, ValBatches};
 
 use crate::trainer::preference::{
     DpoLoss, DpoTrainerConfig, PairTrainerState, RefCache, prepare_pairs,
@@ -129,13 +129,17 @@ impl OnlineDpoTrainer {
     /// Errors when `prompts` or `pairs_per_update` does not split over the ranks, or the actor
     /// was not given a group of the same size.
     pub fn with_group(mut self, group: SharedCollective, prompts: usize) -> rl_core::Result<Self> {
-        let dp = Dp::new(group, self.actor.as_ref(), "data.train_batch_size", prompts)?;
-        super::dp::check_val_shards(
+        let val = ValBatches {
+            batches: &self.val,
+            per: 1,
+            key: "data.val_batch_size",
+        };
+        let dp = Dp::new(
+            group,
             self.actor.as_ref(),
-            &self.val,
-            1,
-            dp.world,
-            "data.val_batch_size",
+            "data.train_batch_size",
+            prompts,
+            val,
         )?;
         if !self.pairs_per_update.is_multiple_of(dp.world) {
             return Err(rl_core::Error::InvalidArgument {

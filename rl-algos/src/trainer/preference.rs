@@ -20,7 +20,7 @@ use serde_json::Value;
 use tch::{Kind, Tensor};
 
 use crate::dpo::{self, DpoConfig, DpoLossType};
-use crate::trainer::dp::Dp;
+use crate::trainer::dp::{Dp, ValBatches};
 use crate::trainer::source::BatchSource;
 
 /// `[batch]` i64: the pair each row belongs to (rows `2i` and `2i + 1` hold `i`).
@@ -501,19 +501,18 @@ impl DpoTrainer {
     /// Errors when `pairs` does not split over the ranks or the actor was not given a group of
     /// the same size.
     pub fn with_group(mut self, group: SharedCollective, pairs: usize) -> rl_core::Result<Self> {
+        // the validation pairs come in batches of `train_batch_size` pairs
+        let val = ValBatches {
+            batches: &self.val,
+            per: 2,
+            key: "preference_data.train_batch_size",
+        };
         let dp = Dp::new(
             group,
             self.actor.as_ref(),
             "preference_data.train_batch_size",
             pairs,
-        )?;
-        // the validation pairs come in batches of `train_batch_size` pairs
-        super::dp::check_val_shards(
-            self.actor.as_ref(),
-            &self.val,
-            2,
-            dp.world,
-            "preference_data.train_batch_size",
+            val,
         )?;
         self.dp = Some(dp);
         Ok(self)

@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use tch::Kind;
 
-use crate::trainer::dp::Dp;
+use crate::trainer::dp::{Dp, ValBatches};
 use crate::trainer::objective::SftLoss;
 use crate::trainer::source::BatchSource;
 
@@ -103,18 +103,17 @@ impl SftTrainer {
         group: SharedCollective,
         batch_size: usize,
     ) -> rl_core::Result<Self> {
+        let val = ValBatches {
+            batches: &self.val,
+            per: 1,
+            key: "data.val_batch_size",
+        };
         let dp = Dp::new(
             group,
             self.actor.as_ref(),
             "sft.train_batch_size",
             batch_size,
-        )?;
-        super::dp::check_val_shards(
-            self.actor.as_ref(),
-            &self.val,
-            1,
-            dp.world,
-            "data.val_batch_size",
+            val,
         )?;
         self.dp = Some(dp);
         Ok(self)

@@ -11,7 +11,7 @@ use rl_core::roles::{Actor, Reference, Reward, Rollout};
 use rl_core::{Batch, Sample, StepMetrics, Trainer, keys};
 use tch::{Kind, Tensor};
 
-use crate::trainer::dp::Dp;
+use crate::trainer::dp::{Dp, ValBatches};
 
 use crate::trainer::preference::{
     DpoLoss, DpoTrainerConfig, PairTrainerState, RefCache, prepare_pairs,
@@ -302,15 +302,18 @@ impl SpinTrainer {
     /// Errors when `rows` does not split over the ranks or the actor was not given a group of
     /// the same size.
     pub fn with_group(mut self, group: SharedCollective, rows: usize) -> rl_core::Result<Self> {
-        let dp = Dp::new(group, self.actor.as_ref(), "sft.train_batch_size", rows)?;
-        super::dp::check_val_shards(
+        let val = ValBatches {
+            batches: &self.val,
+            per: 1,
+            key: "data.val_batch_size",
+        };
+        self.dp = Some(Dp::new(
+            group,
             self.actor.as_ref(),
-            &self.val,
-            1,
-            dp.world,
-            "data.val_batch_size",
-        )?;
-        self.dp = Some(dp);
+            "sft.train_batch_size",
+            rows,
+            val,
+        )?);
         Ok(self)
     }
 

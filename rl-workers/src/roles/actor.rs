@@ -275,7 +275,7 @@ pub(crate) fn shard_role(
 /// Runs `f` over micro-batches without gradient and reassembles `[batch, response_len]` outputs.
 /// With `stack`'s parameters sharded (stage 3) the ranks then run as many forwards (a rank
 /// with fewer micro-batches makes idle ones).
-fn no_grad_per_micro(
+pub(crate) fn no_grad_per_micro(
     batch: &Batch,
     rows: Option<usize>,
     tokens: Option<usize>,

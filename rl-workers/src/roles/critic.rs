@@ -9,8 +9,8 @@ use rl_core::{Batch, keys};
 use crate::error::Error;
 use crate::heads::ValueModel;
 use crate::roles::actor::{
-    broadcast_from_rank0, check_dp_mini_batch, save_trained_state, shard_role, sorted_vars,
-    update_loop_dp,
+    broadcast_from_rank0, check_dp_mini_batch, no_grad_per_micro, save_trained_state, shard_role,
+    sorted_vars, update_loop_dp,
 };
 use crate::roles::config::CriticConfig;
 use crate::roles::micro;
@@ -112,32 +112,19 @@ impl CriticWorker {
 
 impl Critic for CriticWorker {
     fn compute_values(&mut self, batch: &Batch) -> rl_core::Result<Batch> {
-        let _guard = tch::no_grad_guard();
         let cfg = self.cfg.as_actor();
-        let micros = micro::split(
+        let (model, packed) = (&self.model, self.cfg.use_remove_padding);
+        let outs = no_grad_per_micro(
             batch,
             cfg.ppo_micro_batch_size_per_gpu,
             cfg.use_dynamic_bsz.then_some(cfg.ppo_max_token_len_per_gpu),
+            model.model(),
+            |m| Ok(vec![micro::values(model, m, packed)?]),
         )?;
-        // stage 3: as many forwards on every rank
-        let count = micros.len();
-        let stack = self.model.model();
-        let most = stack.most_forwards(count).map_err(role_err("critic"))?;
-        let mut parts = Vec::new();
-        let mut order = Vec::new();
-        for m in micros {
-            parts.push(micro::values(
-                &self.model,
-                &m.batch,
-                self.cfg.use_remove_padding,
-            )?);
-            order.push(m.rows);
-        }
-        for _ in count..most {
-            stack.idle_forward().map_err(role_err("critic"))?;
-        }
         let mut out = Batch::new();
-        out.insert(keys::VALUES, micro::reassemble(&parts, &order))?;
+        if let Some(values) = outs.into_iter().next() {
+            out.insert(keys::VALUES, values)?;
+        }
         Ok(out)
     }
 

@@ -245,11 +245,11 @@ impl Sharded {
         let buckets = buckets(params, world, BUCKET_ELEMS);
         let mut state = Sharded::over(group, stage, (rank, world), buckets, params, whole);
         if stage == ZeroStage::Gradients {
-            let _guard = tch::no_grad_guard();
+            let device = params.first().map_or(tch::Device::Cpu, Tensor::device);
             state.grad = state
                 .buckets
                 .iter()
-                .map(|b| b.local(rank, params, |_| Tensor::new()))
+                .map(|b| Tensor::zeros([b.part], (Kind::Float, device)))
                 .collect();
         }
         Ok(state)
