@@ -154,6 +154,17 @@ pub(crate) struct ValBatches<'a> {
     pub(crate) key: &'static str,
 }
 
+impl<'a> ValBatches<'a> {
+    /// Batches of rows or prompts sized by `data.val_batch_size`.
+    pub(crate) fn rows(batches: &'a [Batch]) -> Self {
+        ValBatches {
+            batches,
+            per: 1,
+            key: "data.val_batch_size",
+        }
+    }
+}
+
 /// With an actor whose every forward is a collective (ZeRO stage 3), every validation batch
 /// must give each of the `world` ranks at least one item (`per` rows each: 1 for prompts or
 /// rows, 2 for pairs): a rank left without any would skip forwards the others wait in. Errors

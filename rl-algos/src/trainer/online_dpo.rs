@@ -129,11 +129,7 @@ impl OnlineDpoTrainer {
     /// Errors when `prompts` or `pairs_per_update` does not split over the ranks, or the actor
     /// was not given a group of the same size.
     pub fn with_group(mut self, group: SharedCollective, prompts: usize) -> rl_core::Result<Self> {
-        let val = ValBatches {
-            batches: &self.val,
-            per: 1,
-            key: "data.val_batch_size",
-        };
+        let val = ValBatches::rows(&self.val);
         let dp = Dp::new(
             group,
             self.actor.as_ref(),

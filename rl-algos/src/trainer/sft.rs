@@ -103,11 +103,7 @@ impl SftTrainer {
         group: SharedCollective,
         batch_size: usize,
     ) -> rl_core::Result<Self> {
-        let val = ValBatches {
-            batches: &self.val,
-            per: 1,
-            key: "data.val_batch_size",
-        };
+        let val = ValBatches::rows(&self.val);
         let dp = Dp::new(
             group,
             self.actor.as_ref(),

@@ -302,11 +302,7 @@ impl SpinTrainer {
     /// Errors when `rows` does not split over the ranks or the actor was not given a group of
     /// the same size.
     pub fn with_group(mut self, group: SharedCollective, rows: usize) -> rl_core::Result<Self> {
-        let val = ValBatches {
-            batches: &self.val,
-            per: 1,
-            key: "data.val_batch_size",
-        };
+        let val = ValBatches::rows(&self.val);
         self.dp = Some(Dp::new(
             group,
             self.actor.as_ref(),
