@@ -14,16 +14,65 @@ use crate::{TinyTask, env_or, fresh_tiny_policy, sft_until_loss, tiny_task_with}
 
 /// The seeds of the initial weights: every learning bar is asserted over these (a median and a
 /// floor for the worst), so that one lucky seed cannot pass it and one CPU's rounding cannot
-/// flip it.
+/// flip it. [`init_seeds`] is the list the tests use.
 pub const INIT_SEEDS: [u64; 3] = [7, 1, 2];
 
-/// The position of `init_seed` in [`INIT_SEEDS`], for a per-seed `OnceLock` array; panics
-/// naming the seed when it is not one of them.
-pub fn seed_index(init_seed: u64) -> usize {
-    INIT_SEEDS
-        .iter()
-        .position(|&s| s == init_seed)
-        .unwrap_or_else(|| panic!("init seed {init_seed} is not one of {INIT_SEEDS:?}"))
+/// The initial-weight seeds of this process's learning tests: [`INIT_SEEDS`], or the
+/// space-separated list in `LEARN_INIT_SEEDS` (for measuring a recipe on seeds the tests do not
+/// use, or on more of them); a list that does not parse, or has fewer than 3 seeds, fails naming
+/// the variable.
+pub fn init_seeds() -> &'static [u64] {
+    static SEEDS: OnceLock<Vec<u64>> = OnceLock::new();
+    SEEDS.get_or_init(|| match std::env::var("LEARN_INIT_SEEDS") {
+        Err(_) => INIT_SEEDS.to_vec(),
+        Ok(list) => {
+            let seeds: Vec<u64> = list
+                .split_whitespace()
+                .map(|s| {
+                    s.parse().unwrap_or_else(|_| {
+                        panic!("LEARN_INIT_SEEDS: '{s}' is not a seed (a whole number) in '{list}'")
+                    })
+                })
+                .collect();
+            assert!(
+                seeds.len() >= 3,
+                "LEARN_INIT_SEEDS='{list}': a learning bar needs at least 3 seeds"
+            );
+            seeds
+        }
+    })
+}
+
+/// A value computed once per initial-weight seed and process, shared by every test after that;
+/// seeds compute side by side (the lock is held only to find a seed's cell).
+pub struct PerSeed<T: 'static> {
+    cells: std::sync::Mutex<std::collections::HashMap<u64, &'static OnceLock<T>>>,
+}
+
+impl<T: 'static> PerSeed<T> {
+    /// An empty cache (for a `static`).
+    pub fn new() -> Self {
+        Self {
+            cells: std::sync::Mutex::new(std::collections::HashMap::new()),
+        }
+    }
+
+    /// The value of `seed`, computed by `init` on first use.
+    pub fn get(&self, seed: u64, init: impl FnOnce() -> T) -> &'static T {
+        let cell: &'static OnceLock<T> = *self
+            .cells
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .entry(seed)
+            .or_insert_with(|| Box::leak(Box::new(OnceLock::new())));
+        cell.get_or_init(init)
+    }
+}
+
+impl<T: 'static> Default for PerSeed<T> {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 /// The seed of the task's data and of the runs (rollout sampling, shuffling): one task for
@@ -49,14 +98,15 @@ pub struct Warm {
     pub losses: Vec<f64>,
 }
 
-/// The warm-up of the initial weights `init_seed` (one of [`INIT_SEEDS`]), trained on first use and shared by every
+/// The warm-up of the initial weights `init_seed`, trained on first use and shared by every
 /// test of the process after that. Training runs on one intra-op thread (set process-wide):
 /// the figures' configuration on any machine, and the seeds of a test then train side by side
 /// in threads of their own (see [`crate::per_seed`]). Environment variables change the recipe
 /// while tuning: `MAX_OPERAND`, `SFT_LR_E4`, `SFT_STEPS`, `SFT_TARGET_LOSS_E3`.
 pub fn carry_free_warm(init_seed: u64) -> &'static Warm {
-    static WARM: [OnceLock<Warm>; INIT_SEEDS.len()] = [const { OnceLock::new() }; INIT_SEEDS.len()];
-    WARM[seed_index(init_seed)].get_or_init(|| train_warm(init_seed))
+    static WARM: OnceLock<PerSeed<Warm>> = OnceLock::new();
+    WARM.get_or_init(PerSeed::new)
+        .get(init_seed, || train_warm(init_seed))
 }
 
 fn train_warm(init_seed: u64) -> Warm {

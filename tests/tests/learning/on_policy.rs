@@ -15,7 +15,7 @@ use tch::{Device, Kind};
 const SEED: u64 = TASK_SEED;
 const RL_STEPS: usize = 40;
 
-/// The bar: at least 10 points at the median over [`INIT_SEEDS`], and no seed may lose more than
+/// The bar: at least 10 points at the median over the initial-weight seeds ([`init_seeds`]), and no seed may lose more than
 /// 10 (a collapse). The floor is not 0: on seed 1, the weakest SFT start (27.5%), RLOO without
 /// a KL term measured 27.5% -> 20.5% in `scripts/learning-report` (docs/learning.md).
 const MEDIAN_GAIN: f64 = 0.10;
@@ -126,7 +126,7 @@ fn assert_gain(
     name: &str,
     make: impl Fn(&Warm) -> ExperimentConfig + Sync,
 ) -> Vec<Vec<rl_core::StepMetrics>> {
-    let runs = per_seed(&INIT_SEEDS, |seed| train(name, seed, &make(warm(seed))));
+    let runs = per_seed(init_seeds(), |seed| train(name, seed, &make(warm(seed))));
     let results: Vec<SeedResult> = runs.iter().map(|r| r.result).collect();
     assert_gain_over_seeds(name, &results, MEDIAN_GAIN, WORST_GAIN);
     for run in &runs {
@@ -160,7 +160,7 @@ fn grpo_config(w: &Warm) -> ExperimentConfig {
 fn grpo_full_runs() -> &'static [Run] {
     static RUNS: std::sync::OnceLock<Vec<Run>> = std::sync::OnceLock::new();
     RUNS.get_or_init(|| {
-        per_seed(&INIT_SEEDS, |seed| {
+        per_seed(init_seeds(), |seed| {
             train("grpo", seed, &grpo_config(warm(seed)))
         })
     })
@@ -182,7 +182,7 @@ fn grpo_raises_accuracy() {
 #[test]
 fn lora_grpo_learns_within_five_points_of_full_fine_tuning() {
     let full: Vec<SeedResult> = grpo_full_runs().iter().map(|r| r.result).collect();
-    let lora = per_seed(&INIT_SEEDS, |seed| {
+    let lora = per_seed(init_seeds(), |seed| {
         let mut cfg = grpo_config(warm(seed));
         let m = &mut cfg.actor_rollout_ref.model;
         m.lora_rank = env_or("LEARN_LORA_RANK", 8) as i64;
@@ -217,7 +217,7 @@ fn lora_grpo_learns_within_five_points_of_full_fine_tuning() {
 #[ignore = "six minutes on 2 CPU cores (bfloat16 matmuls are slow on CPU); docs/learning.md has its figures"]
 fn bf16_mixed_precision_grpo_learns_like_float32() {
     let full = grpo_full_runs();
-    let bf16 = per_seed(&INIT_SEEDS, |seed| {
+    let bf16 = per_seed(init_seeds(), |seed| {
         let mut cfg = grpo_config(warm(seed));
         cfg.actor_rollout_ref.actor.mixed_precision.param_dtype =
             rl_workers::roles::ParamDtype::Bf16;
@@ -314,7 +314,7 @@ fn ppo_raises_accuracy() {
 /// every step) the returns keep one distribution, so `critic/vf_loss` must fall, on every seed.
 #[test]
 fn ppo_critic_loss_falls() {
-    let runs = per_seed(&INIT_SEEDS, |seed| {
+    let runs = per_seed(init_seeds(), |seed| {
         let mut cfg = base_config(warm(seed), AdvEstimator::Gae);
         cfg.algorithm.lam = 0.95;
         cfg.trainer.total_training_steps = Some(20);

@@ -174,7 +174,7 @@ fn margin_tol(beta: f64) -> f64 {
 
 #[test]
 fn first_dpo_loss_is_ln2_at_the_reference() {
-    let mut t = build_dpo(INIT_SEEDS[0], DpoTrainerConfig::default(), 16, 1e-3).unwrap();
+    let mut t = build_dpo(init_seeds()[0], DpoTrainerConfig::default(), 16, 1e-3).unwrap();
     let m = t.step().unwrap();
     println!(
         "step 1: loss {} (ln 2 = {})",
@@ -213,7 +213,7 @@ fn offline_dpo_raises_held_out_preference_accuracy() {
     let beta = env_or("DPO_BETA_E2", 10) as f64 * 1e-2;
     let lr = env_or("DPO_LR_E4", 10) as f64 * 1e-4;
     let key = "val/rewards/accuracies";
-    let runs = per_seed(&INIT_SEEDS, |seed| {
+    let runs = per_seed(init_seeds(), |seed| {
         let cfg = DpoTrainerConfig {
             beta,
             precompute_ref_log_probs: true,
@@ -364,7 +364,7 @@ fn spin_reference_is_the_policy_after_each_update_and_frozen_between() {
         total_training_steps: 4,
         ..DpoTrainerConfig::default()
     };
-    let w = &warm(INIT_SEEDS[0]);
+    let w = &warm(init_seeds()[0]);
     let policy = load_policy(&w.ckpt).unwrap();
     let mut t = build_spin(w, policy.clone(), cfg, 8, 1e-3, w.seed).unwrap();
     let sft = answer_source(
@@ -416,7 +416,7 @@ fn spin_raises_held_out_accuracy() {
     let prompts = env_or("SPIN_PROMPTS", 16) as usize;
     let lr = env_or("SPIN_LR_E4", 5) as f64 * 1e-4;
     let key = "val/test_score/arithmetic";
-    let results = per_seed(&INIT_SEEDS, |seed| {
+    let results = per_seed(init_seeds(), |seed| {
         let w = &warm(seed);
         let cfg = DpoTrainerConfig {
             beta: env_or("SPIN_BETA_E2", 10) as f64 * 1e-2,
@@ -520,7 +520,7 @@ fn online_dpo_raises_held_out_accuracy() {
     let pairs = env_or("ONLINE_DPO_PAIRS", 4) as usize;
     let lr = env_or("ONLINE_DPO_LR_E5", 10) as f64 * 1e-5;
     let key = "val/test_score/arithmetic";
-    let results = per_seed(&INIT_SEEDS, |seed| {
+    let results = per_seed(init_seeds(), |seed| {
         let w = &warm(seed);
         let cfg = DpoTrainerConfig {
             beta: env_or("ONLINE_DPO_BETA_E2", 10) as f64 * 1e-2,

@@ -325,9 +325,8 @@ struct TrainedRm {
 /// preferences), validated on held-out (right sum, another number) pairs and on held-out pairs
 /// of the policy's samples, saved as a Hugging Face folder.
 fn trained_rm(init_seed: u64) -> &'static TrainedRm {
-    static RM: [OnceLock<TrainedRm>; INIT_SEEDS.len()] =
-        [const { OnceLock::new() }; INIT_SEEDS.len()];
-    RM[seed_index(init_seed)].get_or_init(|| {
+    static RM: OnceLock<PerSeed<TrainedRm>> = OnceLock::new();
+    RM.get_or_init(PerSeed::new).get(init_seed, || {
         let w = warm(init_seed);
         let tok = &w.task.tokenizer;
         let pad = tok.pad_id_or_eos().unwrap();
@@ -434,7 +433,7 @@ impl<T: Trainer> SaveTo for T {
 #[test]
 fn rm_training_raises_held_out_preference_accuracy() {
     let key = "val/rm/accuracy";
-    let rms = per_seed(&INIT_SEEDS, |seed| {
+    let rms = per_seed(init_seeds(), |seed| {
         let rm = trained_rm(seed);
         println!(
             "rm (init seed {seed}): held-out preference accuracy {:.1}% -> {:.1}%, on the \
@@ -484,7 +483,7 @@ fn rm_training_raises_held_out_preference_accuracy() {
     });
     let held_out: Vec<SeedResult> = rms
         .iter()
-        .zip(INIT_SEEDS)
+        .zip(init_seeds().iter().copied())
         .map(|(rm, seed)| SeedResult {
             seed,
             before: rm.before[key],
@@ -493,7 +492,7 @@ fn rm_training_raises_held_out_preference_accuracy() {
         .collect();
     let own: Vec<SeedResult> = rms
         .iter()
-        .zip(INIT_SEEDS)
+        .zip(init_seeds().iter().copied())
         .map(|(rm, seed)| SeedResult {
             seed,
             before: rm.policy_before,
@@ -861,7 +860,7 @@ fn rl_with_learned_reward(
 /// (27.5% -> 34.5%).
 #[test]
 fn ppo_trains_on_the_learned_reward() {
-    let runs = per_seed(&INIT_SEEDS, |seed| {
+    let runs = per_seed(init_seeds(), |seed| {
         let settings = RlSettings {
             steps: 20,
             lr_e4: 1,
@@ -904,7 +903,7 @@ fn ppo_trains_on_the_learned_reward() {
 /// the gains were -2.5, +2.5 and +3.0 points (docs/algos/reward_model.md).
 #[test]
 fn grpo_on_the_learned_reward_keeps_accuracy() {
-    let results = per_seed(&INIT_SEEDS, |seed| {
+    let results = per_seed(init_seeds(), |seed| {
         let settings = RlSettings {
             steps: 20,
             lr_e4: 1,
