@@ -22,7 +22,8 @@ pub use rl_harness::config::ExperimentConfig;
 
 mod warm;
 pub use warm::{
-    INIT_SEEDS, PerSeed, SFT_MAX_STEPS, SFT_TARGET_LOSS, TASK_SEED, Warm, carry_free_warm, init_seeds,
+    INIT_SEEDS, PerSeed, SFT_MAX_STEPS, SFT_TARGET_LOSS, TASK_SEED, Warm, carry_free_warm,
+    init_seeds,
 };
 
 /// Any error of the workspace crates, as a boxed error for tests.
