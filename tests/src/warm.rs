@@ -59,12 +59,16 @@ impl<T: 'static> PerSeed<T> {
 
     /// The value of `seed`, computed by `init` on first use.
     pub fn get(&self, seed: u64, init: impl FnOnce() -> T) -> &'static T {
-        let cell: &'static OnceLock<T> = *self
-            .cells
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .entry(seed)
-            .or_insert_with(|| Box::leak(Box::new(OnceLock::new())));
+        let mut cells = self.cells.lock().unwrap_or_else(PoisonError::into_inner);
+        let cell: &'static OnceLock<T> = match cells.get(&seed) {
+            Some(&cell) => cell,
+            None => {
+                let cell = Box::leak(Box::new(OnceLock::new()));
+                cells.insert(seed, cell);
+                cell
+            }
+        };
+        drop(cells);
         cell.get_or_init(init)
     }
 }
