@@ -2,7 +2,8 @@
 //! forward+backward throughput on one model and one set of prompt token ids, printed as JSON.
 //!
 //! Usage: `bench_model MODEL_DIR PROMPTS.json NEW_TOKENS THREADS`, where PROMPTS.json is a list
-//! of token-id lists (left-padded here with the model's pad id).
+//! of token-id lists (left-padded here with the model's pad id). `BENCH_ONLY=greedy` (or
+//! `sampled`) runs that generation alone and prints its figures: for profiling one phase.
 
 use std::time::Instant;
 
@@ -45,7 +46,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let mut report = serde_json::Map::new();
     let mut greedy_out = None;
+    let only = std::env::var("BENCH_ONLY").ok();
+    if let Some(o) = only.as_deref().filter(|o| !matches!(*o, "greedy" | "sampled")) {
+        return Err(format!("BENCH_ONLY: '{o}' is not greedy or sampled").into());
+    }
     for (name, do_sample) in [("greedy", false), ("sampled", true)] {
+        if only.as_deref().is_some_and(|o| o != name) {
+            continue;
+        }
         let cfg = RolloutConfig {
             do_sample,
             top_k: -1,
@@ -73,6 +81,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
     }
 
+    if only.is_some() {
+        println!("{}", serde_json::Value::Object(report));
+        return Ok(());
+    }
     // forward + backward of the mean token log-likelihood on the greedy batch
     let out = greedy_out.expect("greedy ran");
     let (ids, mask, pos) = (&out.input_ids, &out.attention_mask, &out.position_ids);
