@@ -4,13 +4,22 @@ interleaved so that load cannot flatter either side.
 Run from the repository root after `scripts/import-smollm2` and `scripts/reference-env` (or
 through `scripts/bench`, which does both):
   .venv/bin/python rl-workers/benches/side_by_side.py [--model DIR] [--threads 2] [--new-tokens 64]
-      [--rounds 3] [--json-out FILE]
+      [--rounds 3] [--json-out FILE] [--shape batch|grpo]
 
 Both sides get the same 32 chat prompts as the same token ids, run on CPU with the same thread
 count, each in its own process (so peak RSS is per side): batched generation of NEW_TOKENS tokens
 greedy and sampled (temperature 1, no top-k/top-p), then forward+backward of the mean token
 log-likelihood on the greedy batch. Each round also measures this machine's floor (matmul
 throughput and memory bandwidth) right after the two sides.
+
+`--shape grpo` is a GRPO step's generation instead: the first 8 prompts x 8 samples each, 256 new
+tokens (unless --new-tokens says otherwise); greedy runs over each prompt repeated 8 times (64
+rows on both sides), sampled asks for 8 samples a prompt (transformers' `num_return_sequences`,
+our `n`, which prefills each prompt once for its samples); no forward+backward.
+
+The generation floor: the greedy rows' prefill at the 2048-row matmul rate, plus every decode
+step computing every row at the 32-row (64 for the GRPO shape) rate, or streaming the weights
+once at the copy bandwidth, whichever is slower.
 
 The sides run interleaved, Rust then transformers, ROUNDS times (at least 3), with the load
 average read before each process. Every ratio is formed within a round (the two sides of a
@@ -76,12 +85,19 @@ def hf_side(args):
         return total
 
     greedy = None
+    n = args.samples
     for name, sample in [("greedy", False), ("sampled", True)]:
         torch.manual_seed(1234)
-        kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if sample else dict(do_sample=False)
+        if sample:
+            kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, num_return_sequences=n)
+            gen_ids, gen_mask = ids, mask
+        else:
+            # greedy samples would all be the same: n copies of each prompt instead
+            kwargs = dict(do_sample=False)
+            gen_ids, gen_mask = ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
         start = time.perf_counter()
         with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=args.new_tokens,
+            out = model.generate(input_ids=gen_ids, attention_mask=gen_mask, max_new_tokens=args.new_tokens,
                                  pad_token_id=pad, eos_token_id=eos, **kwargs)
         secs = time.perf_counter() - start
         new = out[:, width:]
@@ -92,6 +108,10 @@ def hf_side(args):
         if not sample:
             greedy = new
             report["greedy_responses"] = new.tolist()
+    if not args.fwd_bwd:
+        report["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        print(json.dumps(report))
+        return
 
     # forward+backward on the same batch layout rl-workers builds: prompts + responses padded to new_tokens
     resp = torch.full((len(rows), args.new_tokens), pad, dtype=torch.long)
@@ -133,7 +153,7 @@ def floor(threads):
 
     torch.set_num_threads(threads)
     out = {}
-    for m in (32, 2048):
+    for m in (32, 64, 2048):
         a, b = torch.randn(m, 576), torch.randn(576, 1536)
         for _ in range(3):
             a @ b
@@ -196,7 +216,10 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", default=os.path.join(ROOT, "models", "smollm2-135m-instruct"))
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--new-tokens", type=int)
+    p.add_argument("--shape", choices=["batch", "grpo"], default="batch")
+    p.add_argument("--samples", type=int, default=1, help=argparse.SUPPRESS)  # set by --shape, for --hf-side
+    p.add_argument("--fwd-bwd", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json-out")
     p.add_argument("--prompts")
@@ -204,13 +227,18 @@ def main():
     args = p.parse_args()
     if args.hf_side:
         return hf_side(args)
+    questions = QUESTIONS
+    if args.shape == "grpo":
+        questions, args.samples, args.fwd_bwd = QUESTIONS[:8], 8, 0
+        args.new_tokens = args.new_tokens or 256
+    args.new_tokens = args.new_tokens or 64
     if args.rounds < 3:
         p.error("--rounds must be at least 3: fewer cannot show a spread worth a verdict")
 
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(args.model)
-    rows = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True) for q in QUESTIONS]
+    rows = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True) for q in questions]
     rows = [list(r["input_ids"]) if isinstance(r, dict) else list(r) for r in rows]
     prompts = os.path.join(tempfile.mkdtemp(), "prompts.json")
     json.dump(rows, open(prompts, "w"))
@@ -219,7 +247,9 @@ def main():
     rust_cmd = [os.path.join(ROOT, "target", "release", "examples", "bench_model"), args.model, prompts,
                 str(args.new_tokens), str(args.threads)]
     hf_cmd = [sys.executable, __file__, "--hf-side", "--model", args.model, "--prompts", prompts,
-              "--threads", str(args.threads), "--new-tokens", str(args.new_tokens)]
+              "--threads", str(args.threads), "--new-tokens", str(args.new_tokens),
+              "--samples", str(args.samples), "--fwd-bwd", str(args.fwd_bwd)]
+    rust_env = dict(os.environ, BENCH_N=str(args.samples), BENCH_FWD_BWD=str(args.fwd_bwd))
     eos = json.load(open(os.path.join(args.model, "config.json")))["eos_token_id"]
     from safetensors import safe_open
 
@@ -240,48 +270,63 @@ def main():
     rounds = []
     for r in range(args.rounds):
         load_rust = os.getloadavg()
-        rust = json.loads(subprocess.run(rust_cmd, check=True, capture_output=True, text=True).stdout)
+        rust = json.loads(subprocess.run(rust_cmd, check=True, capture_output=True, text=True, env=rust_env).stdout)
         load_hf = os.getloadavg()
         hf = json.loads(subprocess.run(hf_cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
         fl = floor(args.threads)
         same = cut(rust.pop("greedy_responses")) == cut(hf.pop("greedy_responses"))
         # the floor: FLOPs over measured matmul throughput, bytes over measured copy bandwidth
         steps = args.new_tokens
-        gen_flops = 2 * params * len(QUESTIONS) * steps  # every row computed every step (upper bound)
+        gen_rows = len(questions) * args.samples
+        gen_flops = 2 * params * gen_rows * steps  # every row computed every step (upper bound)
         gen_bytes = 4 * params * steps  # f32 weights streamed once per decode step
-        gen_floor = max(gen_flops / (fl["matmul_gflops_m32"] * 1e9), gen_bytes / (fl["copy_gb_per_s"] * 1e9))
-        b, t = rust["fwd_bwd_shape"]
-        fb_floor = 6 * params * b * t / (fl["matmul_gflops_m2048"] * 1e9)
-        rounds.append({
+        rate = fl["matmul_gflops_m64"] if gen_rows >= 64 else fl["matmul_gflops_m32"]
+        # the prefill of the greedy rows (every prompt position, at the many-row rate)
+        prefill_flops = 2 * params * gen_rows * max(len(r) for r in rows)
+        gen_floor = max(gen_flops / (rate * 1e9), gen_bytes / (fl["copy_gb_per_s"] * 1e9)) \
+            + prefill_flops / (fl["matmul_gflops_m2048"] * 1e9)
+        one = {}
+        if args.fwd_bwd:
+            b, t = rust["fwd_bwd_shape"]
+            fb_floor = 6 * params * b * t / (fl["matmul_gflops_m2048"] * 1e9)
+            one = {
+                "fwd_bwd_time_ratio": rust["fwd_bwd_seconds"] / hf["fwd_bwd_seconds"],
+                "fwd_bwd_floor_seconds": fb_floor,
+                "fwd_bwd_rust_over_floor": rust["fwd_bwd_seconds"] / fb_floor,
+            }
+        rounds.append(one)
+        one.update({
             "rust": rust, "transformers": hf, "floor": fl,
             "load_avg_before_rust": load_rust, "load_avg_before_transformers": load_hf,
             "greedy_tokens_identical": same,
             "greedy_speedup": rust["greedy_tokens_per_s"] / hf["greedy_tokens_per_s"],
             "sampled_speedup": rust["sampled_tokens_per_s"] / hf["sampled_tokens_per_s"],
-            "fwd_bwd_time_ratio": rust["fwd_bwd_seconds"] / hf["fwd_bwd_seconds"],
             "peak_rss_ratio": rust["peak_rss_mib"] / hf["peak_rss_mib"],
             "greedy_floor_seconds": gen_floor,
             "greedy_rust_over_floor": rust["greedy_seconds"] / gen_floor,
-            "fwd_bwd_floor_seconds": fb_floor,
-            "fwd_bwd_rust_over_floor": rust["fwd_bwd_seconds"] / fb_floor,
         })
         print(f"round {r + 1}/{args.rounds}: load {load_rust[0]:.2f} / {load_hf[0]:.2f}, greedy "
               f"{rust['greedy_seconds']:.2f} s vs {hf['greedy_seconds']:.2f} s", file=sys.stderr)
 
     summary = {
         "params": params, "rounds": rounds, "threads": args.threads, "new_tokens": args.new_tokens,
+        "shape": args.shape, "prompts": len(questions), "samples_per_prompt": args.samples,
         "greedy_tokens_identical": all(r["greedy_tokens_identical"] for r in rounds),
         "load_avg": [r["load_avg_before_rust"][0] for r in rounds] + [r["load_avg_before_transformers"][0] for r in rounds],
         "ratios": {}, "sides": {},
     }
     for key in ("greedy_seconds", "sampled_seconds", "fwd_bwd_seconds", "peak_rss_mib",
                 "greedy_tokens_per_s", "sampled_tokens_per_s"):
+        if key not in rounds[0]["rust"]:
+            continue
         summary["sides"][key] = {side: spread([r[side][key] for r in rounds]) for side in ("rust", "transformers")}
     lines = [
         f"| measure | median | spread over {args.rounds} rounds | which is better | target |",
         "| --- | ---: | ---: | --- | --- |",
     ]
     for key, label, target, better in TARGETS:
+        if key not in rounds[0]:
+            continue
         values = [r[key] for r in rounds]
         side, aim = verdict(values, target, better, "floor" if key.endswith("_over_floor") else "transformers")
         summary["ratios"][key] = dict(spread(values), verdict=side, target=aim)
@@ -292,7 +337,7 @@ def main():
     print("| side | greedy (s) | sampled (s) | forward+backward (s) | peak RSS (MiB) |")
     print("| --- | ---: | ---: | ---: | ---: |")
     for side in ("rust", "transformers"):
-        cell = lambda k: f"{s[k][side]['median']:.2f} ({s[k][side]['min']:.2f}-{s[k][side]['max']:.2f})"
+        cell = lambda k: f"{s[k][side]['median']:.2f} ({s[k][side]['min']:.2f}-{s[k][side]['max']:.2f})" if k in s else "-"
         print(f"| {side} | {cell('greedy_seconds')} | {cell('sampled_seconds')} | {cell('fwd_bwd_seconds')} | {cell('peak_rss_mib')} |")
     print()
     print("\n".join(lines))

@@ -4,6 +4,9 @@
 //! Usage: `bench_model MODEL_DIR PROMPTS.json NEW_TOKENS THREADS`, where PROMPTS.json is a list
 //! of token-id lists (left-padded here with the model's pad id). `BENCH_ONLY=greedy` (or
 //! `sampled`) runs that generation alone and prints its figures: for profiling one phase.
+//! `BENCH_N=8` is the GRPO shape: greedy over every prompt repeated 8 times, sampled with
+//! `n = 8` (one prefill per prompt shared by its samples); `BENCH_FWD_BWD=0` skips the
+//! forward+backward.
 
 use std::time::Instant;
 
@@ -44,17 +47,35 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mask = Tensor::from_slice(&mask).view(shape);
     let pos = (mask.cumsum(1, Kind::Int64) - 1).clamp_min(0);
 
+    let n: i64 = std::env::var("BENCH_N").map_or(Ok(1), |v| v.parse())?;
+    let fwd_bwd = std::env::var("BENCH_FWD_BWD").map_or(true, |v| v != "0");
     let mut report = serde_json::Map::new();
     let mut greedy_out = None;
     let only = std::env::var("BENCH_ONLY").ok();
-    if let Some(o) = only.as_deref().filter(|o| !matches!(*o, "greedy" | "sampled")) {
+    if let Some(o) = only
+        .as_deref()
+        .filter(|o| !matches!(*o, "greedy" | "sampled"))
+    {
         return Err(format!("BENCH_ONLY: '{o}' is not greedy or sampled").into());
     }
     for (name, do_sample) in [("greedy", false), ("sampled", true)] {
         if only.as_deref().is_some_and(|o| o != name) {
             continue;
         }
+        // greedy samples would all be the same: n copies of each prompt instead
+        let (input_ids, mask, pos, n) = if do_sample {
+            (
+                input_ids.shallow_clone(),
+                mask.shallow_clone(),
+                pos.shallow_clone(),
+                n,
+            )
+        } else {
+            let rep = |t: &Tensor| t.repeat_interleave_self_int(n, 0, None);
+            (rep(&input_ids), rep(&mask), rep(&pos), 1)
+        };
         let cfg = RolloutConfig {
+            n: n as usize,
             do_sample,
             top_k: -1,
             top_p: 1.0,
@@ -81,7 +102,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
     }
 
-    if only.is_some() {
+    if only.is_some() || !fwd_bwd {
+        report.insert("peak_rss_mib".to_owned(), peak_rss_mib().into());
         println!("{}", serde_json::Value::Object(report));
         return Ok(());
     }
