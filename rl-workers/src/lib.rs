@@ -17,6 +17,7 @@
 
 mod error;
 mod fsdp;
+pub mod fused_head;
 pub mod gguf;
 mod heads;
 mod hf;

@@ -318,7 +318,17 @@ pub(crate) fn update_loop(
     stack: &crate::Model,
     loss: impl FnMut(&Batch, rl_core::roles::MiniBatchInfo) -> rl_core::Result<(tch::Tensor, Metrics)>,
 ) -> rl_core::Result<Metrics> {
-    update_loop_dp(cfg, rollout_n, batch, optim, prefix, None, stack, loss)
+    update_loop_dp(
+        cfg,
+        rollout_n,
+        batch,
+        optim,
+        prefix,
+        None,
+        stack,
+        loss,
+        || Ok(()),
+    )
 }
 
 /// [`update_loop`], data parallel over `group` when given.
@@ -328,7 +338,8 @@ pub(crate) fn update_loop(
 /// (all-reduced), each micro-batch carries `meta_info.dp_size`, and gradients are averaged over
 /// the ranks before clipping (verl's `agg_loss` with `dp_size` under FSDP). With `stack`'s
 /// parameters sharded (ZeRO stage 3) each micro-batch's backward continues through the layers
-/// ([`crate::Model::finish_backward`]).
+/// ([`crate::Model::finish_backward`]). `after_backward` runs after each micro-batch's loss
+/// backward, before that: the fused head's recompute ([`crate::fused_head::PendingHead`]).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn update_loop_dp(
     cfg: &ActorConfig,
@@ -342,6 +353,7 @@ pub(crate) fn update_loop_dp(
         &Batch,
         rl_core::roles::MiniBatchInfo,
     ) -> rl_core::Result<(tch::Tensor, Metrics)>,
+    mut after_backward: impl FnMut() -> rl_core::Result<()>,
 ) -> rl_core::Result<Metrics> {
     let world = match group {
         Some(g) => dist::lock(g)?.world_size(),
@@ -397,6 +409,7 @@ pub(crate) fn update_loop_dp(
         for m in &micros {
             let (l, ms) = loss(&m.batch, info)?;
             l.backward();
+            after_backward()?;
             stack.finish_backward().map_err(role_err(prefix))?;
             optim.accumulate_grads()?;
             mm.extend(ms);
@@ -503,6 +516,16 @@ impl Actor for ActorWorker {
         // a resumed run drops what the uninterrupted one did)
         let base_seed = (self.optim.counters().steps as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
         let mut micro_index = 0u64;
+        let fused = self.cfg.use_fused_kernels;
+        if fused && lm.model().param_shards().is_some() {
+            return Err(rl_core::Error::InvalidArgument {
+                name: "actor_rollout_ref.model.use_fused_kernels",
+                reason: "the fused head is not built for ZeRO stage 3 (zero_stage = 3): set it \
+                         to false or use zero_stage <= 2"
+                    .into(),
+            });
+        }
+        let pending = std::cell::RefCell::new(None);
         let out = update_loop_dp(
             &self.cfg,
             self.rollout_n,
@@ -514,9 +537,21 @@ impl Actor for ActorWorker {
             |micro, info| {
                 micro_index += 1;
                 lm.set_lora_dropout_seed(Some(base_seed.wrapping_add(micro_index)));
-                let (log_prob, entropy) =
-                    micro::log_probs(&lm, micro, temperature, entropy, packed)?;
+                let (log_prob, entropy) = if fused {
+                    let (lp, ent, head) =
+                        micro::log_probs_fused(&lm, micro, temperature, entropy, packed)?;
+                    *pending.borrow_mut() = Some(head);
+                    (lp, ent)
+                } else {
+                    micro::log_probs(&lm, micro, temperature, entropy, packed)?
+                };
                 objective.loss(micro, &PolicyOutput { log_prob, entropy }, info)
+            },
+            || {
+                if let Some(head) = pending.borrow_mut().take() {
+                    head.finish(&lm);
+                }
+                Ok(())
             },
         );
         lm.set_lora_dropout_seed(None);

@@ -223,6 +223,13 @@ pub struct ActorConfig {
     /// to rounding. Default false.
     #[serde(skip)]
     pub use_remove_padding: bool,
+    /// The update's log-probs and entropies through the fused head
+    /// ([`crate::fused_head`]: row chunks, recomputed in the backward, so no full-vocabulary
+    /// tensor is kept; verl's `use_fused_kernels`, set from
+    /// `actor_rollout_ref.model.use_fused_kernels`); the results equal the plain head's up to
+    /// rounding. Not with ZeRO stage 3. Default false.
+    #[serde(skip)]
+    pub use_fused_kernels: bool,
 }
 
 impl Default for ActorConfig {
@@ -242,6 +249,7 @@ impl Default for ActorConfig {
             mixed_precision: MixedPrecision::default(),
             zero_stage: 0,
             use_remove_padding: false,
+            use_fused_kernels: false,
         }
     }
 }
@@ -392,6 +400,7 @@ impl CriticConfig {
             mixed_precision: self.mixed_precision.clone(),
             zero_stage: self.zero_stage,
             use_remove_padding: self.use_remove_padding,
+            use_fused_kernels: false,
         }
     }
 

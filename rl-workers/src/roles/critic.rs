@@ -148,6 +148,7 @@ impl Critic for CriticWorker {
                 let v = micro::values(model, m, packed)?;
                 objective.loss(m, &v, info)
             },
+            || Ok(()),
         )
     }
 

@@ -5,6 +5,7 @@ use rl_core::roles::{LogProbExtras, Metrics, MiniBatchInfo};
 use rl_core::{Batch, keys};
 use tch::{Device, Kind, Tensor};
 
+use crate::fused_head::{PendingHead, fused_log_probs};
 use crate::heads::{CausalLm, ValueModel};
 use crate::roles::role_err;
 
@@ -376,10 +377,75 @@ pub(crate) fn log_probs_with(
     extras: LogProbExtras,
     packed: bool,
 ) -> rl_core::Result<LogProbOutputs> {
-    let tr = trim(micro)?;
-    let device = lm.device();
     // stage 3: the root unit (embeddings, head) stays gathered from the stack to the head
     let _root = lm.model().hold_root().map_err(role_err("actor"))?;
+    let head = head_inputs(lm, micro, packed)?;
+    let mut logits = lm.logits(&head.hidden).to_kind(Kind::Float);
+    if temperature != 1.0 {
+        logits /= temperature;
+    }
+    let log_softmax = logits.log_softmax(-1, Kind::Float);
+    let lp = log_softmax
+        .gather(-1, &head.responses.unsqueeze(-1), false)
+        .squeeze_dim(-1);
+    let entropy = extras.entropy.then(|| {
+        let p = log_softmax.exp();
+        -(p * &log_softmax).sum_dim_intlist([-1].as_slice(), false, Kind::Float)
+    });
+    let sum_pi_squared = extras.sum_pi_squared.then(|| sum_pi_squared(&logits));
+    Ok(LogProbOutputs {
+        log_prob: head.back(lp),
+        entropy: entropy.map(|t| head.back(t)),
+        sum_pi_squared: sum_pi_squared.map(|t| head.back(t)),
+    })
+}
+
+/// [`log_probs`] through the fused head (verl's `use_fused_kernels`): the same values, but
+/// no full-vocabulary tensor is kept for the backward. The returned [`PendingHead`] must be
+/// finished after the loss's backward; ZeRO stage 3 is not supported (the caller refuses it).
+pub(crate) fn log_probs_fused(
+    lm: &CausalLm,
+    micro: &Batch,
+    temperature: f64,
+    with_entropy: bool,
+    packed: bool,
+) -> rl_core::Result<(Tensor, Option<Tensor>, PendingHead)> {
+    let head = head_inputs(lm, micro, packed)?;
+    let fused = fused_log_probs(lm, &head.hidden, &head.responses, temperature, with_entropy);
+    Ok((
+        head.back(fused.log_prob),
+        fused.entropy.map(|t| head.back(t)),
+        fused.pending,
+    ))
+}
+
+/// The states that predict a micro-batch's response tokens, those tokens, and the way back
+/// from per-state values to `[batch, response_len]`.
+struct HeadInputs {
+    /// `[batch, keep, hidden]`, or packed `[n, hidden]`
+    hidden: Tensor,
+    /// `[batch, keep]`, or packed `[n]`
+    responses: Tensor,
+    tr: Trimmed,
+    packing: Option<Packed>,
+}
+
+impl HeadInputs {
+    /// Per-state values as `[batch, response_len]` on the batch's device, zero at masked
+    /// positions.
+    fn back(&self, t: Tensor) -> Tensor {
+        let t = match &self.packing {
+            Some(p) => p.unpack(&t, &self.tr),
+            None => t,
+        };
+        pad_back(t.to_device(self.tr.response_mask.device()), &self.tr)
+    }
+}
+
+/// The decoder's forward of `micro` (packed when `packed`) up to the states the head reads.
+fn head_inputs(lm: &CausalLm, micro: &Batch, packed: bool) -> rl_core::Result<HeadInputs> {
+    let tr = trim(micro)?;
+    let device = lm.device();
     let packing = if packed { Some(pack(&tr)?) } else { None };
     // the states predicting response tokens: [batch, keep, hidden], or packed [n, hidden]
     let (hidden, responses) = match &packing {
@@ -407,30 +473,11 @@ pub(crate) fn log_probs_with(
             )
         }
     };
-    let mut logits = lm.logits(&hidden).to_kind(Kind::Float);
-    if temperature != 1.0 {
-        logits /= temperature;
-    }
-    let log_softmax = logits.log_softmax(-1, Kind::Float);
-    let lp = log_softmax
-        .gather(-1, &responses.unsqueeze(-1), false)
-        .squeeze_dim(-1);
-    let entropy = extras.entropy.then(|| {
-        let p = log_softmax.exp();
-        -(p * &log_softmax).sum_dim_intlist([-1].as_slice(), false, Kind::Float)
-    });
-    let sum_pi_squared = extras.sum_pi_squared.then(|| sum_pi_squared(&logits));
-    let back = |t: Tensor| {
-        let t = match &packing {
-            Some(p) => p.unpack(&t, &tr),
-            None => t,
-        };
-        pad_back(t.to_device(tr.response_mask.device()), &tr)
-    };
-    Ok(LogProbOutputs {
-        log_prob: back(lp),
-        entropy: entropy.map(back),
-        sum_pi_squared: sum_pi_squared.map(back),
+    Ok(HeadInputs {
+        hidden,
+        responses,
+        tr,
+        packing,
     })
 }
 

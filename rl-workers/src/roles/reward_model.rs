@@ -453,6 +453,7 @@ impl Critic for RmWorker {
                 Some(g),
                 model.model(),
                 loss,
+                || Ok(()),
             ),
             None => update_loop(&cfg, 2, batch, &mut self.optim, "rm", model.model(), loss),
         }
