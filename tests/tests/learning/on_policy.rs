@@ -3,7 +3,7 @@
 //! median of the initial-weight seeds, and collapses on none. The seeds of a test train side by
 //! side in threads of one intra-op thread each.
 
-use rl_algos::advantage::AdvEstimator;
+use rl_algos::AdvEstimator;
 use rl_algos::{FilterGroupsConfig, KlPenalty, LossAggMode, OverlongBufferConfig};
 use rl_core::Trainer;
 use rl_e2e::*;
