@@ -81,7 +81,7 @@ fn train(name: &str, init_seed: u64, cfg: &ExperimentConfig) -> Run {
     // as `harness train` loads it: LoRA adapters when the config asks for them
     let policy = rl_workers::roles::share(
         seeded(SEED as i64, || {
-            rl_harness::compose::load_policy(cfg, Device::Cpu)
+            rl_harness::run::compose::load_policy(cfg, Device::Cpu)
         })
         .unwrap(),
     );
