@@ -8,147 +8,17 @@
 //! never with a loop over rows. Everything here runs without gradient tracking.
 
 use std::collections::HashMap;
-use std::fmt;
-use std::str::FromStr;
 
 use rl_core::shape::Dim;
-use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
 
 use crate::check::{self, Groups};
-use crate::config::AlgoConfig;
+use crate::config::{AdvEstimator, AlgoConfig};
 use crate::error::{Error, Result};
 use crate::masked;
 
 /// The `epsilon` verl adds to group standard deviations (`1e-6`, its default everywhere).
 pub const EPSILON: f64 = 1e-6;
-
-/// Which advantage estimator a run uses (verl's `algorithm.adv_estimator`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum AdvEstimator {
-    /// Generalised advantage estimation with a critic: [`gae`].
-    #[default]
-    Gae,
-    /// Group-relative outcome advantages: [`grpo`] (verl's `grpo_vectorized` is accepted as
-    /// this estimator).
-    #[serde(alias = "grpo_vectorized")]
-    Grpo,
-    /// Discounted returns, whitened over the batch: [`reinforce_plus_plus`].
-    ReinforcePlusPlus,
-    /// Group-mean baseline, whitened over the batch: [`reinforce_plus_plus_baseline`].
-    ReinforcePlusPlusBaseline,
-    /// Greedy-rollout baseline: [`remax`].
-    Remax,
-    /// Leave-one-out baseline: [`rloo`] (verl's `rloo_vectorized` is accepted as this
-    /// estimator).
-    #[serde(alias = "rloo_vectorized")]
-    Rloo,
-    /// Length-weighted group baseline: [`opo`].
-    Opo,
-    /// Pass@k advantage for the best response of each group: [`grpo_passk`].
-    GrpoPassk,
-    /// Group Policy Gradient: [`gpg`].
-    Gpg,
-    /// A baseline per token, weighted by the path's accumulated variance:
-    /// [`optimal_token_baseline`].
-    OptimalTokenBaseline,
-    /// The optimal token baseline over the policy's own tokens of multi-turn responses:
-    /// [`tir_optimal_token_baseline`].
-    TirOptimalTokenBaseline,
-}
-
-impl AdvEstimator {
-    /// Every estimator, in verl's order.
-    pub const ALL: [AdvEstimator; 11] = [
-        AdvEstimator::Gae,
-        AdvEstimator::Grpo,
-        AdvEstimator::ReinforcePlusPlus,
-        AdvEstimator::ReinforcePlusPlusBaseline,
-        AdvEstimator::Remax,
-        AdvEstimator::Rloo,
-        AdvEstimator::Opo,
-        AdvEstimator::GrpoPassk,
-        AdvEstimator::Gpg,
-        AdvEstimator::OptimalTokenBaseline,
-        AdvEstimator::TirOptimalTokenBaseline,
-    ];
-
-    /// verl's registry names that run the same estimator as another name here (their
-    /// implementations differ from the canonical ones only in float32 rounding).
-    pub const ALIASES: [(&'static str, AdvEstimator); 2] = [
-        ("grpo_vectorized", AdvEstimator::Grpo),
-        ("rloo_vectorized", AdvEstimator::Rloo),
-    ];
-
-    /// verl's config string for this estimator.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            AdvEstimator::Gae => "gae",
-            AdvEstimator::Grpo => "grpo",
-            AdvEstimator::ReinforcePlusPlus => "reinforce_plus_plus",
-            AdvEstimator::ReinforcePlusPlusBaseline => "reinforce_plus_plus_baseline",
-            AdvEstimator::Remax => "remax",
-            AdvEstimator::Rloo => "rloo",
-            AdvEstimator::Opo => "opo",
-            AdvEstimator::GrpoPassk => "grpo_passk",
-            AdvEstimator::Gpg => "gpg",
-            AdvEstimator::OptimalTokenBaseline => "optimal_token_baseline",
-            AdvEstimator::TirOptimalTokenBaseline => "tir_optimal_token_baseline",
-        }
-    }
-
-    /// Whether the estimator needs a critic's `values` (only GAE).
-    pub fn needs_critic(self) -> bool {
-        self == AdvEstimator::Gae
-    }
-
-    /// Whether the estimator groups rows by prompt (`index`).
-    pub fn needs_groups(self) -> bool {
-        matches!(
-            self,
-            AdvEstimator::Grpo
-                | AdvEstimator::ReinforcePlusPlusBaseline
-                | AdvEstimator::Rloo
-                | AdvEstimator::Opo
-                | AdvEstimator::GrpoPassk
-                | AdvEstimator::Gpg
-                | AdvEstimator::OptimalTokenBaseline
-                | AdvEstimator::TirOptimalTokenBaseline
-        )
-    }
-
-    /// Whether the estimator reads the actor's `old_log_probs` and `sum_pi_squared` (the
-    /// optimal-token baselines).
-    pub fn needs_sum_pi_squared(self) -> bool {
-        matches!(
-            self,
-            AdvEstimator::OptimalTokenBaseline | AdvEstimator::TirOptimalTokenBaseline
-        )
-    }
-}
-
-impl fmt::Display for AdvEstimator {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl FromStr for AdvEstimator {
-    type Err = Error;
-
-    fn from_str(s: &str) -> Result<Self> {
-        Self::ALL
-            .into_iter()
-            .find(|e| e.as_str() == s)
-            .or_else(|| Self::ALIASES.iter().find(|(a, _)| *a == s).map(|(_, e)| *e))
-            .ok_or_else(|| Error::UnknownName {
-                what: "adv_estimator",
-                got: s.to_owned(),
-                valid: Self::ALL.map(Self::as_str).join(", "),
-            })
-    }
-}
 
 /// Dense group ids for string uids, in order of first appearance (`["b", "a", "b"]` ->
 /// `[0, 1, 0]`), for the `index` argument of the outcome estimators.
@@ -778,6 +648,11 @@ pub fn remax(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_configs_default_grpo_epsilon_is_this_modules() {
+        assert_eq!(AlgoConfig::default().grpo_epsilon, EPSILON);
+    }
 
     #[test]
     fn names_parse_and_unknown_names_list_the_valid_ones() {

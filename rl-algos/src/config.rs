@@ -1,11 +1,283 @@
-//! The `algorithm` config group: verl's `AlgoConfig`, `KLControlConfig`, `FilterGroupsConfig`.
+//! The `algorithm` config group: verl's `AlgoConfig`, `KLControlConfig`, `FilterGroupsConfig`,
+//! and the names it chooses between ([`AdvEstimator`], [`KlPenalty`]).
+//!
+//! It sits below the math that reads it: [`crate::advantage`] and [`crate::kl`] import these
+//! types, and nothing here imports them (`rollout_corr`'s config is a leaf of its own).
+
+use std::fmt;
+use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
-use crate::advantage::AdvEstimator;
 use crate::error::{Error, Result};
-use crate::kl::KlPenalty;
 use crate::rollout_corr::RolloutCorrectionConfig;
+
+/// Which advantage estimator a run uses (verl's `algorithm.adv_estimator`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AdvEstimator {
+    /// Generalised advantage estimation with a critic: [`crate::advantage::gae`].
+    #[default]
+    Gae,
+    /// Group-relative outcome advantages: [`crate::advantage::grpo`] (verl's `grpo_vectorized` is accepted as
+    /// this estimator).
+    #[serde(alias = "grpo_vectorized")]
+    Grpo,
+    /// Discounted returns, whitened over the batch: [`crate::advantage::reinforce_plus_plus`].
+    ReinforcePlusPlus,
+    /// Group-mean baseline, whitened over the batch: [`crate::advantage::reinforce_plus_plus_baseline`].
+    ReinforcePlusPlusBaseline,
+    /// Greedy-rollout baseline: [`crate::advantage::remax`].
+    Remax,
+    /// Leave-one-out baseline: [`crate::advantage::rloo`] (verl's `rloo_vectorized` is accepted as this
+    /// estimator).
+    #[serde(alias = "rloo_vectorized")]
+    Rloo,
+    /// Length-weighted group baseline: [`crate::advantage::opo`].
+    Opo,
+    /// Pass@k advantage for the best response of each group: [`crate::advantage::grpo_passk`].
+    GrpoPassk,
+    /// Group Policy Gradient: [`crate::advantage::gpg`].
+    Gpg,
+    /// A baseline per token, weighted by the path's accumulated variance:
+    /// [`crate::advantage::optimal_token_baseline`].
+    OptimalTokenBaseline,
+    /// The optimal token baseline over the policy's own tokens of multi-turn responses:
+    /// [`crate::advantage::tir_optimal_token_baseline`].
+    TirOptimalTokenBaseline,
+}
+
+impl AdvEstimator {
+    /// Every estimator, in verl's order.
+    pub const ALL: [AdvEstimator; 11] = [
+        AdvEstimator::Gae,
+        AdvEstimator::Grpo,
+        AdvEstimator::ReinforcePlusPlus,
+        AdvEstimator::ReinforcePlusPlusBaseline,
+        AdvEstimator::Remax,
+        AdvEstimator::Rloo,
+        AdvEstimator::Opo,
+        AdvEstimator::GrpoPassk,
+        AdvEstimator::Gpg,
+        AdvEstimator::OptimalTokenBaseline,
+        AdvEstimator::TirOptimalTokenBaseline,
+    ];
+
+    /// verl's registry names that run the same estimator as another name here (their
+    /// implementations differ from the canonical ones only in float32 rounding).
+    pub const ALIASES: [(&'static str, AdvEstimator); 2] = [
+        ("grpo_vectorized", AdvEstimator::Grpo),
+        ("rloo_vectorized", AdvEstimator::Rloo),
+    ];
+
+    /// verl's config string for this estimator.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AdvEstimator::Gae => "gae",
+            AdvEstimator::Grpo => "grpo",
+            AdvEstimator::ReinforcePlusPlus => "reinforce_plus_plus",
+            AdvEstimator::ReinforcePlusPlusBaseline => "reinforce_plus_plus_baseline",
+            AdvEstimator::Remax => "remax",
+            AdvEstimator::Rloo => "rloo",
+            AdvEstimator::Opo => "opo",
+            AdvEstimator::GrpoPassk => "grpo_passk",
+            AdvEstimator::Gpg => "gpg",
+            AdvEstimator::OptimalTokenBaseline => "optimal_token_baseline",
+            AdvEstimator::TirOptimalTokenBaseline => "tir_optimal_token_baseline",
+        }
+    }
+
+    /// Whether the estimator needs a critic's `values` (only GAE).
+    pub fn needs_critic(self) -> bool {
+        self == AdvEstimator::Gae
+    }
+
+    /// Whether the estimator groups rows by prompt (`index`).
+    pub fn needs_groups(self) -> bool {
+        matches!(
+            self,
+            AdvEstimator::Grpo
+                | AdvEstimator::ReinforcePlusPlusBaseline
+                | AdvEstimator::Rloo
+                | AdvEstimator::Opo
+                | AdvEstimator::GrpoPassk
+                | AdvEstimator::Gpg
+                | AdvEstimator::OptimalTokenBaseline
+                | AdvEstimator::TirOptimalTokenBaseline
+        )
+    }
+
+    /// Whether the estimator reads the actor's `old_log_probs` and `sum_pi_squared` (the
+    /// optimal-token baselines).
+    pub fn needs_sum_pi_squared(self) -> bool {
+        matches!(
+            self,
+            AdvEstimator::OptimalTokenBaseline | AdvEstimator::TirOptimalTokenBaseline
+        )
+    }
+}
+
+impl fmt::Display for AdvEstimator {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for AdvEstimator {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        Self::ALL
+            .into_iter()
+            .find(|e| e.as_str() == s)
+            .or_else(|| Self::ALIASES.iter().find(|(a, _)| *a == s).map(|(_, e)| *e))
+            .ok_or_else(|| Error::UnknownName {
+                what: "adv_estimator",
+                got: s.to_owned(),
+                valid: Self::ALL.map(Self::as_str).join(", "),
+            })
+    }
+}
+
+/// How the per-token KL is estimated (verl's `kl_penalty` / `kl_loss_type`).
+///
+/// See <http://joschu.net/blog/kl-approx.html>. A trailing `+` keeps the estimator's value but
+/// takes the gradient of k2 (`logprob - ref_logprob`), which is the unbiased gradient of the KL.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum KlPenalty {
+    /// k1: `logprob - ref_logprob`.
+    #[serde(rename = "kl")]
+    Kl,
+    /// Same as [`KlPenalty::Kl`].
+    #[serde(rename = "k1")]
+    K1,
+    /// `|logprob - ref_logprob|`.
+    #[serde(rename = "abs")]
+    Abs,
+    /// k2: `0.5 * (logprob - ref_logprob)^2`.
+    #[serde(rename = "mse")]
+    Mse,
+    /// Same as [`KlPenalty::Mse`].
+    #[serde(rename = "k2")]
+    K2,
+    /// k3: `exp(ref - logprob) - (ref - logprob) - 1`, with verl's clamps.
+    #[serde(rename = "low_var_kl")]
+    LowVarKl,
+    /// Same as [`KlPenalty::LowVarKl`].
+    #[serde(rename = "k3")]
+    K3,
+    /// k1 value, k2 gradient.
+    #[serde(rename = "kl+")]
+    KlPlus,
+    /// k1 value, k2 gradient.
+    #[serde(rename = "k1+")]
+    K1Plus,
+    /// abs value, k2 gradient.
+    #[serde(rename = "abs+")]
+    AbsPlus,
+    /// k2 (the `+` changes nothing).
+    #[serde(rename = "mse+")]
+    MsePlus,
+    /// k2 (the `+` changes nothing).
+    #[serde(rename = "k2+")]
+    K2Plus,
+    /// k3 value, k2 gradient.
+    #[serde(rename = "low_var_kl+")]
+    LowVarKlPlus,
+    /// k3 value, k2 gradient.
+    #[serde(rename = "k3+")]
+    K3Plus,
+}
+
+/// The four estimators behind the [`KlPenalty`] names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum KlEstimator {
+    /// `logprob - ref_logprob`.
+    K1,
+    /// `|logprob - ref_logprob|`.
+    Abs,
+    /// `0.5 * (logprob - ref_logprob)^2`.
+    K2,
+    /// `exp(ref - logprob) - (ref - logprob) - 1`.
+    K3,
+}
+
+impl KlPenalty {
+    /// Every name verl accepts, in its order.
+    pub const ALL: [KlPenalty; 14] = [
+        KlPenalty::Kl,
+        KlPenalty::K1,
+        KlPenalty::Abs,
+        KlPenalty::Mse,
+        KlPenalty::K2,
+        KlPenalty::LowVarKl,
+        KlPenalty::K3,
+        KlPenalty::KlPlus,
+        KlPenalty::K1Plus,
+        KlPenalty::AbsPlus,
+        KlPenalty::MsePlus,
+        KlPenalty::K2Plus,
+        KlPenalty::LowVarKlPlus,
+        KlPenalty::K3Plus,
+    ];
+
+    /// verl's config string.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KlPenalty::Kl => "kl",
+            KlPenalty::K1 => "k1",
+            KlPenalty::Abs => "abs",
+            KlPenalty::Mse => "mse",
+            KlPenalty::K2 => "k2",
+            KlPenalty::LowVarKl => "low_var_kl",
+            KlPenalty::K3 => "k3",
+            KlPenalty::KlPlus => "kl+",
+            KlPenalty::K1Plus => "k1+",
+            KlPenalty::AbsPlus => "abs+",
+            KlPenalty::MsePlus => "mse+",
+            KlPenalty::K2Plus => "k2+",
+            KlPenalty::LowVarKlPlus => "low_var_kl+",
+            KlPenalty::K3Plus => "k3+",
+        }
+    }
+
+    /// The estimator whose value is returned.
+    pub fn estimator(self) -> KlEstimator {
+        use KlPenalty::*;
+        match self {
+            Kl | K1 | KlPlus | K1Plus => KlEstimator::K1,
+            Abs | AbsPlus => KlEstimator::Abs,
+            Mse | K2 | MsePlus | K2Plus => KlEstimator::K2,
+            LowVarKl | K3 | LowVarKlPlus | K3Plus => KlEstimator::K3,
+        }
+    }
+
+    /// Whether the gradient is k2's (a `+` name other than `mse+`/`k2+`).
+    pub fn straight_through(self) -> bool {
+        self.as_str().ends_with('+') && self.estimator() != KlEstimator::K2
+    }
+}
+
+impl fmt::Display for KlPenalty {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for KlPenalty {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        Self::ALL
+            .into_iter()
+            .find(|k| k.as_str() == s)
+            .ok_or_else(|| Error::UnknownName {
+                what: "kl_penalty",
+                got: s.to_owned(),
+                valid: Self::ALL.map(Self::as_str).join(", "),
+            })
+    }
+}
 
 /// verl's `algorithm` group: the advantage estimator and KL-in-reward.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -54,7 +326,7 @@ impl Default for AlgoConfig {
             kl_penalty: KlPenalty::Kl,
             kl_ctrl: KlCtrlConfig::default(),
             filter_groups: None,
-            grpo_epsilon: crate::advantage::EPSILON,
+            grpo_epsilon: 1e-6, // advantage::EPSILON, pinned by a test there
             gpg_f_norm: 1.0,
             otb_epsilon: 1e-8,
             otb_handle_zero_tail: None,

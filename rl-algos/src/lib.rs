@@ -74,11 +74,12 @@ pub mod rm;
 pub mod rollout_corr;
 pub mod trainer;
 
-pub use advantage::AdvEstimator;
 pub use agg::{GlobalBatchInfo, LossAggMode};
-pub use config::{AlgoConfig, FilterGroupsConfig, KlCtrlConfig, KlCtrlType};
+pub use config::{
+    AdvEstimator, AlgoConfig, FilterGroupsConfig, KlCtrlConfig, KlCtrlType, KlEstimator, KlPenalty,
+};
 pub use dapo::OverlongBufferConfig;
 pub use dpo::{DpoConfig, DpoLossType};
 pub use error::{Error, Result};
-pub use kl::{KlController, KlPenalty};
+pub use kl::KlController;
 pub use loss::{PolicyLossConfig, PolicyLossMode, PolicyLossParams};

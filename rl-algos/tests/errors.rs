@@ -3,9 +3,9 @@
 use rl_algos::advantage;
 use rl_algos::agg::{self, GlobalBatchInfo, LossAggMode};
 use rl_algos::dpo;
-use rl_algos::kl::{self, KlPenalty};
+use rl_algos::kl;
 use rl_algos::loss::{self, PolicyLossConfig, PolicyLossInputs};
-use rl_algos::{AlgoConfig, Error, PolicyLossMode};
+use rl_algos::{AlgoConfig, Error, KlPenalty, PolicyLossMode};
 use tch::{Device, Kind, Tensor};
 
 fn ones(shape: &[i64]) -> Tensor {

@@ -8,11 +8,11 @@ use rl_algos::advantage;
 use rl_algos::agg::{self, GlobalBatchInfo};
 use rl_algos::dapo::{self, OverlongBufferConfig};
 use rl_algos::dpo::{self, DpoConfig};
-use rl_algos::kl::{self, KlController, KlPenalty};
+use rl_algos::kl::{self, KlController};
 use rl_algos::logits;
 use rl_algos::loss::{self, PolicyLossConfig, PolicyLossInputs, PolicyLossParams};
 use rl_algos::masked;
-use rl_algos::{KlCtrlConfig, PolicyLossMode};
+use rl_algos::{KlCtrlConfig, KlPenalty, PolicyLossMode};
 use tch::Kind;
 
 mod common;

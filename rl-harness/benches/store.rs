@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use criterion::{Criterion, criterion_group, criterion_main};
 use rl_core::StepMetrics;
 use rl_harness::Store;
-use rl_harness::compare::{self, Mode};
+use rl_harness::analysis::compare::{self, Mode};
 
 const KEYS: [&str; 10] = [
     "actor/pg_loss",

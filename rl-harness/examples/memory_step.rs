@@ -62,7 +62,7 @@ fn main() -> Result<()> {
         Some(g) => format!("rank={} ", rl_core::dist::lock(g)?.rank()),
         None => String::new(),
     };
-    let mut built = rl_harness::compose::build_with_group(&cfg, device, None, group.as_ref())?;
+    let mut built = rl_harness::run::compose::build_with_group(&cfg, device, None, group.as_ref())?;
     let build_peak = status_kib("VmHWM:")?;
     let built_rss = status_kib("VmRSS:")?;
     // MEMORY_STEP_WARMUP=N steps first (their peak is not reported): the optimiser allocates

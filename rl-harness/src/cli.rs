@@ -9,11 +9,13 @@ use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use serde_json::Value;
 
-use crate::compare::{self, Mode};
+use crate::analysis::compare::{self, Mode};
+use crate::analysis::sweep;
 use crate::config::{self, Override, Sources};
-use crate::store::{RunRow, Store};
-use crate::train::Membership;
-use crate::{filter, sweep, tracker, train};
+use crate::integrations::tracker;
+use crate::run::rank::{self, Membership};
+use crate::run::train;
+use crate::store::{RunRow, Store, filter};
 
 /// Trains, resumes, sweeps and compares RL post-training runs; every run is recorded in a
 /// SQLite run store.
@@ -132,7 +134,7 @@ pub enum Command {
     Model(ModelCommand),
     /// The BM25 retriever of search-augmented training (Search-R1's protocol).
     #[command(subcommand)]
-    Retriever(crate::retriever::RetrieverCommand),
+    Retriever(crate::integrations::retriever::RetrieverCommand),
 }
 
 /// `harness train`.
@@ -194,7 +196,7 @@ pub struct PlanArgs {
     /// Estimate for a public model shape instead of `actor_rollout_ref.model.path`'s
     /// config.json: Qwen2.5-0.5B, 1.5B or 7B-Instruct.
     #[arg(long, value_enum, value_name = "SIZE")]
-    pub model_size: Option<crate::plan::ModelSize>,
+    pub model_size: Option<crate::analysis::plan::ModelSize>,
 }
 
 /// `harness compare`.
@@ -331,9 +333,9 @@ pub enum DataCommand {
     /// The synthetic search task (Search-R1 style): a corpus of facts about invented
     /// entities, its BM25 index, train/test questions about disjoint entities and SFT
     /// search-then-answer traces.
-    SearchTask(crate::retriever::SearchTaskArgs),
+    SearchTask(crate::integrations::retriever::SearchTaskArgs),
     /// Turn QA JSON lines (`{"question", "golden_answers"}`) into Search-R1 parquet.
-    SearchR1(crate::retriever::SearchR1Args),
+    SearchR1(crate::integrations::retriever::SearchR1Args),
 }
 
 /// `harness model ...`.
@@ -412,11 +414,11 @@ pub(crate) fn run(cli: Cli) -> Result<()> {
                 sweep_id: a.sweep_id.clone(),
                 trial_id: a.trial_id.clone(),
             };
-            let timeout = crate::launch::timeout(a.dist_timeout_s)?;
+            let timeout = rank::timeout(a.dist_timeout_s)?;
             let id = if a.nproc_per_node != 1 {
                 let args = a.rank_args(&cli.db);
-                crate::launch::launch(&rt, cfg, member, a.nproc_per_node, timeout, &args)?
-            } else if let Some(me) = crate::launch::rank_from_env(timeout)? {
+                crate::run::launch::launch(&rt, cfg, member, a.nproc_per_node, timeout, &args)?
+            } else if let Some(me) = rank::rank_from_env(timeout)? {
                 let id = train::train_rank(&rt, cfg, member, &me)?;
                 // the launcher (HARNESS_RUN_ID) reports the run itself; under an outside
                 // launcher rank 0 does
@@ -438,7 +440,7 @@ pub(crate) fn run(cli: Cli) -> Result<()> {
             dist_timeout_s,
         } => {
             let parsed = parse_overrides(&overrides)?;
-            let timeout = crate::launch::timeout(dist_timeout_s)?;
+            let timeout = rank::timeout(dist_timeout_s)?;
             let id = if nproc_per_node != 1 {
                 // each rank: this command line without --nproc-per-node
                 let mut args: Vec<std::ffi::OsString> = Vec::new();
@@ -451,7 +453,7 @@ pub(crate) fn run(cli: Cli) -> Result<()> {
                 }
                 args.extend(overrides.iter().map(Into::into));
                 args.extend(["--dist-timeout-s".into(), dist_timeout_s.to_string().into()]);
-                crate::launch::launch_resume(
+                crate::run::launch::launch_resume(
                     &rt,
                     &db,
                     &run,
@@ -460,7 +462,7 @@ pub(crate) fn run(cli: Cli) -> Result<()> {
                     timeout,
                     &args,
                 )?
-            } else if let Some(me) = crate::launch::rank_from_env(timeout)? {
+            } else if let Some(me) = rank::rank_from_env(timeout)? {
                 match train::resume_rank(&rt, &db, &run, from_step, &parsed, &me)? {
                     Some(id) if me.run_id.is_none() => id,
                     _ => return Ok(()),
@@ -540,7 +542,7 @@ pub(crate) fn run(cli: Cli) -> Result<()> {
             }
         }
         Command::Plan(a) => {
-            crate::plan::run(a.config, parse_overrides(&a.overrides)?, a.model_size)?
+            crate::analysis::plan::run(a.config, parse_overrides(&a.overrides)?, a.model_size)?
         }
         Command::Config(ConfigCommand::Show {
             config: file,
@@ -558,13 +560,13 @@ pub(crate) fn run(cli: Cli) -> Result<()> {
             from_verl(&input, out.as_deref())?
         }
         Command::Data(d) => data(d)?,
-        Command::Retriever(c) => crate::retriever::run(c)?,
+        Command::Retriever(c) => crate::integrations::retriever::run(c)?,
         Command::Model(ModelCommand::InitTiny {
             out_dir,
             seed,
             noise,
         }) => {
-            let n = crate::compose::init_tiny(&out_dir, seed, noise)?;
+            let n = crate::run::compose::init_tiny(&out_dir, seed, noise)?;
             outln!(
                 "{}: tiny Llama, {n} parameters, character-level tokenizer",
                 out_dir.display()
@@ -590,8 +592,8 @@ pub(crate) fn run(cli: Cli) -> Result<()> {
 fn data(d: DataCommand) -> Result<()> {
     use rl_data::tasks::{self, SplitSizes};
     let files = match d {
-        DataCommand::SearchTask(a) => return crate::retriever::search_task(a),
-        DataCommand::SearchR1(a) => return crate::retriever::search_r1(a),
+        DataCommand::SearchTask(a) => return crate::integrations::retriever::search_task(a),
+        DataCommand::SearchR1(a) => return crate::integrations::retriever::search_r1(a),
         DataCommand::Gsm8k { src_dir, out_dir } => tasks::preprocess_gsm8k_dir(&src_dir, &out_dir)
             .with_context(|| format!("preprocessing GSM8K from {}", src_dir.display()))?,
         DataCommand::Arithmetic {
@@ -885,7 +887,7 @@ async fn list_runs(db: &Path, q: &RunsQuery<'_>) -> Result<()> {
         && !runs.iter().any(|r| r.project == p)
     {
         let projects: Vec<String> = runs.iter().map(|r| r.project.clone()).collect();
-        let hint = config::nearest_key(p, &projects)
+        let hint = crate::suggest::nearest_key(p, &projects)
             .map(|n| format!("; did you mean `{n}`?"))
             .unwrap_or_default();
         bail!(
@@ -908,7 +910,7 @@ async fn list_runs(db: &Path, q: &RunsQuery<'_>) -> Result<()> {
         let known: Vec<String> = keys.iter().cloned().collect();
         for (key, _) in e.comparisons() {
             if !keys.contains(key) && !rows.is_empty() {
-                let hint = config::nearest_key(key, &known)
+                let hint = crate::suggest::nearest_key(key, &known)
                     .map(|n| format!("; did you mean `{n}`?"))
                     .unwrap_or_default();
                 bail!(
@@ -1161,7 +1163,7 @@ async fn compare_cmd(db: &Path, a: CompareArgs) -> Result<()> {
         let every: Vec<String> = every.into_iter().collect();
         for m in &a.metrics {
             if !every.contains(m) {
-                let hint = config::nearest_key(m, &every)
+                let hint = crate::suggest::nearest_key(m, &every)
                     .map(|n| format!("; did you mean `{n}`?"))
                     .unwrap_or_default();
                 bail!("--metric {m}: no run compared recorded it{hint}");

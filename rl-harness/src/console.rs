@@ -9,7 +9,10 @@
 //! they failed.
 //!
 //! `rl-harness` denies `clippy::print_stdout` and `clippy::print_stderr`: everything goes
-//! through [`outln!`], [`out!`], [`note!`] or [`stdout`].
+//! through [`outln!`], [`out!`], [`note!`] or [`stdout`]; an error goes on one line with
+//! [`one_line`].
+//!
+//! A leaf of the crate: every module may print, and this one uses no other.
 
 use std::fmt;
 use std::io::{self, Write};
@@ -80,6 +83,23 @@ pub fn note(args: fmt::Arguments<'_>) {
 /// The first failure to write stdout, other than its reader going away.
 pub fn output_error() -> Option<String> {
     STDOUT_ERROR.lock().ok().and_then(|e| e.clone())
+}
+
+/// An error and its causes on one line, `outer: cause: root`, leaving out a cause whose text
+/// the line already ends with (errors that print their source as part of their own message).
+pub fn one_line(e: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if line.ends_with(&text) {
+            continue;
+        }
+        if !line.is_empty() {
+            line.push_str(": ");
+        }
+        line.push_str(&text);
+    }
+    line
 }
 
 /// `print!` that never panics (see the module docs).

@@ -1,9 +1,22 @@
-//! The `harness` library: the CLI ([`Cli`], [`run`]), the layered experiment config
-//! ([`config`]), the SQLite run store ([`Store`]), the training loop with exact
-//! checkpoint/resume ([`train`]), sweeps ([`sweep`]), comparisons and plots ([`compare`]), the
-//! `runs --filter` language ([`filter`]), the MLflow tracker ([`tracker`]) and a small
-//! deterministic trainer of its own ([`bandit`]) for fast tests. [`experiment`] holds the LLM
-//! config groups under verl's names and [`compose`] builds the LLM trainers from them.
+//! The `harness` library: the CLI ([`Cli`], [`run()`]) over five parts, each a folder:
+//!
+//! - [`store`]: the SQLite run store ([`Store`]) and the `runs --filter` / `trainer.stop_when`
+//!   language ([`store::filter`]);
+//! - [`config`]: the layered experiment config, its LLM groups under verl's names
+//!   ([`config::groups`]) and the rules of the groups a trainer reads ([`config::checks`]);
+//! - [`integrations`]: what runs report to or serve beside them: the MLflow tracker, TensorBoard
+//!   event files, the BM25 retriever;
+//! - [`run`](mod@run): composing the LLM trainers ([`run::compose`]), the training loop with exact
+//!   checkpoint/resume ([`run::train`], [`run::checkpoint`]), a rank of a data-parallel group
+//!   ([`run::rank`]) and the launcher of ranks ([`run::launch`]);
+//! - [`analysis`]: sweeps, comparisons and plots of runs, and the memory plan of a config.
+//!
+//! Below them sit leaves that use nothing else in the crate: [`console`] (all printing),
+//! `logging`, [`suggest`] (the nearest name to a typo), [`device`] and [`bandit`] (a small
+//! deterministic trainer of the harness's own, for fast tests). The layers, bottom to top:
+//! leaves, `store`, `config`, `integrations` and `analysis`, `run`, `cli`; a module uses only
+//! modules of its layer or below, so there is no import cycle (`scripts/module-deps` lists the
+//! edges).
 //!
 //! This crate is the only one that knows the CLI, figment, SQLite, the run directory and
 //! wall-clock time. `main.rs` only parses the command line and prints errors. Nothing prints with
@@ -13,24 +26,16 @@
 
 #[macro_use]
 pub mod console;
+pub mod analysis;
 pub mod bandit;
-pub mod checkpoint;
 mod cli;
-pub mod compare;
-pub mod compose;
 pub mod config;
 pub mod device;
-pub mod experiment;
-pub mod filter;
-pub mod launch;
+pub mod integrations;
 mod logging;
-pub mod plan;
-mod retriever;
-mod store;
-pub mod sweep;
-pub mod tensorboard;
-pub mod tracker;
-pub mod train;
+pub mod run;
+pub mod store;
+pub mod suggest;
 
 pub use cli::{Cli, Command};
 pub use store::{
@@ -42,21 +47,4 @@ pub use store::{
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     logging::init();
     cli::run(cli)
-}
-
-/// An error and its causes on one line, `outer: cause: root`, leaving out a cause whose text
-/// the line already ends with (errors that print their source as part of their own message).
-pub fn one_line(e: &anyhow::Error) -> String {
-    let mut line = String::new();
-    for cause in e.chain() {
-        let text = cause.to_string();
-        if line.ends_with(&text) {
-            continue;
-        }
-        if !line.is_empty() {
-            line.push_str(": ");
-        }
-        line.push_str(&text);
-    }
-    line
 }

@@ -4,6 +4,7 @@
 #![deny(clippy::print_stdout, clippy::print_stderr)]
 
 use clap::Parser;
+use rl_harness::run::rank::{PORT_TAKEN_EXIT, PortTaken};
 use rl_harness::{console, note};
 
 fn main() {
@@ -15,13 +16,9 @@ fn main() {
         std::process::exit(1);
     }
     if let Err(e) = result {
-        note!("harness: error: {}", rl_harness::one_line(&e));
+        note!("harness: error: {}", console::one_line(&e));
         // a rank 0 that could not bind the rendezvous port tells its launcher so
-        let port_taken = e.downcast_ref::<rl_harness::launch::PortTaken>().is_some();
-        std::process::exit(if port_taken {
-            rl_harness::launch::PORT_TAKEN_EXIT
-        } else {
-            1
-        });
+        let port_taken = e.downcast_ref::<PortTaken>().is_some();
+        std::process::exit(if port_taken { PORT_TAKEN_EXIT } else { 1 });
     }
 }

@@ -400,7 +400,7 @@ fn sql_summaries_equal_the_series_summaries() {
         for key in &keys {
             let series = rt.block_on(store.series(1, key)).unwrap();
             for maximise in [true, false] {
-                let want = rl_harness::compare::summarise(&series, maximise, at).unwrap();
+                let want = rl_harness::analysis::compare::summarise(&series, maximise, at).unwrap();
                 let f = found[key];
                 let best = if maximise { f.max } else { f.min };
                 let (last_step, last) = f.last.unwrap();

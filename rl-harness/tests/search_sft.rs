@@ -9,8 +9,9 @@ use std::sync::Arc;
 use common::{Env, repo_root};
 use rl_algos::trainer::BatchSource;
 use rl_core::keys;
-use rl_harness::compose::{ResponseKey, SftSource};
+use rl_harness::config::checks::ResponseKey;
 use rl_harness::config::{Sources, load};
+use rl_harness::run::compose::SftSource;
 
 #[test]
 fn search_r1_sft_trains_with_the_observations_masked() {

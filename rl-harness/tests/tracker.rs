@@ -187,7 +187,7 @@ fn runs_params_and_metrics_are_mirrored_to_mlflow() {
         assert!((v1 - v2).abs() < 1e-9, "{v1} vs {v2}");
     }
     let pending = rt
-        .block_on(rl_harness::tracker::pending(&store, 1))
+        .block_on(rl_harness::integrations::tracker::pending(&store, 1))
         .unwrap();
     assert!(pending.is_empty(), "{pending:?}");
     assert!(env.ok(&["sync"]).contains("nothing pending"));
@@ -241,7 +241,7 @@ fn a_server_stopped_mid_run_never_fails_training_and_sync_catches_up() {
         started.elapsed()
     );
     let pending = rt
-        .block_on(rl_harness::tracker::pending(&store, 1))
+        .block_on(rl_harness::integrations::tracker::pending(&store, 1))
         .unwrap();
     assert!(
         !pending.is_empty(),
@@ -255,7 +255,7 @@ fn a_server_stopped_mid_run_never_fails_training_and_sync_catches_up() {
     let out = env.ok(&["sync"]);
     assert!(out.contains("run 1: pushed"), "{out}");
     assert!(
-        rt.block_on(rl_harness::tracker::pending(&store, 1))
+        rt.block_on(rl_harness::integrations::tracker::pending(&store, 1))
             .unwrap()
             .is_empty()
     );
@@ -433,7 +433,7 @@ fn assert_mirrored_once(env: &Env, port: u16, name: &str) {
         );
     }
     let pending = rt
-        .block_on(rl_harness::tracker::pending(&store, 1))
+        .block_on(rl_harness::integrations::tracker::pending(&store, 1))
         .unwrap();
     assert!(pending.is_empty(), "{pending:?}");
 }

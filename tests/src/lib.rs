@@ -1,5 +1,5 @@
 //! Shared helpers of the end-to-end tests: the tiny character-level task on disk, the SFT
-//! warm-up, and thin wrappers over `rl_harness::compose`, which composes the experiments
+//! warm-up, and thin wrappers over `rl_harness::run::compose`, which composes the experiments
 //! exactly as `harness train` does (its config, loaders, batch sources and trainers are
 //! re-exported here).
 
@@ -14,11 +14,11 @@ use rl_workers::{CausalLm, ValueModel};
 use serde_json::Value;
 use tch::{Device, Kind};
 
-pub use rl_harness::compose::{
-    LoaderSource, PreferenceSource, ResponseKey, SftSource, loaders, on_policy_config,
-    tiny_llama_config,
-};
 pub use rl_harness::config::ExperimentConfig;
+pub use rl_harness::config::checks::{ResponseKey, on_policy_config};
+pub use rl_harness::run::compose::{
+    LoaderSource, PreferenceSource, SftSource, loaders, tiny_llama_config,
+};
 
 mod warm;
 pub use warm::{
@@ -110,7 +110,7 @@ pub fn tiny_data_config(task: &TinyTask, train_batch_size: usize, seed: u64) -> 
 }
 
 /// Builds the on-policy trainer of `cfg` over the policy weights in `policy`, as
-/// `harness train` does (`rl_harness::compose::build_on_policy`, no progress bar): every check
+/// `harness train` does (`rl_harness::run::compose::build_on_policy`, no progress bar): every check
 /// runs before the trainer touches a model; the reference is a frozen copy of `policy` as it is
 /// now; the critic (GAE only) starts from `critic_init`.
 pub fn build_on_policy(
@@ -119,7 +119,7 @@ pub fn build_on_policy(
     critic_init: Option<ValueModel>,
     tokenizer: &Arc<Tokenizer>,
 ) -> AnyResult<OnPolicyTrainer> {
-    Ok(rl_harness::compose::build_on_policy(
+    Ok(rl_harness::run::compose::build_on_policy(
         cfg,
         policy,
         critic_init,
@@ -129,20 +129,20 @@ pub fn build_on_policy(
 }
 
 /// Left-pads prompts and right-pads responses into the rollout layout
-/// (`rl_harness::compose::rollout_layout`).
+/// (`rl_harness::run::compose::rollout_layout`).
 pub fn rollout_layout(
     prompts: &[Vec<u32>],
     responses: &[Vec<u32>],
     pad: u32,
 ) -> AnyResult<rl_core::Batch> {
-    Ok(rl_harness::compose::rollout_layout(
+    Ok(rl_harness::run::compose::rollout_layout(
         prompts, responses, pad,
     )?)
 }
 
 /// Every check `harness train` runs on an on-policy experiment, before any model loads.
 pub fn check_on_policy(cfg: &ExperimentConfig) -> AnyResult<()> {
-    Ok(rl_harness::compose::check_groups(
+    Ok(rl_harness::config::checks::check_groups(
         cfg,
         rl_harness::config::TrainerKind::OnPolicy,
     )?)

@@ -1,6 +1,6 @@
 //! Bad experiment configs are rejected before any model loads, naming the key.
 
-use rl_algos::advantage::AdvEstimator;
+use rl_algos::AdvEstimator;
 use rl_e2e::*;
 use rl_workers::RolloutConfig;
 

@@ -20,8 +20,8 @@ use std::process::{Child, Command, Output, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use rl_algos::AdvEstimator;
 use rl_algos::LossAggMode;
-use rl_algos::advantage::AdvEstimator;
 use rl_algos::trainer::{
     ActorLossConfig, CriticLossConfig, OnPolicyTrainer, PolicyLoss, Roles, ValueLoss,
 };

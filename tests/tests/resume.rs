@@ -1,7 +1,7 @@
 //! Resume is exact: a GRPO run checkpointed after step 1 and resumed in a fresh trainer
 //! returns the same metrics at steps 2 and 3 (timings aside) as the uninterrupted run.
 
-use rl_algos::advantage::AdvEstimator;
+use rl_algos::AdvEstimator;
 use rl_core::{StepMetrics, Trainer};
 use rl_e2e::*;
 use rl_workers::RolloutConfig;

@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use rl_algos::advantage::AdvEstimator;
+use rl_algos::AdvEstimator;
 use rl_algos::trainer::SftLoss;
 use rl_core::Trainer;
 use rl_core::roles::Actor;

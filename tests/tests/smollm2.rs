@@ -8,7 +8,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use rl_algos::advantage::AdvEstimator;
+use rl_algos::AdvEstimator;
 use rl_core::Trainer;
 use rl_data::Tokenizer;
 use rl_data::tasks::{ArithmeticConfig, SplitSizes, generate_arithmetic};

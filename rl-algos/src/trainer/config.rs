@@ -4,12 +4,10 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::advantage::AdvEstimator;
 use crate::agg::LossAggMode;
-use crate::config::AlgoConfig;
+use crate::config::{AdvEstimator, AlgoConfig, KlPenalty};
 use crate::dapo::OverlongBufferConfig;
 use crate::error::{Error, Result};
-use crate::kl::KlPenalty;
 use crate::loss::{PolicyLossConfig, PolicyLossMode, PolicyLossParams};
 
 /// The loss keys of verl's `actor_rollout_ref.actor` group (the worker keys — optimiser,

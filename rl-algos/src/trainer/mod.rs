@@ -18,14 +18,14 @@ mod spin;
 
 pub use config::{ActorLossConfig, CriticLossConfig, OnPolicyConfig, TrainerSection};
 pub use objective::{PolicyLoss, RolloutLoss, SftLoss, ValueLoss};
-pub use on_policy::{
-    ACC_COLUMN, OnPolicyTrainer, PROMPT_TEXT_COLUMN, RESPONSE_TEXT_COLUMN, Roles, SCORE_COLUMN,
-};
+pub use on_policy::{ACC_COLUMN, OnPolicyTrainer, PROMPT_TEXT_COLUMN, RESPONSE_TEXT_COLUMN, Roles};
 pub use online_dpo::{OnlineDpoTrainer, best_worst_pairs};
 pub use preference::{
     DpoLoss, DpoTrainer, DpoTrainerConfig, PAIR_INDEX, REF_SEQ_LOG_PROB, mark_pairs,
 };
-pub use reward::{CombinedReward, PART_SCORE_SUFFIX, RewardPart, TrainValReward, reward_metrics};
+pub use reward::{
+    CombinedReward, PART_SCORE_SUFFIX, RewardPart, SCORE_COLUMN, TrainValReward, reward_metrics,
+};
 pub use reward_model::{BradleyTerryLoss, RM_MARGIN, RmTrainer, RmTrainerConfig};
 pub use sft::{SftConfig, SftTrainer};
 pub use source::{BatchSource, JsonlSink, MemorySink, MetricsSink, RunOptions, run};

@@ -12,17 +12,17 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use tch::{Kind, Tensor};
 
-use crate::advantage::{self, AdvEstimator, AdvantageInputs};
+use crate::advantage::{self, AdvantageInputs};
+use crate::config::AdvEstimator;
 use crate::dapo;
 use crate::kl::{self, KlController};
 use crate::rollout_corr;
 use crate::trainer::config::OnPolicyConfig;
 use crate::trainer::dp;
 use crate::trainer::objective::{PolicyLoss, RolloutLoss, ValueLoss};
+use crate::trainer::reward::{SCORE_COLUMN, reward_metrics};
 use crate::trainer::source::BatchSource;
 
-/// Column a [`Reward`] role may add with each row's score (else the summed scores are used).
-pub const SCORE_COLUMN: &str = "score";
 /// Column a [`Reward`] role may add with each row's accuracy (DAPO's `acc` filter metric).
 pub const ACC_COLUMN: &str = "acc";
 /// Column with the decoded prompt, used for validation samples when present.
@@ -892,7 +892,7 @@ impl Trainer for OnPolicyTrainer {
 
         self.data_metrics(&batch, &mut m)?;
         // `reward/score/*` and each part of a combined reward (`reward/rm_score/*`, ...)
-        m.extend(super::reward::reward_metrics(&batch));
+        m.extend(reward_metrics(&batch));
         let step_s = t_step.elapsed().as_secs_f64();
         timing.insert("step", step_s);
         let tokens = batch

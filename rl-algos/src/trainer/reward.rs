@@ -7,7 +7,8 @@ use rl_core::{Batch, StepMetrics, keys};
 use serde_json::Value;
 use tch::{Kind, Tensor};
 
-use crate::trainer::on_policy::SCORE_COLUMN;
+/// Column a [`Reward`] role may add with each row's score (else the summed scores are used).
+pub const SCORE_COLUMN: &str = "score";
 
 /// Suffix of the per-part score columns [`CombinedReward`] writes (`rm_score`, `rule_score`).
 pub const PART_SCORE_SUFFIX: &str = "_score";

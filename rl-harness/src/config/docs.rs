@@ -8,9 +8,9 @@ use std::collections::BTreeMap;
 
 /// Every source file that holds a config struct.
 const SOURCES: &[&str] = &[
-    include_str!("../config.rs"),
+    include_str!("mod.rs"),
     include_str!("../bandit.rs"),
-    include_str!("../experiment.rs"),
+    include_str!("groups.rs"),
     include_str!("../../../rl-algos/src/config.rs"),
     include_str!("../../../rl-algos/src/dapo.rs"),
     include_str!("../../../rl-algos/src/dpo.rs"),

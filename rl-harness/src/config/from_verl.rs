@@ -4,7 +4,8 @@
 
 use anyhow::{Context, Result, bail};
 
-use super::{Override, Sources, known_keys, layered, load, nearest_key, verl};
+use super::{Override, Sources, known_keys, layered, load, verl};
+use crate::suggest::nearest_key;
 
 /// What became of each verl key.
 #[derive(Debug, Default)]
@@ -93,7 +94,7 @@ pub fn translate(text: &str, yaml: bool) -> Result<Translation> {
                 }
                 Err(e) => t
                     .refused
-                    .push(format!("{}: {}", o.key, crate::one_line(&e))),
+                    .push(format!("{}: {}", o.key, crate::console::one_line(&e))),
             }
             continue;
         }
@@ -130,7 +131,7 @@ pub fn translate(text: &str, yaml: bool) -> Result<Translation> {
         overrides: overrides.clone(),
     })
     .err()
-    .map(|e| crate::one_line(&e));
+    .map(|e| crate::console::one_line(&e));
     t.toml = to_toml(&overrides)?;
     Ok(t)
 }

@@ -327,60 +327,6 @@ fn resume_safety_and_diffs() {
     assert_eq!(d[0].0, "bandit.lr");
 }
 
-#[test]
-fn levenshtein_basics() {
-    assert_eq!(levenshtein("kitten", "sitting"), 3);
-    assert_eq!(levenshtein("", "abc"), 3);
-    assert_eq!(levenshtein("same", "same"), 0);
-}
-
-#[test]
-fn the_reward_group_maps_data_sources_to_configured_rule_rewards() {
-    let dir = tempfile::tempdir().unwrap();
-    let file = write(
-        dir.path(),
-        "[reward.prefixes.searchR1_]\nname = 'qa_em'\nformat_score = 0.2\n\
-         [reward.sources.'my/sums']\nname = 'arithmetic'\n",
-    );
-    let cfg = load(&Sources {
-        file: Some(file),
-        env: false,
-        overrides: vec![],
-    })
-    .unwrap();
-    let rewards = crate::compose::rule_rewards(&cfg).unwrap();
-    let gt = serde_json::json!({"target": ["blue"]});
-    let none = serde_json::Value::Null;
-    let score = |source: &str, response: &str, gt: &serde_json::Value| {
-        rewards.score(source, response, gt, &none).unwrap().score
-    };
-    // the configured format score replaces verl's 0 for a well-formed miss
-    assert_eq!(
-        score("searchR1_synthetic", "<answer>red</answer>", &gt),
-        0.2
-    );
-    assert_eq!(
-        score("searchR1_synthetic", "<answer>Blue</answer>", &gt),
-        1.0
-    );
-    assert_eq!(score("my/sums", "so 12", &serde_json::json!("12")), 1.0);
-
-    let bad = write(
-        dir.path(),
-        "[reward.sources.x]\nname = 'custom'\nfunction = 'nowhere'\n",
-    );
-    let err = format!(
-        "{:#}",
-        load(&Sources {
-            file: Some(bad),
-            env: false,
-            overrides: vec![]
-        })
-        .unwrap_err()
-    );
-    assert!(err.contains("reward") && err.contains("nowhere"), "{err}");
-}
-
 /// Issue 19: docs/config.md gives every key a meaning, taken from the doc comment on its field
 /// (so a key added without one fails here, and the reference cannot drift from the code).
 #[test]

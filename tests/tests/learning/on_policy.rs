@@ -3,7 +3,7 @@
 //! median of the initial-weight seeds, and collapses on none. The seeds of a test train side by
 //! side in threads of one intra-op thread each.
 
-use rl_algos::advantage::AdvEstimator;
+use rl_algos::AdvEstimator;
 use rl_algos::{FilterGroupsConfig, KlPenalty, LossAggMode, OverlongBufferConfig};
 use rl_core::Trainer;
 use rl_e2e::*;
@@ -81,7 +81,7 @@ fn train(name: &str, init_seed: u64, cfg: &ExperimentConfig) -> Run {
     // as `harness train` loads it: LoRA adapters when the config asks for them
     let policy = rl_workers::roles::share(
         seeded(SEED as i64, || {
-            rl_harness::compose::load_policy(cfg, Device::Cpu)
+            rl_harness::run::compose::load_policy(cfg, Device::Cpu)
         })
         .unwrap(),
     );

@@ -11,8 +11,8 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::time::Instant;
 
+use rl_algos::AdvEstimator;
 use rl_algos::KlPenalty;
-use rl_algos::advantage::AdvEstimator;
 use rl_algos::trainer::{CombinedReward, RewardPart, RmTrainer, RmTrainerConfig, reward_metrics};
 use rl_core::roles::{Reward, Rollout};
 use rl_core::{Batch, StepMetrics, Trainer, keys};

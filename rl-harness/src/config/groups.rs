@@ -171,7 +171,7 @@ where
                 Some(false) => mb.insert(key, value),
                 None => {
                     let known: Vec<String> = ka.iter().chain(&kb).cloned().collect();
-                    let hint = crate::config::nearest_key(&key, &known)
+                    let hint = crate::suggest::nearest_key(&key, &known)
                         .map(|k| format!("; did you mean `{k}`?"))
                         .unwrap_or_default();
                     return Err(D::Error::custom(format!("{UNKNOWN_KEY}{key}`{hint}")));

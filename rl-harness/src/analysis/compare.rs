@@ -195,7 +195,7 @@ pub fn config_differences(runs: &[RunRow]) -> Result<BTreeMap<String, Vec<Option
 pub async fn rank_sweep(store: &Store, sweep: &str, metric: &str, mode: Mode) -> Result<String> {
     // a sweep's name (`[sweep] name`) stands for its latest sweep
     let sweep = &store.resolve_sweep(sweep).await?;
-    let trials = crate::sweep::trials(store, sweep).await?;
+    let trials = crate::analysis::sweep::trials(store, sweep).await?;
     if trials.is_empty() {
         bail!(
             "no sweep {sweep:?} (or it has no trials) in {}",
@@ -211,7 +211,7 @@ pub async fn rank_sweep(store: &Store, sweep: &str, metric: &str, mode: Mode) ->
             }
             None => None,
         };
-        let params = crate::sweep::params_text(&t.params, " ");
+        let params = crate::analysis::sweep::params_text(&t.params, " ");
         rows.push((
             value,
             format!(

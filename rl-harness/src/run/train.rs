@@ -13,19 +13,13 @@ use rl_core::dist::{self, SharedCollective};
 use rl_workers::roles::ProgressHook;
 use tokio::runtime::Runtime;
 
-use crate::compose::{self, Built};
 use crate::config::{self, ExperimentConfig, Override, TrainerKind};
+use crate::integrations::tracker;
+use crate::logging;
+use crate::run::checkpoint;
+use crate::run::compose::{self, Built};
+use crate::run::rank::{self, Membership, Rank};
 use crate::store::{self, Store, now};
-use crate::{checkpoint, logging, tracker};
-
-/// Where a run belongs when a sweep starts it.
-#[derive(Debug, Clone, Default)]
-pub struct Membership {
-    /// The sweep's id.
-    pub sweep_id: Option<String>,
-    /// The trial's id.
-    pub trial_id: Option<String>,
-}
 
 /// How a drive ended.
 enum Outcome {
@@ -378,30 +372,6 @@ fn train_created(
     finish(rt, store, run_id, cfg, result, None)
 }
 
-/// This process's place in a data-parallel job (`docs/distributed.md`).
-#[derive(Clone)]
-pub struct Rank {
-    /// The group of every rank.
-    pub group: SharedCollective,
-    /// This process's rank.
-    pub rank: usize,
-    /// Number of ranks.
-    pub world: usize,
-    /// The run the launcher recorded (`HARNESS_RUN_ID`; not `RL_`-prefixed, which the config would read); `None` under an outside launcher
-    /// (torchrun, Slurm), where rank 0 records the run.
-    pub run_id: Option<i64>,
-}
-
-impl std::fmt::Debug for Rank {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Rank")
-            .field("rank", &self.rank)
-            .field("world", &self.world)
-            .field("run_id", &self.run_id)
-            .finish_non_exhaustive()
-    }
-}
-
 /// Trains as one rank of a data-parallel run. Rank 0 owns the run: it opens the store, records
 /// the run (or takes the one the launcher recorded), writes metrics, checkpoints and the final
 /// status, and broadcasts the run id; the other ranks never open the store or write in the run
@@ -412,7 +382,7 @@ pub fn train_rank(
     member: Membership,
     me: &Rank,
 ) -> Result<i64> {
-    crate::launch::check_data_parallel(&cfg, me.world)?;
+    rank::check_data_parallel(&cfg, me.world)?;
     if me.rank == 0 {
         let opened = (|| -> Result<(Store, i64, PathBuf)> {
             let store = rt.block_on(Store::open(&cfg.trainer.db_path()))?;
@@ -883,7 +853,7 @@ pub fn resume_rank(
     let prepared = if me.rank == 0 {
         let r = (|| -> Result<(Store, Resumed)> {
             let store = rt.block_on(Store::open(db))?;
-            let r = match std::env::var_os(crate::launch::RESUME_CHECKPOINT_ENV) {
+            let r = match std::env::var_os(rank::RESUME_CHECKPOINT_ENV) {
                 Some(dir) => {
                     let id = me
                         .run_id
@@ -891,7 +861,7 @@ pub fn resume_rank(
                     resumed_from_dir(rt, &store, id, Path::new(&dir), overrides)?
                 }
                 None => prepare_resume(rt, &store, spec, from_step, overrides, &|cfg| {
-                    crate::launch::check_data_parallel(cfg, me.world)
+                    rank::check_data_parallel(cfg, me.world)
                 })?,
             };
             Ok((store, r))
@@ -903,7 +873,7 @@ pub fn resume_rank(
     };
     match prepared {
         Some((store, r)) => {
-            crate::launch::check_data_parallel(&r.cfg, me.world)?;
+            rank::check_data_parallel(&r.cfg, me.world)?;
             resume_prepared(rt, &store, &r, Some(&me.group)).map(Some)
         }
         None => {
@@ -917,7 +887,7 @@ pub fn resume_rank(
                 bail!("rank 0 could not prepare the resume (see rank 0's error)");
             };
             let r = resumed_from_dir_readonly(id, Path::new(&dir), overrides)?;
-            crate::launch::check_data_parallel(&r.cfg, me.world)?;
+            rank::check_data_parallel(&r.cfg, me.world)?;
             let bars = Bars::hidden();
             let place = Place {
                 store: None,
@@ -1006,8 +976,8 @@ fn finish(
         Ok(Outcome::Finished) => ("finished", None),
         Ok(Outcome::Killed) => ("killed", None),
         Err(e) => {
-            let e = crate::one_line(e);
-            match crate::launch::launcher_gone() {
+            let e = crate::console::one_line(e);
+            match rank::launcher_gone() {
                 Some(why) => ("failed", Some(format!("{why}, so its ranks stopped ({e})"))),
                 None => ("failed", Some(e)),
             }
@@ -1052,7 +1022,7 @@ fn finish(
 }
 
 /// The TensorBoard event file of `trainer.tensorboard`, if one is written.
-struct Board(Option<crate::tensorboard::EventWriter>);
+struct Board(Option<crate::integrations::tensorboard::EventWriter>);
 
 impl Board {
     /// A new event file in `trainer.tensorboard_dir`, else `$TENSORBOARD_DIR` (verl's), else
@@ -1063,7 +1033,7 @@ impl Board {
             .clone()
             .or_else(|| std::env::var_os("TENSORBOARD_DIR").map(PathBuf::from))
             .unwrap_or_else(|| run_dir.join("tensorboard"));
-        let w = crate::tensorboard::EventWriter::create(&dir, first_step)?;
+        let w = crate::integrations::tensorboard::EventWriter::create(&dir, first_step)?;
         tracing::info!("TensorBoard events in {}", w.path().display());
         Ok(Board(Some(w)))
     }
@@ -1427,7 +1397,7 @@ fn drive(
     let stop_when = t
         .stop_when
         .as_deref()
-        .map(crate::filter::StopWhen::parse)
+        .map(crate::store::filter::StopWhen::parse)
         .transpose()
         .context("config key `trainer.stop_when`")?;
     // rank 0 alone writes; a resume writes from the step after its checkpoint on

@@ -34,8 +34,8 @@ use clap::ValueEnum;
 use rl_workers::{Config, Family, LinearShape, LoraConfig};
 use serde_json::{Map, Value};
 
+use crate::config::groups::Dtype;
 use crate::config::{ExperimentConfig, TrainerKind};
-use crate::experiment::Dtype;
 
 /// Public Qwen2.5 Instruct shapes for `harness plan --model-size`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -891,7 +891,7 @@ pub fn run(
         env: true,
         overrides,
     })?;
-    crate::compose::check(&exp)?;
+    crate::config::checks::check(&exp)?;
     let plan = estimate(&exp, &models(&exp, size)?)?;
     let name = |v: serde_json::Result<Value>| match v {
         Ok(Value::String(s)) => s,

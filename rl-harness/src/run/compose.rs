@@ -1,16 +1,17 @@
 //! Composing an LLM trainer from the resolved config: the tokenizer and policy from
 //! `actor_rollout_ref.model`, rl-data's loaders as the trainers' batch sources, the roles
 //! (actor, rollout, reference, critic, rule reward) from rl-workers and rl-data, and the
-//! trainer from rl-algos. Every check runs before any model loads, each error naming its key.
+//! trainer from rl-algos. Every check ([`crate::config::checks`]) runs before any model loads,
+//! each error naming its key.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use anyhow::{Context, Result, anyhow, bail};
 use rl_algos::trainer::{
-    BatchSource, CombinedReward, DpoTrainer, DpoTrainerConfig, OnPolicyConfig, OnPolicyTrainer,
-    OnlineDpoTrainer, RefInit, ReferenceFactory, RewardPart, RmTrainer, Roles, SftConfig,
-    SftTrainer, SpinTrainer, TrainValReward, TrainerSection,
+    BatchSource, CombinedReward, DpoTrainer, OnPolicyTrainer, OnlineDpoTrainer, RefInit,
+    ReferenceFactory, RewardPart, RmTrainer, Roles, SftConfig, SftTrainer, SpinTrainer,
+    TrainValReward,
 };
 use rl_core::dist::SharedCollective;
 use rl_core::roles::Reference;
@@ -18,7 +19,7 @@ use rl_core::{Batch, Trainer, keys};
 use rl_data::reward::RewardRegistry;
 use rl_data::reward::role::RuleReward;
 use rl_data::{
-    DataLoader, LoaderOptions, LoaderState, PreferenceDataset, RlDataset, RlRow, Sampler, Tokenizer,
+    DataLoader, LoaderOptions, LoaderState, PreferenceDataset, RlDataset, Sampler, Tokenizer,
 };
 use rl_workers::roles::{
     ActorWorker, CriticWorker, ProgressHook, ReferenceWorker, RewardModelWorker, RmWorker,
@@ -28,6 +29,7 @@ use rl_workers::{CausalLm, RewardModel, TextCodec, ToolEnv, ValueModel};
 use serde_json::Value;
 use tch::{Device, Kind, Tensor};
 
+use crate::config::checks::{ResponseKey, check, check_groups, dpo_config, on_policy_config};
 use crate::config::{ExperimentConfig, TrainerKind};
 
 /// A trainer ready to drive, with the model it trains (to export it at the end).
@@ -128,216 +130,6 @@ impl TrainedModel {
         }
         .with_context(|| format!("exporting the {} to {}", self.name(), out.display()))
     }
-}
-
-/// The trainer's plan of an on-policy experiment (`batches_per_epoch` from the loader).
-pub fn on_policy_config(cfg: &ExperimentConfig, batches_per_epoch: usize) -> OnPolicyConfig {
-    let arr = &cfg.actor_rollout_ref;
-    let t = &cfg.trainer;
-    OnPolicyConfig {
-        algorithm: cfg.algorithm.clone(),
-        actor: arr.actor_loss,
-        critic: cfg.critic.loss,
-        trainer: TrainerSection {
-            total_epochs: t.total_epochs as usize,
-            total_training_steps: t.total_training_steps,
-            test_freq: t.test_freq,
-            val_before_train: t.val_before_train,
-            log_val_generations: t.log_val_generations,
-            critic_warmup: t.critic_warmup,
-            save_freq: t.save_freq,
-        },
-        train_batch_size: cfg.data.train_batch_size,
-        rollout_n: arr.rollout.n,
-        temperature: arr.rollout.temperature,
-        max_response_length: arr.rollout.response_length,
-        actor_ppo_mini_batch_size: arr.actor.ppo_mini_batch_size,
-        critic_ppo_mini_batch_size: cfg.critic.worker.ppo_mini_batch_size,
-        overlong_buffer: cfg.reward_model.own.overlong_buffer,
-        batches_per_epoch,
-        rollout_diagnostics: arr.rollout.calculate_log_probs,
-    }
-}
-
-/// The checks of the LLM groups the selected trainer reads (none for the bandit), each error
-/// naming the key.
-pub fn check(cfg: &ExperimentConfig) -> Result<()> {
-    let kind = cfg.trainer.algorithm;
-    if !kind.trains_policy() {
-        return Ok(());
-    }
-    if cfg.actor_rollout_ref.model.path.as_os_str().is_empty() {
-        bail!(
-            "config key `actor_rollout_ref.model.path`: trainer.algorithm = {kind:?} needs a \
-             Hugging Face model folder"
-        );
-    }
-    check_groups(cfg, kind)
-}
-
-/// The checks of the groups trainer `kind` reads, whatever `trainer.algorithm` says (the
-/// builders below run them: they are also called directly, with a policy already loaded).
-pub fn check_groups(cfg: &ExperimentConfig, kind: TrainerKind) -> Result<()> {
-    check_lora(cfg, kind)?;
-    if kind == TrainerKind::RewardModel {
-        return check_reward_model(cfg);
-    }
-    let arr = &cfg.actor_rollout_ref;
-    arr.actor
-        .validate("actor_rollout_ref.actor")
-        .map_err(|e| anyhow!("{e}"))?;
-    let mini = arr.actor.ppo_mini_batch_size;
-    let divides = |key: &str, batch: usize| {
-        if batch == 0 || !batch.is_multiple_of(mini) {
-            bail!(
-                "config key `actor_rollout_ref.actor.ppo_mini_batch_size`: {mini} must divide \
-                 `{key}` ({batch}), the rows (pairs for the preference trainers) of a step"
-            );
-        }
-        Ok(())
-    };
-    if matches!(kind, TrainerKind::Sft | TrainerKind::Spin) {
-        divides("sft.train_batch_size", cfg.sft.train_batch_size)?;
-        ResponseKey::parse(&cfg.sft.response_key)?;
-        if let Some(bad) = cfg.sft.mask_tags.iter().find(|t| {
-            t.is_empty()
-                || t.contains(|c: char| c == '<' || c == '>' || c == '/' || c.is_whitespace())
-        }) {
-            bail!(
-                "config key `sft.mask_tags`: {bad:?} is not a tag name (write `information` for `<information>…</information>`)"
-            );
-        }
-    }
-    if kind == TrainerKind::Dpo {
-        divides(
-            "preference_data.train_batch_size",
-            cfg.preference_data.train_batch_size,
-        )?;
-    }
-    if matches!(
-        kind,
-        TrainerKind::Dpo | TrainerKind::OnlineDpo | TrainerKind::Spin
-    ) {
-        dpo_config(cfg, 1)?;
-        if kind == TrainerKind::Dpo {
-            let p = &cfg.preference_data;
-            if p.train_files.is_empty() || p.val_files.is_empty() {
-                bail!(
-                    "config keys `preference_data.train_files` and `preference_data.val_files`: \
-                     offline DPO needs both"
-                );
-            }
-            return Ok(());
-        }
-    }
-    if kind == TrainerKind::Sft {
-        return Ok(());
-    }
-    arr.rollout
-        .validate()
-        .map_err(|e| anyhow!("config group `actor_rollout_ref.rollout`: {e}"))?;
-    check_multi_turn(cfg, kind)?;
-    if kind != TrainerKind::OnPolicy {
-        return Ok(());
-    }
-    if cfg.algorithm.adv_estimator.needs_critic() {
-        cfg.critic
-            .worker
-            .validate("critic")
-            .map_err(|e| anyhow!("{e}"))?;
-    }
-    on_policy_config(cfg, 1)
-        .check()
-        .map_err(|e| anyhow!("{e}"))?;
-    Ok(())
-}
-
-/// LoRA's keys in range, and the combinations not built.
-fn check_lora(cfg: &ExperimentConfig, kind: TrainerKind) -> Result<()> {
-    let m = &cfg.actor_rollout_ref.model;
-    let lora = m.lora()?;
-    if kind == TrainerKind::OnPolicy && cfg.algorithm.adv_estimator.needs_critic() {
-        cfg.critic.model.lora("critic.model")?;
-    }
-    if kind == TrainerKind::Spin && (lora.is_some() || m.lora_adapter_path.is_some()) {
-        bail!(
-            "config key `actor_rollout_ref.model.lora_rank`: SPIN with LoRA is not built (its reference becomes the adapted policy every dpo.ref_update_freq steps, which needs a second set of adapters); use full fine-tuning for SPIN"
-        );
-    }
-    if kind == TrainerKind::RewardModel && m.lora_adapter_path.is_some() {
-        bail!(
-            "config key `actor_rollout_ref.model.lora_adapter_path`: a reward model starts from fresh adapters (set lora_rank) or from a merged model folder"
-        );
-    }
-    Ok(())
-}
-
-/// The rules of `trainer.algorithm = "reward_model"`: `preference_data` train and val files,
-/// whole pairs a step, `reward_model.train` in range.
-fn check_reward_model(cfg: &ExperimentConfig) -> Result<()> {
-    let p = &cfg.preference_data;
-    if p.train_files.is_empty() || p.val_files.is_empty() {
-        bail!(
-            "config keys `preference_data.train_files` and `preference_data.val_files`: \
-             reward-model training needs both"
-        );
-    }
-    if p.train_batch_size == 0 {
-        bail!("config key `preference_data.train_batch_size`: 0 pairs a step");
-    }
-    let train = &cfg.reward_model.own.train;
-    if let Some(micro) = train.micro_train_batch_size
-        && (micro == 0 || !p.train_batch_size.is_multiple_of(micro))
-    {
-        bail!(
-            "config key `reward_model.train.micro_train_batch_size`: {micro} must divide \
-             `preference_data.train_batch_size` ({}), the pairs of a step",
-            p.train_batch_size
-        );
-    }
-    train
-        .worker(p.train_batch_size)
-        .validate("reward_model.train")
-        .map_err(|e| anyhow!("{e}"))?;
-    train
-        .trainer(1)
-        .check()
-        .map_err(|e| anyhow!("config group `reward_model.train`: {e}"))?;
-    Ok(())
-}
-
-/// The rules of `actor_rollout_ref.rollout.multi_turn`: only the on-policy trainer runs it, with
-/// at least one tool, distinct tool names and limits in range.
-fn check_multi_turn(cfg: &ExperimentConfig, kind: TrainerKind) -> Result<()> {
-    let mt = &cfg.actor_rollout_ref.multi_turn;
-    if !mt.enable {
-        return Ok(());
-    }
-    if kind != TrainerKind::OnPolicy {
-        bail!(
-            "config key `actor_rollout_ref.rollout.multi_turn.enable`: multi-turn rollouts train \
-             with trainer.algorithm = \"on_policy\" only, not {kind:?}"
-        );
-    }
-    if mt.tools.is_empty() {
-        bail!(
-            "config key `actor_rollout_ref.rollout.multi_turn.tools`: multi_turn.enable needs at \
-             least one tool, e.g. [{{type = \"search\", url = \"http://127.0.0.1:8000/retrieve\"}}]"
-        );
-    }
-    for (i, t) in mt.tools.iter().enumerate() {
-        if mt.tools[..i].iter().any(|u| u.name() == t.name()) {
-            bail!(
-                "config key `actor_rollout_ref.rollout.multi_turn.tools`: two tools are called \
-                 `{}` (tools[{i}] and an earlier one)",
-                t.name()
-            );
-        }
-    }
-    mt.limits()
-        .validate()
-        .map_err(|e| anyhow!("config group `actor_rollout_ref.rollout`: {e}"))?;
-    Ok(())
 }
 
 /// The run's tokenizer as the multi-turn rollout's codec (no special tokens added, none
@@ -587,50 +379,6 @@ pub fn rollout_layout(prompts: &[Vec<u32>], responses: &[Vec<u32>], pad: u32) ->
     batch.insert(keys::RESPONSES, responses)?;
     batch.insert(keys::RESPONSE_MASK, response_mask)?;
     Ok(batch)
-}
-
-/// Where an SFT row's target response is (`sft.response_key`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ResponseKey {
-    /// `extra_info.<field>`.
-    ExtraInfo(String),
-    /// `reward_model.ground_truth`.
-    GroundTruth,
-}
-
-impl ResponseKey {
-    /// Parses `extra_info.<field>` or `reward_model.ground_truth`.
-    pub fn parse(key: &str) -> Result<Self> {
-        if key == "reward_model.ground_truth" {
-            return Ok(ResponseKey::GroundTruth);
-        }
-        match key.strip_prefix("extra_info.") {
-            Some(field) if !field.is_empty() => Ok(ResponseKey::ExtraInfo(field.into())),
-            _ => bail!(
-                "config key `sft.response_key`: {key:?} is neither `extra_info.<field>` nor \
-                 `reward_model.ground_truth`"
-            ),
-        }
-    }
-
-    fn text(&self, row: &RlRow) -> Result<String> {
-        let (value, name) = match self {
-            ResponseKey::ExtraInfo(f) => (row.extra_info.get(f), format!("extra_info.{f}")),
-            ResponseKey::GroundTruth => {
-                (Some(&row.ground_truth), "reward_model.ground_truth".into())
-            }
-        };
-        match value {
-            Some(Value::String(s)) => Ok(s.clone()),
-            Some(Value::Number(n)) => Ok(n.to_string()),
-            other => bail!(
-                "{} row {}: `{name}` (sft.response_key) is {}, expected a string",
-                row.source.path.display(),
-                row.source.row,
-                other.map_or("absent".to_string(), Value::to_string)
-            ),
-        }
-    }
 }
 
 /// SFT batches from an RL parquet: the prompt rendered with the chat template and the
@@ -1103,18 +851,6 @@ pub fn init_tiny(dir: &Path, seed: i64, noise: f64) -> Result<i64> {
     Ok(params as i64)
 }
 
-/// The preference trainers' config: `dpo` with the step count of `trainer`
-/// (`total_training_steps`, else `total_epochs` epochs of `batches_per_epoch`).
-pub fn dpo_config(cfg: &ExperimentConfig, batches_per_epoch: usize) -> Result<DpoTrainerConfig> {
-    let mut d = cfg.dpo.0.clone();
-    d.total_training_steps = cfg
-        .trainer
-        .total_training_steps
-        .unwrap_or(cfg.trainer.total_epochs * batches_per_epoch as u64);
-    d.check().map_err(|e| anyhow!("config group `dpo`: {e}"))?;
-    Ok(d)
-}
-
 /// Builds the reward-model trainer of `cfg` (`trainer.algorithm = "reward_model"`): a
 /// `*ForSequenceClassification` model from `actor_rollout_ref.model.path` with a fresh
 /// one-label head (seeded by `trainer.seed` in [`build`]), trained with Bradley–Terry on
@@ -1536,5 +1272,58 @@ mod tests {
             "{err:#}"
         );
         assert!(!dir.path().join("bad/model.safetensors").exists());
+    }
+
+    fn write_toml(dir: &Path, text: &str) -> PathBuf {
+        let p = dir.join("exp.toml");
+        std::fs::write(&p, text).unwrap();
+        p
+    }
+
+    #[test]
+    fn the_reward_group_maps_data_sources_to_configured_rule_rewards() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = write_toml(
+            dir.path(),
+            "[reward.prefixes.searchR1_]\nname = 'qa_em'\nformat_score = 0.2\n\
+             [reward.sources.'my/sums']\nname = 'arithmetic'\n",
+        );
+        let cfg = crate::config::load(&crate::config::Sources {
+            file: Some(file),
+            env: false,
+            overrides: vec![],
+        })
+        .unwrap();
+        let rewards = rule_rewards(&cfg).unwrap();
+        let gt = serde_json::json!({"target": ["blue"]});
+        let none = serde_json::Value::Null;
+        let score = |source: &str, response: &str, gt: &serde_json::Value| {
+            rewards.score(source, response, gt, &none).unwrap().score
+        };
+        // the configured format score replaces verl's 0 for a well-formed miss
+        assert_eq!(
+            score("searchR1_synthetic", "<answer>red</answer>", &gt),
+            0.2
+        );
+        assert_eq!(
+            score("searchR1_synthetic", "<answer>Blue</answer>", &gt),
+            1.0
+        );
+        assert_eq!(score("my/sums", "so 12", &serde_json::json!("12")), 1.0);
+
+        let bad = write_toml(
+            dir.path(),
+            "[reward.sources.x]\nname = 'custom'\nfunction = 'nowhere'\n",
+        );
+        let err = format!(
+            "{:#}",
+            crate::config::load(&crate::config::Sources {
+                file: Some(bad),
+                env: false,
+                overrides: vec![]
+            })
+            .unwrap_err()
+        );
+        assert!(err.contains("reward") && err.contains("nowhere"), "{err}");
     }
 }

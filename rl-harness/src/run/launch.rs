@@ -1,17 +1,17 @@
 //! `harness train --nproc-per-node N`: the launcher that starts N ranks of a data-parallel run
-//! on this machine, and the rank side that joins a group from torchrun's environment
-//! (`docs/distributed.md`).
+//! on this machine (`docs/distributed.md`); the rank side, which joins a group from torchrun's
+//! environment, is [`super::rank`].
 //!
 //! The launcher records the run in the store (so it can mark it failed whichever rank dies),
 //! picks a free port on 127.0.0.1, starts N copies of this executable with `RANK`,
 //! `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` and
-//! [`RUN_ID_ENV`] set, prefixes their output with `[rank r]`, and waits. When a rank dies, the
+//! [`RUN_ID_ENV`](super::rank::RUN_ID_ENV) set, prefixes their output with `[rank r]`, and waits. When a rank dies, the
 //! others get the collective timeout to fail on their own, then are killed; the run is marked
 //! failed naming the lost rank and how it ended, and the launcher exits non-zero.
 //!
 //! Each rank runs in a process group of its own, so signals and the final kill reach whatever
 //! a rank started too. A rank 0 that cannot bind the rendezvous port exits with
-//! [`PORT_TAKEN_EXIT`], and the launcher starts over on another port.
+//! [`PORT_TAKEN_EXIT`](super::rank::PORT_TAKEN_EXIT), and the launcher starts over on another port.
 
 use std::ffi::OsString;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -26,201 +26,13 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use tokio::runtime::Runtime;
 
-use crate::config::{ExperimentConfig, TrainerKind};
+use crate::config::ExperimentConfig;
+use crate::run::rank::{
+    LAUNCHER_PIPE_ENV, Membership, PORT_TAKEN_EXIT, RESUME_CHECKPOINT_ENV, RUN_ID_ENV,
+    check_data_parallel,
+};
+use crate::run::{checkpoint, train};
 use crate::store::Store;
-use crate::train::{self, Membership, Rank};
-
-/// The environment variable through which the launcher tells its ranks the run it recorded.
-pub const RUN_ID_ENV: &str = "HARNESS_RUN_ID";
-
-/// The environment variable through which the launcher of `harness resume` tells its ranks the
-/// checkpoint folder it rewound the run to.
-pub const RESUME_CHECKPOINT_ENV: &str = "HARNESS_RESUME_CHECKPOINT";
-
-/// Set by the launcher on its ranks: their standard input is a pipe the launcher holds open, and
-/// a rank stops at once when it closes (the launcher died, even by SIGKILL), so no rank trains
-/// on unsupervised while a `resume` of its run may start.
-pub const LAUNCHER_PIPE_ENV: &str = "HARNESS_LAUNCHER_PIPE";
-
-/// The exit status of a rank whose launcher died.
-pub const ORPHANED_EXIT: i32 = 75;
-
-/// The exit status of a rank 0 whose rendezvous port was taken (EADDRINUSE's number on
-/// Linux): the launcher that chose the port tries another.
-pub const PORT_TAKEN_EXIT: i32 = 98;
-
-/// Rank 0 could not bind the rendezvous port (`MASTER_PORT`): someone else holds it. The
-/// `harness` binary exits with [`PORT_TAKEN_EXIT`] on this error.
-#[derive(Debug)]
-pub struct PortTaken(pub String);
-
-impl std::fmt::Display for PortTaken {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "the rendezvous port is taken: {}", self.0)
-    }
-}
-
-impl std::error::Error for PortTaken {}
-
-/// The collective timeout of `--dist-timeout-s`, checked.
-pub fn timeout(seconds: f64) -> Result<Duration> {
-    // a week at most: larger values overflow deadlines (`Instant + Duration`)
-    if !(seconds.is_finite() && seconds > 0.0 && seconds <= 604_800.0) {
-        bail!("--dist-timeout-s must be a number of seconds in (0, 604800], got {seconds}");
-    }
-    Ok(Duration::from_secs_f64(seconds))
-}
-
-/// The data-parallel rules of a config on `world` ranks, each error naming its key: the
-/// trainer must be one of the data-parallel ones (on_policy, sft, dpo, online_dpo, spin,
-/// reward_model), every global batch must
-/// split over the ranks.
-pub fn check_data_parallel(cfg: &ExperimentConfig, world: usize) -> Result<()> {
-    if world <= 1 {
-        return Ok(());
-    }
-    let splits = |key: &str, value: usize, what: &str| {
-        if !value.is_multiple_of(world) {
-            bail!(
-                "config key `{key}`: {value} {what} do not split over {world} data-parallel ranks \
-                 (it is the global figure; make it a multiple of the world size)"
-            );
-        }
-        Ok(())
-    };
-    let mini = cfg.actor_rollout_ref.actor.ppo_mini_batch_size;
-    let mini_key = "actor_rollout_ref.actor.ppo_mini_batch_size";
-    match cfg.trainer.algorithm {
-        TrainerKind::OnPolicy => {
-            splits(
-                "data.train_batch_size",
-                cfg.data.train_batch_size,
-                "prompts",
-            )?;
-            splits(mini_key, mini, "prompts")?;
-            if cfg.algorithm.adv_estimator.needs_critic() {
-                splits(
-                    "critic.ppo_mini_batch_size",
-                    cfg.critic.worker.ppo_mini_batch_size,
-                    "prompts",
-                )?;
-            }
-        }
-        TrainerKind::Sft | TrainerKind::Spin => {
-            splits("sft.train_batch_size", cfg.sft.train_batch_size, "rows")?;
-            splits(mini_key, mini, "rows")?;
-        }
-        TrainerKind::OnlineDpo => {
-            splits(
-                "data.train_batch_size",
-                cfg.data.train_batch_size,
-                "prompts",
-            )?;
-            splits(mini_key, mini, "pairs")?;
-        }
-        TrainerKind::Dpo => {
-            splits(
-                "preference_data.train_batch_size",
-                cfg.preference_data.train_batch_size,
-                "pairs",
-            )?;
-            splits(mini_key, mini, "pairs")?;
-        }
-        TrainerKind::RewardModel => {
-            splits(
-                "preference_data.train_batch_size",
-                cfg.preference_data.train_batch_size,
-                "pairs",
-            )?;
-        }
-        TrainerKind::Bandit => bail!("{}", TrainerKind::Bandit.not_data_parallel()),
-    }
-    Ok(())
-}
-
-/// This process as a rank when torchrun's `WORLD_SIZE` is set (by this launcher, torchrun, a
-/// Slurm or Kubernetes wrapper): joins the group (rendezvous and every collective bounded by
-/// `timeout`) and, when `OMP_NUM_THREADS` is set, uses that many intra-op threads. `None`
-/// without `WORLD_SIZE`.
-pub fn rank_from_env(timeout: Duration) -> Result<Option<Rank>> {
-    if std::env::var_os("WORLD_SIZE").is_none() {
-        return Ok(None);
-    }
-    if std::env::var_os(LAUNCHER_PIPE_ENV).is_some() {
-        die_with_launcher();
-    }
-    if let Ok(v) = std::env::var("OMP_NUM_THREADS") {
-        let n: i32 = v
-            .trim()
-            .parse()
-            .ok()
-            .filter(|&n| n > 0)
-            .with_context(|| format!("OMP_NUM_THREADS={v:?} is not a positive thread count"))?;
-        tch::set_num_threads(n);
-    }
-    let run_id = match std::env::var(RUN_ID_ENV) {
-        Ok(v) => Some(
-            v.trim()
-                .parse::<i64>()
-                .with_context(|| format!("{RUN_ID_ENV}={v:?} is not a run id"))?,
-        ),
-        Err(_) => None,
-    };
-    let joined = rl_dist::shared_from_env(timeout);
-    if let Err(e) = &joined {
-        let text = e.to_string();
-        let lower = text.to_lowercase();
-        let rank0 = std::env::var("RANK").is_ok_and(|r| r.trim() == "0");
-        if rank0 && (lower.contains("eaddrinuse") || lower.contains("address already in use")) {
-            let var = |k: &str| std::env::var(k).unwrap_or_default();
-            return Err(PortTaken(format!(
-                "MASTER_ADDR={} MASTER_PORT={}: {text}",
-                var("MASTER_ADDR"),
-                var("MASTER_PORT")
-            ))
-            .into());
-        }
-    }
-    let group = joined
-        .context("joining the data-parallel group (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)")?
-        .context("WORLD_SIZE vanished from the environment")?;
-    let (rank, world) = {
-        let g = rl_core::dist::lock(&group)?;
-        (g.rank(), g.world_size())
-    };
-    Ok(Some(Rank {
-        group,
-        rank,
-        world,
-        run_id,
-    }))
-}
-
-/// The launcher's pid, when this process is a rank it started.
-static LAUNCHER: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
-
-/// `the launcher (pid P) died` when this process is a rank whose launcher is gone (it was
-/// reparented): the cause to record for a rank 0 whose group broke because of it.
-pub fn launcher_gone() -> Option<String> {
-    let launcher = *LAUNCHER.get()?;
-    (std::os::unix::process::parent_id() != launcher)
-        .then(|| format!("the launcher (pid {launcher}) died"))
-}
-
-/// Watches standard input, the launcher's pipe: at its end (the launcher is gone, however it
-/// died) this rank exits at once with [`ORPHANED_EXIT`].
-fn die_with_launcher() {
-    let _ = LAUNCHER.set(std::os::unix::process::parent_id());
-    std::thread::spawn(|| {
-        let mut stdin = std::io::stdin();
-        let mut buf = [0u8; 64];
-        // the launcher never writes: a read returns only at the pipe's end or on an error
-        while matches!(stdin.read(&mut buf), Ok(n) if n > 0) {}
-        let rank = std::env::var("RANK").unwrap_or_default();
-        note!("harness: rank {rank}: the launcher is gone; stopping");
-        std::process::exit(ORPHANED_EXIT);
-    });
-}
 
 /// Kills (SIGKILL) the process group of every child still running when dropped and reaps it,
 /// so no rank, nor anything a rank started, outlives a launcher that returns early.
@@ -372,7 +184,7 @@ pub fn launch_resume(
     )
     .inspect_err(|e| {
         // ranks that failed before rank 0 rewound the run leave it as it was
-        match train::restore_claim(rt, &store, &r, &crate::one_line(e)) {
+        match train::restore_claim(rt, &store, &r, &crate::console::one_line(e)) {
             Ok(true) => note!("harness: run {} is left as it was before this resume", r.id),
             Ok(false) => fail_if_running(rt, &store, r.id, e),
             Err(why) => {
@@ -392,7 +204,7 @@ fn fail_if_running(rt: &Runtime, store: &Store, id: i64, e: &anyhow::Error) {
         .ok()
         .flatten()
         .is_some_and(|r| r.status == "running");
-    if running && let Err(mark) = train::mark_failed(rt, store, id, crate::one_line(e)) {
+    if running && let Err(mark) = train::mark_failed(rt, store, id, crate::console::one_line(e)) {
         note!("harness: run {id}: could not mark it failed: {mark:#}");
     }
 }
@@ -545,7 +357,7 @@ fn supervise(
         (cores / nproc).max(1).to_string()
     });
     let stop = Arc::new(AtomicBool::new(false));
-    let signals = crate::train::stop_on_signal(rt, stop.clone(), None);
+    let signals = train::stop_on_signal(rt, stop.clone(), None);
     let spawn = |rank: usize, port: u16| {
         Command::new(&exe)
             .args(child_args)
@@ -601,7 +413,7 @@ fn supervise(
             Ok(e) => e,
             Err(e) => {
                 signals.abort();
-                train::mark_failed(rt, store, id, crate::one_line(&e))?;
+                train::mark_failed(rt, store, id, crate::console::one_line(&e))?;
                 return Err(e.context(format!("run {id} failed")));
             }
         };
@@ -637,14 +449,14 @@ fn supervise(
             others.join(", ")
         );
         train::mark_failed(rt, store, id, msg.clone())?;
-        crate::checkpoint::remove_partial(run_dir);
+        checkpoint::remove_partial(run_dir);
         bail!("run {id} failed: {msg}");
     }
     if stop.load(Ordering::SeqCst) {
         // rank 0 records `killed` after its last checkpoint; this covers a rank 0 that the
         // signal reached before it could
         train::mark_ended(rt, store, id, "killed", None)?;
-        crate::checkpoint::remove_partial(run_dir);
+        checkpoint::remove_partial(run_dir);
         bail!("run {id} stopped by a signal; `harness resume {id}` continues it");
     }
     if !killed.is_empty() {

@@ -1,6 +1,14 @@
 //! The experiment config: the crates' own config groups composed under verl's names, layered
 //! (defaults → TOML file → `RL_` environment → `key.path=value` overrides) with figment, with
 //! unknown keys reported by name and the nearest valid key suggested.
+//!
+//! The configuration layer of the harness: it knows the keys, their defaults and their rules,
+//! and nothing about running (it sits below `run`, `analysis` and `integrations`, above
+//! `store` whose filter language `trainer.stop_when` is written in). Its parts: this file (the
+//! top-level [`ExperimentConfig`], layering, validation, key listings), [`groups`] (the LLM
+//! groups under verl's names), [`checks`] (the rules of the groups a trainer reads and the
+//! trainers' configs derived from them), [`verl`] and [`from_verl`] (verl's command lines and
+//! configs), and the generated reference (`docs`).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -12,7 +20,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::bandit::BanditConfig;
-use crate::experiment::{ActorRolloutRef, CriticGroup, DpoGroup, RewardModelGroup, SftGroup};
+use crate::suggest::nearest_key;
+use groups::{ActorRolloutRef, CriticGroup, DpoGroup, RewardModelGroup, SftGroup};
 
 /// Which trainer drives the run (`trainer.algorithm`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -665,7 +674,7 @@ pub fn validate(cfg: &ExperimentConfig) -> Result<()> {
         );
     }
     if let Some(src) = &t.stop_when {
-        crate::filter::StopWhen::parse(src).context("config key `trainer.stop_when`")?;
+        crate::store::filter::StopWhen::parse(src).context("config key `trainer.stop_when`")?;
         if t.test_freq <= 0 {
             bail!(
                 "config key `trainer.stop_when`: is checked at validations, but \
@@ -680,13 +689,13 @@ pub fn validate(cfg: &ExperimentConfig) -> Result<()> {
         .validate()
         .map_err(|e| anyhow!("config group `algorithm`: {e}"))?;
     cfg.bandit.validate()?;
-    crate::compose::check(&as_planned(cfg))?;
+    checks::check(&as_planned(cfg))?;
     Ok(())
 }
 
 /// Every key path of the config (leaves and groups), from the serialised defaults.
 pub fn known_keys() -> Vec<String> {
-    let value = crate::experiment::with_optional_keys(|| {
+    let value = groups::with_optional_keys(|| {
         serde_json::to_value(ExperimentConfig::default()).unwrap_or(Value::Null)
     });
     let mut out = Vec::new();
@@ -705,37 +714,6 @@ pub fn known_keys() -> Vec<String> {
     }
     walk("", &value, &mut out);
     out
-}
-
-/// The known key nearest to `key` by edit distance, if it is plausibly a typo.
-pub fn nearest_key(key: &str, known: &[String]) -> Option<String> {
-    let parent = key.rsplit_once('.').map(|(p, _)| p).unwrap_or("");
-    known
-        .iter()
-        .map(|k| {
-            // Prefer siblings: a key in the same group costs less than one elsewhere.
-            let kp = k.rsplit_once('.').map(|(p, _)| p).unwrap_or("");
-            let penalty = usize::from(kp != parent);
-            (levenshtein(key, k) + penalty, k)
-        })
-        .min()
-        .filter(|(d, _)| *d <= key.len().max(4) / 2 + 1)
-        .map(|(_, k)| k.clone())
-}
-
-/// Levenshtein edit distance over chars.
-pub fn levenshtein(a: &str, b: &str) -> usize {
-    let b: Vec<char> = b.chars().collect();
-    let mut prev: Vec<usize> = (0..=b.len()).collect();
-    for (i, ca) in a.chars().enumerate() {
-        let mut cur = vec![i + 1; b.len() + 1];
-        for (j, cb) in b.iter().enumerate() {
-            let sub = prev[j] + usize::from(ca != *cb);
-            cur[j + 1] = sub.min(prev[j + 1] + 1).min(cur[j] + 1);
-        }
-        prev = cur;
-    }
-    prev[b.len()]
 }
 
 /// Turns figment's errors into one-line causes naming the key, its source and, for an
@@ -785,8 +763,8 @@ fn explain(err: figment::Error) -> anyhow::Error {
                 )
             }
             // a value of a table that two structs share (experiment::Merged), with its path
-            Kind::Message(msg) if msg.starts_with(crate::experiment::BAD_VALUE) => {
-                let rest = &msg[crate::experiment::BAD_VALUE.len()..];
+            Kind::Message(msg) if msg.starts_with(groups::BAD_VALUE) => {
+                let rest = &msg[groups::BAD_VALUE.len()..];
                 let (inner, why) = rest.split_once("`: ").unwrap_or((rest, ""));
                 let key = if path.is_empty() {
                     inner.to_string()
@@ -796,8 +774,8 @@ fn explain(err: figment::Error) -> anyhow::Error {
                 format!("config key `{key}` (in {source}): {}", serde_in_words(why))
             }
             // an unknown key inside a table that two structs share (experiment::Merged)
-            Kind::Message(msg) if msg.starts_with(crate::experiment::UNKNOWN_KEY) => {
-                let field = msg[crate::experiment::UNKNOWN_KEY.len()..]
+            Kind::Message(msg) if msg.starts_with(groups::UNKNOWN_KEY) => {
+                let field = msg[groups::UNKNOWN_KEY.len()..]
                     .split('`')
                     .next()
                     .unwrap_or_default();
@@ -876,7 +854,7 @@ pub fn flatten(cfg: &Value) -> BTreeMap<String, Value> {
 /// The configuration reference (docs/config.md): every key of every group with its default,
 /// generated from the config structs' defaults so it cannot drift from them.
 pub fn reference_markdown() -> String {
-    let value = crate::experiment::with_optional_keys(|| {
+    let value = groups::with_optional_keys(|| {
         serde_json::to_value(ExperimentConfig::default()).unwrap_or(Value::Null)
     });
     let mut out = String::from(
@@ -966,8 +944,10 @@ pub fn read_file(path: &Path) -> Result<String> {
     std::fs::read_to_string(path).with_context(|| format!("reading config file {}", path.display()))
 }
 
+pub mod checks;
 mod docs;
 pub mod from_verl;
+pub mod groups;
 pub mod verl;
 
 #[cfg(test)]

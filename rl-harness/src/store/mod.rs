@@ -1,6 +1,11 @@
 //! The SQLite run store (sqlx): WAL, a busy timeout, migrations serialised by a file lock, and
 //! one writer task per process that applies writes in order, batching metrics, heartbeats and
 //! events into one `BEGIN IMMEDIATE` transaction per drain.
+//!
+//! The lowest layer of the harness above its leaves: runs, metrics, events and checkpoints as
+//! rows, and the queries over them ([`filter`], the language of `runs --filter` and
+//! `trainer.stop_when`). It knows no experiment config (a run's config is stored as JSON), so
+//! `config` can use it and not the other way round.
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -16,6 +21,7 @@ use sqlx::sqlite::{
 use sqlx::{Connection, Row};
 use tokio::sync::{mpsc, oneshot};
 
+pub mod filter;
 mod writer;
 
 use writer::{Op, QueuedEnd, QueuedEvent, SharedHealth};
@@ -488,7 +494,7 @@ impl Store {
             let names: Vec<String> = sqlx::query_scalar("SELECT DISTINCT name FROM runs")
                 .fetch_all(&self.pool)
                 .await?;
-            let hint = crate::config::nearest_key(spec, &names)
+            let hint = crate::suggest::nearest_key(spec, &names)
                 .map(|n| format!("; did you mean `{n}`?"))
                 .unwrap_or_default();
             bail!(
@@ -524,7 +530,7 @@ impl Store {
             .iter()
             .flat_map(|(id, name)| [name.clone(), id.clone()])
             .collect();
-        let hint = match crate::config::nearest_key(spec, &names) {
+        let hint = match crate::suggest::nearest_key(spec, &names) {
             Some(n) => format!("; did you mean `{n}`?"),
             None if names.is_empty() => "; it has no sweeps".into(),
             None => format!(
