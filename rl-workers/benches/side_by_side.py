@@ -16,6 +16,8 @@ throughput and memory bandwidth) right after the two sides.
 tokens (unless --new-tokens says otherwise); greedy runs over each prompt repeated 8 times (64
 rows on both sides), sampled asks for 8 samples a prompt (transformers' `num_return_sequences`,
 our `n`, which prefills each prompt once for its samples); no forward+backward.
+`--fused` runs our forward+backward through the fused head (verl's `use_fused_kernels`: the
+LM head and its log-softmax in row chunks, recomputed in the backward).
 
 The generation floor: the greedy rows' prefill at the 2048-row matmul rate, plus every decode
 step computing every row at the 32-row (64 for the GRPO shape) rate, or streaming the weights
@@ -218,6 +220,8 @@ def main():
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--new-tokens", type=int)
     p.add_argument("--shape", choices=["batch", "grpo"], default="batch")
+    p.add_argument("--fused", action="store_true",
+                   help="our forward+backward through the fused head (verl's use_fused_kernels)")
     p.add_argument("--samples", type=int, default=1, help=argparse.SUPPRESS)  # set by --shape, for --hf-side
     p.add_argument("--fwd-bwd", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--rounds", type=int, default=3)
@@ -249,7 +253,8 @@ def main():
     hf_cmd = [sys.executable, __file__, "--hf-side", "--model", args.model, "--prompts", prompts,
               "--threads", str(args.threads), "--new-tokens", str(args.new_tokens),
               "--samples", str(args.samples), "--fwd-bwd", str(args.fwd_bwd)]
-    rust_env = dict(os.environ, BENCH_N=str(args.samples), BENCH_FWD_BWD=str(args.fwd_bwd))
+    rust_env = dict(os.environ, BENCH_N=str(args.samples), BENCH_FWD_BWD=str(args.fwd_bwd),
+                    BENCH_FUSED="1" if args.fused else "0")
     eos = json.load(open(os.path.join(args.model, "config.json")))["eos_token_id"]
     from safetensors import safe_open
 
@@ -311,6 +316,7 @@ def main():
     summary = {
         "params": params, "rounds": rounds, "threads": args.threads, "new_tokens": args.new_tokens,
         "shape": args.shape, "prompts": len(questions), "samples_per_prompt": args.samples,
+        "fused_head": args.fused,
         "greedy_tokens_identical": all(r["greedy_tokens_identical"] for r in rounds),
         "load_avg": [r["load_avg_before_rust"][0] for r in rounds] + [r["load_avg_before_transformers"][0] for r in rounds],
         "ratios": {}, "sides": {},

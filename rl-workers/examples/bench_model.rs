@@ -6,10 +6,12 @@
 //! `sampled`) runs that generation alone and prints its figures: for profiling one phase.
 //! `BENCH_N=8` is the GRPO shape: greedy over every prompt repeated 8 times, sampled with
 //! `n = 8` (one prefill per prompt shared by its samples); `BENCH_FWD_BWD=0` skips the
-//! forward+backward.
+//! forward+backward; `BENCH_FUSED=1` runs the forward+backward through the fused head
+//! (`rl_workers::fused_head`, verl's `use_fused_kernels`).
 
 use std::time::Instant;
 
+use rl_workers::fused_head::fused_log_probs;
 use rl_workers::{CausalLm, GenerateOptions, RolloutConfig, generate};
 use tch::{Device, Kind, Tensor};
 
@@ -49,6 +51,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let n: i64 = std::env::var("BENCH_N").map_or(Ok(1), |v| v.parse())?;
     let fwd_bwd = std::env::var("BENCH_FWD_BWD").map_or(true, |v| v != "0");
+    let fused = std::env::var("BENCH_FUSED").is_ok_and(|v| v == "1");
     let mut report = serde_json::Map::new();
     let mut greedy_out = None;
     let only = std::env::var("BENCH_ONLY").ok();
@@ -120,19 +123,28 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             .iter_mut()
             .for_each(|t| t.zero_grad());
         let start = Instant::now();
-        let logits = lm.forward(ids, mask, pos, None)?;
-        let logp = logits
-            .narrow(1, 0, len - 1)
-            .log_softmax(-1, Kind::Float)
-            .gather(2, &targets.unsqueeze(-1), false);
-        let loss = -(logp.squeeze_dim(-1) * &weight).sum(Kind::Float) / weight.sum(Kind::Float);
-        loss.backward();
+        if fused {
+            let hidden = lm.model().forward(ids, mask, pos, None)?;
+            let head = fused_log_probs(&lm, &hidden.narrow(1, 0, len - 1), &targets, 1.0, false);
+            let loss = -(&head.log_prob * &weight).sum(Kind::Float) / weight.sum(Kind::Float);
+            loss.backward();
+            head.pending.finish(&lm);
+        } else {
+            let logits = lm.forward(ids, mask, pos, None)?;
+            let logp = logits
+                .narrow(1, 0, len - 1)
+                .log_softmax(-1, Kind::Float)
+                .gather(2, &targets.unsqueeze(-1), false);
+            let loss = -(logp.squeeze_dim(-1) * &weight).sum(Kind::Float) / weight.sum(Kind::Float);
+            loss.backward();
+        }
         times.push(start.elapsed().as_secs_f64());
     }
     let secs = times[1..].iter().sum::<f64>() / (times.len() - 1) as f64;
     let tokens = mask.sum(Kind::Float).double_value(&[]);
     report.insert("fwd_bwd_seconds".to_owned(), secs.into());
     report.insert("fwd_bwd_tokens_per_s".to_owned(), (tokens / secs).into());
+    report.insert("fwd_bwd_fused".to_owned(), fused.into());
     report.insert(
         "fwd_bwd_shape".to_owned(),
         serde_json::to_value(ids.size())?,

@@ -232,6 +232,11 @@ pub struct ModelConfig {
     /// restarting), and the LM head only where a response token is read; the same log-probs
     /// up to rounding, less work when lengths differ (docs/perf.md). Default false.
     pub use_remove_padding: bool,
+    /// verl's `use_fused_kernels`: the actor's update computes its log-probs and entropies
+    /// through the fused head (row chunks of the LM head, recomputed in the backward), so no
+    /// full-vocabulary tensor is kept for the backward; the same update up to rounding, less
+    /// memory and time (docs/perf.md). Not with `actor.zero_stage = 3`. Default false.
+    pub use_fused_kernels: bool,
 }
 
 impl Default for ModelConfig {
@@ -247,6 +252,7 @@ impl Default for ModelConfig {
             lora_dropout: lora.dropout,
             lora_adapter_path: None,
             use_remove_padding: false,
+            use_fused_kernels: false,
         }
     }
 }

@@ -126,10 +126,6 @@ const FOREIGN: &[(&str, Foreign)] = &[
         Foreign::NoEffect("only the built-in Llama and Qwen2 model code is ever run"),
     ),
     (
-        "actor_rollout_ref.model.use_fused_kernels",
-        Foreign::NoEffect("there are no fused kernels to choose"),
-    ),
-    (
         "actor_rollout_ref.ref.fsdp_config.",
         Foreign::NoEffect(NO_FSDP),
     ),

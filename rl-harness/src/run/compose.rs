@@ -999,12 +999,13 @@ fn pair_actor(cfg: &ExperimentConfig, policy: SharedPolicy) -> Result<ActorWorke
     Ok(ActorWorker::new(policy, actor_config(cfg), 2)?)
 }
 
-/// The actor's worker config: `actor_rollout_ref.actor`, with `use_remove_padding` from its
-/// verl place, `actor_rollout_ref.model`.
+/// The actor's worker config: `actor_rollout_ref.actor`, with `use_remove_padding` and
+/// `use_fused_kernels` from their verl place, `actor_rollout_ref.model`.
 fn actor_config(cfg: &ExperimentConfig) -> rl_workers::roles::ActorConfig {
     let arr = &cfg.actor_rollout_ref;
     rl_workers::roles::ActorConfig {
         use_remove_padding: arr.model.use_remove_padding,
+        use_fused_kernels: arr.model.use_fused_kernels,
         ..arr.actor.clone()
     }
 }

@@ -157,6 +157,17 @@ impl ActorWorker {
     /// Errors when `actor_rollout_ref.actor.ppo_mini_batch_size` is not a multiple of the
     /// world size.
     pub fn with_group(mut self, group: SharedCollective) -> rl_core::Result<Self> {
+        if self.cfg.use_fused_kernels
+            && self.cfg.zero_stage == 3
+            && dist::lock(&group)?.world_size() > 1
+        {
+            return Err(rl_core::Error::InvalidArgument {
+                name: "actor_rollout_ref.model.use_fused_kernels",
+                reason: "the fused head is not built for ZeRO stage 3 \
+                         (actor_rollout_ref.actor.zero_stage = 3): set one of them lower"
+                    .into(),
+            });
+        }
         check_dp_mini_batch(
             "actor_rollout_ref.actor.ppo_mini_batch_size",
             self.cfg.ppo_mini_batch_size,
@@ -517,14 +528,6 @@ impl Actor for ActorWorker {
         let base_seed = (self.optim.counters().steps as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
         let mut micro_index = 0u64;
         let fused = self.cfg.use_fused_kernels;
-        if fused && lm.model().param_shards().is_some() {
-            return Err(rl_core::Error::InvalidArgument {
-                name: "actor_rollout_ref.model.use_fused_kernels",
-                reason: "the fused head is not built for ZeRO stage 3 (zero_stage = 3): set it \
-                         to false or use zero_stage <= 2"
-                    .into(),
-            });
-        }
         let pending = std::cell::RefCell::new(None);
         let out = update_loop_dp(
             &self.cfg,
