@@ -41,19 +41,22 @@ pub struct PendingHead {
     entropy: Option<Tensor>,
 }
 
-/// One chunk's log-probs of `labels` (and entropies) from hidden states `h` (`[n, hidden]`):
-/// the plain path's arithmetic, row by row.
-fn chunk(
-    lm: &CausalLm,
-    h: &Tensor,
-    labels: &Tensor,
-    temperature: f64,
-    entropy: bool,
-) -> (Tensor, Option<Tensor>) {
+/// `lm`'s logits of hidden states `h` in f32, divided by `temperature`.
+pub(crate) fn scaled_logits(lm: &CausalLm, h: &Tensor, temperature: f64) -> Tensor {
     let mut logits = lm.logits(h).to_kind(Kind::Float);
     if temperature != 1.0 {
         logits /= temperature;
     }
+    logits
+}
+
+/// Log-probs of `labels` under f32 `logits` (`[..., vocab]`) and, when `entropy`, the
+/// entropies: the arithmetic of the plain head and of each fused chunk, row by row.
+pub(crate) fn head_log_probs(
+    logits: &Tensor,
+    labels: &Tensor,
+    entropy: bool,
+) -> (Tensor, Option<Tensor>) {
     let log_softmax = logits.log_softmax(-1, Kind::Float);
     let lp = log_softmax
         .gather(-1, &labels.unsqueeze(-1), false)
@@ -63,6 +66,17 @@ fn chunk(
         -(p * &log_softmax).sum_dim_intlist([-1].as_slice(), false, Kind::Float)
     });
     (lp, ent)
+}
+
+/// One chunk's log-probs of `labels` (and entropies) from hidden states `h` (`[n, hidden]`).
+fn chunk(
+    lm: &CausalLm,
+    h: &Tensor,
+    labels: &Tensor,
+    temperature: f64,
+    entropy: bool,
+) -> (Tensor, Option<Tensor>) {
+    head_log_probs(&scaled_logits(lm, h, temperature), labels, entropy)
 }
 
 /// Rows of `[rows, vocab]` logits per chunk.
@@ -205,8 +219,7 @@ mod tests {
         let mut cfg = Config::tiny();
         cfg.vocab_size = 97;
         cfg.tie_word_embeddings = tied;
-        tch::manual_seed(3);
-        CausalLm::new(&cfg, Device::Cpu, Kind::Float).unwrap()
+        crate::seeded(3, || CausalLm::new(&cfg, Device::Cpu, Kind::Float).unwrap())
     }
 
     fn grads(lm: &CausalLm) -> Vec<(String, Tensor)> {
@@ -233,13 +246,18 @@ mod tests {
         for tied in [true, false] {
             let lm = tiny(tied);
             let (b, t) = (3, 9);
-            let ids = Tensor::randint(97, [b, t], (Kind::Int64, Device::Cpu));
+            // the global generator is shared with the other tests of the process: hold it
+            let (ids, labels, weights) = crate::seeded(4, || {
+                (
+                    Tensor::randint(97, [b, t], (Kind::Int64, Device::Cpu)),
+                    Tensor::randint(97, [b, t], (Kind::Int64, Device::Cpu)),
+                    Tensor::randn([b, t], (Kind::Float, Device::Cpu)),
+                )
+            });
             let mask = Tensor::ones([b, t], (Kind::Int64, Device::Cpu));
             let pos = Tensor::arange(t, (Kind::Int64, Device::Cpu))
                 .unsqueeze(0)
                 .repeat([b, 1]);
-            let labels = Tensor::randint(97, [b, t], (Kind::Int64, Device::Cpu));
-            let weights = Tensor::randn([b, t], (Kind::Float, Device::Cpu));
             let loss = |lp: &Tensor, ent: &Tensor| {
                 (lp * &weights).sum(Kind::Float) - (ent * ent).sum(Kind::Float) * 0.3
             };

@@ -5,7 +5,7 @@ use rl_core::roles::{LogProbExtras, Metrics, MiniBatchInfo};
 use rl_core::{Batch, keys};
 use tch::{Device, Kind, Tensor};
 
-use crate::fused_head::{PendingHead, fused_log_probs};
+use crate::fused_head::{PendingHead, fused_log_probs, head_log_probs, scaled_logits};
 use crate::heads::{CausalLm, ValueModel};
 use crate::roles::role_err;
 
@@ -380,18 +380,8 @@ pub(crate) fn log_probs_with(
     // stage 3: the root unit (embeddings, head) stays gathered from the stack to the head
     let _root = lm.model().hold_root().map_err(role_err("actor"))?;
     let head = head_inputs(lm, micro, packed)?;
-    let mut logits = lm.logits(&head.hidden).to_kind(Kind::Float);
-    if temperature != 1.0 {
-        logits /= temperature;
-    }
-    let log_softmax = logits.log_softmax(-1, Kind::Float);
-    let lp = log_softmax
-        .gather(-1, &head.responses.unsqueeze(-1), false)
-        .squeeze_dim(-1);
-    let entropy = extras.entropy.then(|| {
-        let p = log_softmax.exp();
-        -(p * &log_softmax).sum_dim_intlist([-1].as_slice(), false, Kind::Float)
-    });
+    let logits = scaled_logits(lm, &head.hidden, temperature);
+    let (lp, entropy) = head_log_probs(&logits, &head.responses, extras.entropy);
     let sum_pi_squared = extras.sum_pi_squared.then(|| sum_pi_squared(&logits));
     Ok(LogProbOutputs {
         log_prob: head.back(lp),
