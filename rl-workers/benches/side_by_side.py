@@ -290,17 +290,7 @@ def main():
         prefill_flops = 2 * params * gen_rows * max(len(r) for r in rows)
         gen_floor = max(gen_flops / (rate * 1e9), gen_bytes / (fl["copy_gb_per_s"] * 1e9)) \
             + prefill_flops / (fl["matmul_gflops_m2048"] * 1e9)
-        one = {}
-        if args.fwd_bwd:
-            b, t = rust["fwd_bwd_shape"]
-            fb_floor = 6 * params * b * t / (fl["matmul_gflops_m2048"] * 1e9)
-            one = {
-                "fwd_bwd_time_ratio": rust["fwd_bwd_seconds"] / hf["fwd_bwd_seconds"],
-                "fwd_bwd_floor_seconds": fb_floor,
-                "fwd_bwd_rust_over_floor": rust["fwd_bwd_seconds"] / fb_floor,
-            }
-        rounds.append(one)
-        one.update({
+        one = {
             "rust": rust, "transformers": hf, "floor": fl,
             "load_avg_before_rust": load_rust, "load_avg_before_transformers": load_hf,
             "greedy_tokens_identical": same,
@@ -309,7 +299,16 @@ def main():
             "peak_rss_ratio": rust["peak_rss_mib"] / hf["peak_rss_mib"],
             "greedy_floor_seconds": gen_floor,
             "greedy_rust_over_floor": rust["greedy_seconds"] / gen_floor,
-        })
+        }
+        if args.fwd_bwd:
+            b, t = rust["fwd_bwd_shape"]
+            fb_floor = 6 * params * b * t / (fl["matmul_gflops_m2048"] * 1e9)
+            one.update({
+                "fwd_bwd_time_ratio": rust["fwd_bwd_seconds"] / hf["fwd_bwd_seconds"],
+                "fwd_bwd_floor_seconds": fb_floor,
+                "fwd_bwd_rust_over_floor": rust["fwd_bwd_seconds"] / fb_floor,
+            })
+        rounds.append(one)
         print(f"round {r + 1}/{args.rounds}: load {load_rust[0]:.2f} / {load_hf[0]:.2f}, greedy "
               f"{rust['greedy_seconds']:.2f} s vs {hf['greedy_seconds']:.2f} s", file=sys.stderr)
 

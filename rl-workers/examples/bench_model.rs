@@ -49,9 +49,24 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mask = Tensor::from_slice(&mask).view(shape);
     let pos = (mask.cumsum(1, Kind::Int64) - 1).clamp_min(0);
 
-    let n: i64 = std::env::var("BENCH_N").map_or(Ok(1), |v| v.parse())?;
-    let fwd_bwd = std::env::var("BENCH_FWD_BWD").map_or(true, |v| v != "0");
-    let fused = std::env::var("BENCH_FUSED").is_ok_and(|v| v == "1");
+    let n: i64 = match std::env::var("BENCH_N") {
+        Err(_) => 1,
+        Ok(v) => v
+            .parse()
+            .ok()
+            .filter(|&n| n >= 1)
+            .ok_or_else(|| format!("BENCH_N: '{v}' is not a count of samples >= 1"))?,
+    };
+    let flag = |key: &str, default: bool| -> Result<bool, String> {
+        match std::env::var(key).as_deref() {
+            Err(_) => Ok(default),
+            Ok("0") => Ok(false),
+            Ok("1") => Ok(true),
+            Ok(v) => Err(format!("{key}: '{v}' is not 0 or 1")),
+        }
+    };
+    let fwd_bwd = flag("BENCH_FWD_BWD", true)?;
+    let fused = flag("BENCH_FUSED", false)?;
     let mut report = serde_json::Map::new();
     let mut greedy_out = None;
     let only = std::env::var("BENCH_ONLY").ok();

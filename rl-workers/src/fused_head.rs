@@ -84,6 +84,13 @@ fn chunk_rows(lm: &CausalLm) -> i64 {
     (CHUNK_ELEMS / lm.config().vocab_size.max(1)).max(1)
 }
 
+/// `(start, len)` of each chunk of `step` rows (the last one shorter) over `rows` rows.
+fn spans(rows: i64, step: i64) -> impl Iterator<Item = (i64, i64)> {
+    (0..rows)
+        .step_by(step.max(1) as usize)
+        .map(move |start| (start, step.min(rows - start)))
+}
+
 /// Log-probs of `labels` (and entropies when `entropy`) under `lm`'s head applied to `hidden`,
 /// logits divided by `temperature`, as leaves for the loss; [`PendingHead::finish`] completes
 /// the backward.
@@ -113,18 +120,13 @@ fn fused_in_chunks(
 ) -> FusedHead {
     let lead = labels.size();
     let width = *hidden.size().last().unwrap_or(&1);
-    let leaf = hidden
-        .detach()
-        .reshape([-1, width])
-        .contiguous()
-        .set_requires_grad(true);
+    // a leaf of its own (reshape copies a non-contiguous view, such as the response columns)
+    let leaf = hidden.detach().reshape([-1, width]).set_requires_grad(true);
     let flat_labels = labels.reshape([-1]);
     let rows = leaf.size()[0];
     let (mut lps, mut ents) = (Vec::new(), Vec::new());
     tch::no_grad(|| {
-        let mut start = 0;
-        while start < rows {
-            let len = step.min(rows - start);
+        for (start, len) in spans(rows, step) {
             let (lp, ent) = chunk(
                 lm,
                 &leaf.narrow(0, start, len),
@@ -134,7 +136,6 @@ fn fused_in_chunks(
             );
             lps.push(lp);
             ents.extend(ent);
-            start += len;
         }
     });
     let gather = |parts: Vec<Tensor>| {
@@ -178,11 +179,7 @@ impl PendingHead {
         if g_lp.is_none() && g_ent.is_none() {
             return;
         }
-        let rows = self.leaf.size()[0];
-        let step = self.step;
-        let mut start = 0;
-        while start < rows {
-            let len = step.min(rows - start);
+        for (start, len) in spans(self.leaf.size()[0], self.step) {
             let (lp, ent) = chunk(
                 lm,
                 &self.leaf.narrow(0, start, len),
@@ -198,7 +195,6 @@ impl PendingHead {
                 surrogate += (e * g.narrow(0, start, len)).sum(Kind::Float);
             }
             surrogate.backward();
-            start += len;
         }
         let g_hidden = self.leaf.grad();
         if g_hidden.defined() {

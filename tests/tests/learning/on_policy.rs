@@ -181,7 +181,7 @@ fn grpo_raises_accuracy() {
 /// on-policy algorithm; how far it stays under full fine-tuning is printed, not asserted.
 ///
 /// The learning rate was chosen on eight initial-weight seeds the tests do not use (3-6, 8-11;
-/// `LEARN_INIT_SEEDS`, docs/lora.md): median gain +22.5 at 2.5x, +29.5 at 3x, +28.5 at 5x
+/// `LEARN_INIT_SEEDS`, docs/lora.md): median gain +22.5 at 2x, +29.5 at 3x, +28.5 at 5x
 /// (worst +14.0), +23.0 at 10x, a collapse to 0% on 7 of 8 seeds at 20x; full fine-tuning
 /// +39.0 on the same seeds. Issue 21's bar (LoRA's median within 5 points of full fine-tuning's)
 /// is not met on this tiny model at any of those rates, so it is not asserted here.
