@@ -12,16 +12,28 @@
 //!
 //! The test is the one torch-sys makes (the file exists), so the two always agree; a CPU
 //! libtorch, as `scripts/setup` installs by default, emits nothing and links as before.
+//!
+//! It also compiles `csrc/device_memory.cpp` (the caching allocator's counters, see
+//! `src/device_memory.rs`) against the libtorch headers and emits `cfg(rl_core_device_memory)`;
+//! it needs no CUDA headers, so CPU and CUDA builds compile it alike.
 
 use std::env;
 use std::path::PathBuf;
 
 fn main() {
     println!("cargo:rustc-check-cfg=cfg(torch_cuda)");
+    println!("cargo:rustc-check-cfg=cfg(rl_core_device_memory)");
     println!("cargo:rerun-if-changed=build.rs");
-    for var in ["LIBTORCH", "LIBTORCH_LIB"] {
+    println!("cargo:rerun-if-changed=csrc");
+    for var in [
+        "LIBTORCH",
+        "LIBTORCH_LIB",
+        "LIBTORCH_INCLUDE",
+        "LIBTORCH_CXX11_ABI",
+    ] {
         println!("cargo:rerun-if-env-changed={var}");
     }
+    compile_device_memory_shim();
     // torch-sys's order: `LIBTORCH_LIB` overrides `$LIBTORCH/lib`. Neither set (a system-wide
     // libtorch) is left to torch-sys alone, as before this script existed.
     let lib = env::var_os("LIBTORCH_LIB")
@@ -45,4 +57,29 @@ fn main() {
         println!("cargo:rustc-link-search=native={}", lib.display());
         println!("cargo:rustc-link-lib=dylib=torch_cuda");
     }
+}
+
+/// The device-memory shim, when the libtorch headers are found (torch-sys's order:
+/// `LIBTORCH_INCLUDE` overrides `$LIBTORCH/include`); without them the Rust side reports the
+/// shim missing instead of failing the build, as a system-wide libtorch left to torch-sys would.
+fn compile_device_memory_shim() {
+    let include = env::var_os("LIBTORCH_INCLUDE")
+        .map(PathBuf::from)
+        .or_else(|| env::var_os("LIBTORCH").map(|dir| PathBuf::from(dir).join("include")));
+    let Some(include) =
+        include.filter(|dir| dir.join("c10/core/CachingDeviceAllocator.h").is_file())
+    else {
+        return;
+    };
+    let cxx11_abi = env::var("LIBTORCH_CXX11_ABI").unwrap_or_else(|_| "1".to_owned());
+    cc::Build::new()
+        .cpp(true)
+        .pic(true)
+        .warnings(false)
+        .include(&include)
+        .flag("-std=c++17")
+        .flag(format!("-D_GLIBCXX_USE_CXX11_ABI={cxx11_abi}"))
+        .file("csrc/device_memory.cpp")
+        .compile("rl_core_device_memory");
+    println!("cargo:rustc-cfg=rl_core_device_memory");
 }

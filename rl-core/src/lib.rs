@@ -16,6 +16,7 @@
 
 mod batch;
 mod cuda_link;
+pub mod device_memory;
 pub mod dist;
 mod error;
 pub mod keys;

@@ -11,6 +11,9 @@
 //! `start_kib` (RSS before anything), `build_peak_kib`, `built_kib` (RSS once built),
 //! `step_peak_kib`, `peak_kib` (the larger peak: the process's), `step_s`. With
 //! `MEMORY_STEP_WARMUP=N`, N steps run first and the figures are the next step's.
+//! On a CUDA device it adds the caching allocator's peaks in bytes (`torch.cuda`'s
+//! `max_memory_allocated` / `max_memory_reserved`): `cuda_build_peak_reserved_b` while building,
+//! `cuda_step_peak_allocated_b` and `cuda_step_peak_reserved_b` during the step.
 //!
 //! Started with torchrun's variables (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`), it
 //! is one rank of a data-parallel group, built as `harness train` builds a rank, and its line
@@ -64,6 +67,7 @@ fn main() -> Result<()> {
     };
     let mut built = rl_harness::run::compose::build_with_group(&cfg, device, None, group.as_ref())?;
     let build_peak = status_kib("VmHWM:")?;
+    let build_device = rl_core::device_memory::stats(device)?;
     let built_rss = status_kib("VmRSS:")?;
     // MEMORY_STEP_WARMUP=N steps first (their peak is not reported): the optimiser allocates
     // its state in the first step, so a steady-state step is the second
@@ -80,6 +84,7 @@ fn main() -> Result<()> {
             .map_err(|e| anyhow::anyhow!("warm-up step {} failed: {e}", i + 1))?;
     }
     reset_peak()?;
+    rl_core::device_memory::reset_peak(device)?;
     let t0 = Instant::now();
     built
         .trainer
@@ -87,8 +92,15 @@ fn main() -> Result<()> {
         .map_err(|e| anyhow::anyhow!("the step failed: {e}"))?;
     let step_s = t0.elapsed().as_secs_f64();
     let step_peak = status_kib("VmHWM:")?;
+    let cuda = match (build_device, rl_core::device_memory::stats(device)?) {
+        (Some(b), Some(s)) => format!(
+            " cuda_build_peak_reserved_b={} cuda_step_peak_allocated_b={} cuda_step_peak_reserved_b={}",
+            b.peak_reserved, s.peak_allocated, s.peak_reserved
+        ),
+        _ => String::new(),
+    };
     println!(
-        "{rank}start_kib={start} build_peak_kib={build_peak} built_kib={built_rss} step_peak_kib={step_peak} peak_kib={} step_s={step_s:.1}",
+        "{rank}start_kib={start} build_peak_kib={build_peak} built_kib={built_rss} step_peak_kib={step_peak} peak_kib={} step_s={step_s:.1}{cuda}",
         build_peak.max(step_peak)
     );
     Ok(())

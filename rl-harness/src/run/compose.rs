@@ -40,6 +40,8 @@ pub struct Built {
     pub model: Option<TrainedModel>,
     /// The folder the model's tokenizer came from.
     pub source_dir: Option<PathBuf>,
+    /// The device it trains on.
+    pub device: Device,
 }
 
 impl std::fmt::Debug for Built {
@@ -223,6 +225,7 @@ pub fn build_with_group(
             trainer: Box::new(trainer),
             model: Some(TrainedModel::RewardModel(model)),
             source_dir: Some(tok_dir),
+            device,
         });
     }
     let policy = share(load_policy(cfg, device)?);
@@ -272,6 +275,7 @@ pub fn build_with_group(
         trainer,
         model: Some(TrainedModel::Policy(policy)),
         source_dir: Some(tok_dir),
+        device,
     })
 }
 

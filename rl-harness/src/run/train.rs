@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use rl_core::StepMetrics;
+use rl_core::device_memory;
 use rl_core::dist::{self, SharedCollective};
 use rl_workers::roles::ProgressHook;
 use tokio::runtime::Runtime;
@@ -162,6 +163,7 @@ pub fn build_trainer_in(
                 )?),
                 model: None,
                 source_dir: None,
+                device,
             })
         }
         _ => compose::build_with_group(cfg, device, progress, group),
@@ -1086,6 +1088,27 @@ fn record_generations(
     }
 }
 
+/// On an accelerator, the step's peaks of the caching allocator in GiB under verl's names
+/// (`perf/max_memory_allocated_gb`: live tensors, `perf/max_memory_reserved_gb`: what the
+/// allocator took from the device, the figure that decides whether a run fits); this rank's, on
+/// a data-parallel run rank 0's reach the store. Nothing on the CPU, which has no such
+/// allocator (and whose RSS would make metrics differ between otherwise equal runs).
+fn insert_device_memory(m: &mut StepMetrics, device: tch::Device) -> Result<()> {
+    let Some(mem) = device_memory::stats(device).context("the step's peak device memory")? else {
+        return Ok(());
+    };
+    const GIB: f64 = (1u64 << 30) as f64;
+    m.insert(
+        "perf/max_memory_allocated_gb".into(),
+        mem.peak_allocated as f64 / GIB,
+    );
+    m.insert(
+        "perf/max_memory_reserved_gb".into(),
+        mem.peak_reserved as f64 / GIB,
+    );
+    Ok(())
+}
+
 /// Whether step `step` gets a console line (`trainer.console_every_steps`; absent: every step
 /// where stderr is not a terminal).
 fn console_due(every: Option<u64>, step: u64, total: u64) -> bool {
@@ -1367,6 +1390,7 @@ fn drive(
     (built, bars): (&mut Built, &Bars),
     fresh: bool,
 ) -> Result<Outcome> {
+    let device = built.device;
     let trainer = &mut built.trainer;
     let t = &cfg.trainer;
     let total = if config::eval_only(cfg) {
@@ -1440,11 +1464,13 @@ fn drive(
             }
             let started = Instant::now();
             let before = trainer.global_step();
+            device_memory::reset_peak(device)?;
             let mut m: StepMetrics = trainer
                 .step()
                 .with_context(|| format!("training step {}", before + 1))?;
             let step = trainer.global_step();
             m.insert("timing_s/step".into(), started.elapsed().as_secs_f64());
+            insert_device_memory(&mut m, device)?;
             let healthy = diverged.observe(step, &m);
             let mut stopped_early = None;
             if is_due(t.test_freq, step, total) {
