@@ -15,6 +15,7 @@
 //! - [`roles`]: actor, rollout (sharing the actor's weights), reference and critic workers.
 //! - [`seeded`], [`hold_generator`]: seeded initialisations that other threads cannot disturb.
 
+pub mod engine;
 mod error;
 mod fsdp;
 pub mod fused_head;

@@ -770,6 +770,81 @@ impl KvCache {
     }
 }
 
+impl KvCache {
+    /// Stacks `other`'s rows under this cache's into a fresh cache of `capacity` tokens, each
+    /// part right-aligned to the longer part's length: the shorter part's rows gain zeroed
+    /// columns on their left, which the caller masks out (a row joining a running batch is
+    /// left-padded to the batch's length). Continuous batching admits requests this way.
+    ///
+    /// # Shapes
+    /// - the result holds `batch() + other.batch()` rows and `max(len(), other.len())` tokens
+    pub fn join(&mut self, other: &KvCache, capacity: i64) -> Result<()> {
+        let len = self.len.max(other.len);
+        if len > capacity {
+            return Err(Error::invalid(
+                "capacity",
+                format!("{capacity} tokens cannot hold the {len} of the joined caches"),
+            ));
+        }
+        if self.keys.len() != other.keys.len() {
+            return Err(Error::invalid(
+                "cache",
+                format!(
+                    "{} layers cannot join {}",
+                    self.keys.len(),
+                    other.keys.len()
+                ),
+            ));
+        }
+        let (mine, theirs) = (self.len, other.len);
+        let pairs = self
+            .keys
+            .iter_mut()
+            .zip(&other.keys)
+            .chain(self.values.iter_mut().zip(&other.values));
+        for (t, o) in pairs {
+            let (a, b) = (t.size()[0], o.size()[0]);
+            let mut size = t.size();
+            size[0] = a + b;
+            size[2] = capacity;
+            let fresh = Tensor::zeros(size, (t.kind(), t.device()));
+            fresh
+                .narrow(0, 0, a)
+                .narrow(2, len - mine, mine)
+                .copy_(&t.narrow(2, 0, mine));
+            fresh
+                .narrow(0, a, b)
+                .narrow(2, len - theirs, theirs)
+                .copy_(&o.narrow(2, 0, theirs));
+            *t = fresh;
+        }
+        self.len = len;
+        Ok(())
+    }
+
+    /// Drops the first `count` columns of every row (masked padding that no row reads any
+    /// more), keeping the capacity: the held length shrinks by `count`.
+    pub fn drop_leading(&mut self, count: i64) -> Result<()> {
+        if !(0..=self.len).contains(&count) {
+            return Err(Error::invalid(
+                "count",
+                format!("cannot drop {count} of {} held columns", self.len),
+            ));
+        }
+        if count == 0 {
+            return Ok(());
+        }
+        let keep = self.len - count;
+        for t in self.keys.iter_mut().chain(self.values.iter_mut()) {
+            let fresh = Tensor::empty(t.size(), (t.kind(), t.device()));
+            fresh.narrow(2, 0, keep).copy_(&t.narrow(2, count, keep));
+            *t = fresh;
+        }
+        self.len = keep;
+        Ok(())
+    }
+}
+
 /// The decoder stack (`model.*` weights): embeddings, layers and the final norm.
 #[derive(Debug)]
 pub struct Model {
