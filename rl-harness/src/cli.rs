@@ -135,6 +135,9 @@ pub enum Command {
     /// The BM25 retriever of search-augmented training (Search-R1's protocol).
     #[command(subcommand)]
     Retriever(crate::integrations::retriever::RetrieverCommand),
+    /// Serve a model with the OpenAI API (completions, chat, streaming, token ids and log-probs)
+    /// over a continuous-batching engine: `harness serve runs/3-quickstart-grpo/model --port 8000`
+    Serve(crate::serve::ServeArgs),
 }
 
 /// `harness train`.
@@ -561,6 +564,7 @@ pub(crate) fn run(cli: Cli) -> Result<()> {
         }
         Command::Data(d) => data(d)?,
         Command::Retriever(c) => crate::integrations::retriever::run(c)?,
+        Command::Serve(args) => crate::serve::run(&args)?,
         Command::Model(ModelCommand::InitTiny {
             out_dir,
             seed,

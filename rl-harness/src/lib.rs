@@ -34,6 +34,7 @@ pub mod device;
 pub mod integrations;
 mod logging;
 pub mod run;
+pub mod serve;
 pub mod store;
 pub mod suggest;
 

@@ -7,8 +7,8 @@
 //! among themselves), joins their caches to the running one right-aligned
 //! ([`KvCache::join`]), and samples every row by [`crate::rollout`]'s own `pick`. A request's
 //! tokens are therefore those of [`crate::generate`] on its prompt alone: the same ids when
-//! greedy, and when sampling with seed `s` the same as `generate` with `opts.seed = s` (row 0's
-//! ChaCha8 stream; one draw per generated token), whatever else shares the batch. Finished rows
+//! greedy, and when sampling with seed `s` and stream `r` the same as row `r` of `generate`
+//! with `opts.seed = s` (one draw per generated token), whatever else shares the batch. Finished rows
 //! leave the cache at once, and the columns that only finished rows used are dropped, so a busy
 //! engine's cache stays as long as its longest running request.
 
@@ -34,8 +34,11 @@ pub struct SamplingParams {
     pub top_k: i64,
     /// Nucleus sampling mass, in (0, 1].
     pub top_p: f64,
-    /// Seed of the request's sampler (ChaCha8, stream 0).
+    /// Seed of the request's sampler (ChaCha8).
     pub seed: u64,
+    /// The sampler's stream: `generate`'s row `r` samples from stream `r`, so the `n` samples
+    /// of one prompt with one seed are streams `0..n`.
+    pub stream: u64,
     /// The request stops after producing any of these (kept as its last token).
     pub stop_token_ids: Vec<i64>,
 }
@@ -48,6 +51,7 @@ impl Default for SamplingParams {
             top_k: -1,
             top_p: 1.0,
             seed: 0,
+            stream: 0,
             stop_token_ids: Vec::new(),
         }
     }
@@ -356,7 +360,11 @@ impl<'a> Engine<'a> {
             let cfg = w.params.rollout();
             self.running.push(Running {
                 request: w.request,
-                rng: ChaCha8Rng::seed_from_u64(w.params.seed),
+                rng: {
+                    let mut rng = ChaCha8Rng::seed_from_u64(w.params.seed);
+                    rng.set_stream(w.params.stream);
+                    rng
+                },
                 cfg,
                 next_pos: w.prompt.len() as i64,
                 params: w.params,

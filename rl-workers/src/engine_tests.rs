@@ -155,6 +155,7 @@ fn seeded_sampling_with_mixed_settings_matches_generate_alone() {
                 top_k,
                 top_p,
                 seed: 1000 + i as u64,
+                stream: 0,
                 stop_token_ids: Vec::new(),
             };
             (p, params)
@@ -248,4 +249,47 @@ fn bad_requests_name_what_is_wrong() {
 
 fn engine_err(engine: &mut Engine<'_>, prompt: Vec<i64>, p: SamplingParams) -> String {
     engine.submit(prompt, p).unwrap_err().to_string()
+}
+
+#[test]
+fn streams_zero_to_n_are_generates_n_samples_of_one_prompt() {
+    let lm = lm();
+    let prompt = [7i64, 70, 33, 2];
+    let params = SamplingParams {
+        max_tokens: 8,
+        temperature: 1.0,
+        seed: 42,
+        ..SamplingParams::default()
+    };
+    let len = prompt.len() as i64;
+    let ids = Tensor::from_slice(&prompt).view([1, len]);
+    let mask = Tensor::ones([1, len], (Kind::Int64, Device::Cpu));
+    let pos = Tensor::arange(len, (Kind::Int64, Device::Cpu)).view([1, len]);
+    let mut cfg = params.rollout();
+    cfg.n = 3;
+    let mut opts = GenerateOptions::from_config(lm.config());
+    opts.eos_token_ids = Vec::new();
+    opts.seed = params.seed;
+    let want = generate(&lm, &ids, &mask, &pos, &cfg, &mut opts).unwrap();
+    let want = Vec::<Vec<i64>>::try_from(&want.responses).unwrap();
+    let mut engine = Engine::new(&lm, 4).unwrap();
+    let ids: Vec<u64> = (0..3)
+        .map(|r| {
+            let p = SamplingParams {
+                stream: r,
+                ..params.clone()
+            };
+            engine.submit(prompt.to_vec(), p).unwrap()
+        })
+        .collect();
+    let mut got: BTreeMap<u64, Vec<i64>> = BTreeMap::new();
+    while !engine.is_idle() {
+        for e in engine.step().unwrap() {
+            got.entry(e.request).or_default().push(e.token);
+        }
+    }
+    for (r, id) in ids.iter().enumerate() {
+        assert_eq!(got[id], want[r], "stream {r}");
+    }
+    assert_ne!(want[0], want[1], "the streams sample differently");
 }

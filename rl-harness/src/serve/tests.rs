@@ -1,0 +1,320 @@
+//! `harness serve` over real HTTP on a tiny model: greedy and seeded output equal `generate`'s,
+//! stop strings, streaming, errors and the full queue.
+
+use std::path::Path;
+
+use reqwest::blocking::Client;
+use serde_json::{Value, json};
+use tch::{Device, Kind, Tensor};
+
+use super::*;
+
+fn tiny(dir: &Path) -> CausalLm {
+    crate::run::compose::init_tiny(dir, 7, 0.0).unwrap();
+    CausalLm::from_pretrained(dir, Device::Cpu, Kind::Float).unwrap()
+}
+
+fn server(dir: &Path, max_batch: usize, max_queue: usize) -> ServerHandle {
+    start(
+        dir,
+        &ServeOptions {
+            addr: SocketAddr::from(([127, 0, 0, 1], 0)),
+            max_batch,
+            max_queue,
+            ..ServeOptions::default()
+        },
+    )
+    .unwrap()
+}
+
+fn post(s: &ServerHandle, path: &str, body: &Value) -> (u16, Value) {
+    let r = Client::new()
+        .post(format!("{}{path}", s.base_url()))
+        .json(body)
+        .send()
+        .unwrap();
+    let status = r.status().as_u16();
+    (status, r.json().unwrap())
+}
+
+/// `generate` on one prompt: the `n` rows' response ids (up to each row's stop).
+fn generate_ids(
+    lm: &CausalLm,
+    prompt: &[i64],
+    max: i64,
+    temperature: f64,
+    seed: u64,
+    n: usize,
+) -> Vec<Vec<i64>> {
+    let len = prompt.len() as i64;
+    let ids = Tensor::from_slice(prompt).view([1, len]);
+    let mask = Tensor::ones([1, len], (Kind::Int64, Device::Cpu));
+    let pos = Tensor::arange(len, (Kind::Int64, Device::Cpu)).view([1, len]);
+    let cfg = rl_workers::RolloutConfig {
+        n,
+        temperature,
+        do_sample: temperature > 0.0,
+        response_length: max,
+        ..rl_workers::RolloutConfig::default()
+    };
+    let mut opts = rl_workers::GenerateOptions::from_config(lm.config());
+    // the requests say `ignore_eos`
+    opts.eos_token_ids = Vec::new();
+    opts.seed = seed;
+    let out = rl_workers::generate(lm, &ids, &mask, &pos, &cfg, &mut opts).unwrap();
+    let responses = Vec::<Vec<i64>>::try_from(&out.responses).unwrap();
+    let masks = Vec::<Vec<f32>>::try_from(&out.response_mask).unwrap();
+    responses
+        .into_iter()
+        .zip(masks)
+        .map(|(r, m)| {
+            r.into_iter()
+                .zip(m)
+                .filter(|(_, m)| *m > 0.0)
+                .map(|(t, _)| t)
+                .collect()
+        })
+        .collect()
+}
+
+fn token_ids(choice: &Value) -> Vec<i64> {
+    choice["token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_i64().unwrap())
+        .collect()
+}
+
+#[test]
+fn greedy_and_seeded_completions_are_generates_tokens() {
+    let dir = tempfile::tempdir().unwrap();
+    let lm = tiny(dir.path());
+    let s = server(dir.path(), 4, 64);
+    let prompts: [&[i64]; 3] = [
+        &[22, 23, 16, 24, 25, 34],
+        &[5, 6],
+        &[30, 31, 32, 33, 12, 13, 14, 40, 41],
+    ];
+    // concurrent requests of different lengths share the batch, greedy
+    let handles: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            let url = format!("{}/completions", s.base_url());
+            let body = json!({"prompt": p, "max_tokens": 12, "temperature": 0, "return_token_ids": true, "ignore_eos": true});
+            std::thread::spawn(move || -> Value { Client::new().post(url).json(&body).send().unwrap().json().unwrap() })
+        })
+        .collect();
+    for (p, h) in prompts.iter().zip(handles) {
+        let r = h.join().unwrap();
+        let choice = &r["choices"][0];
+        let want = &generate_ids(&lm, p, 12, 0.0, 0, 1)[0];
+        assert_eq!(&token_ids(choice), want, "{r}");
+        assert_eq!(choice["prompt_token_ids"], json!(p));
+        assert_eq!(choice["finish_reason"], "length");
+        assert_eq!(r["usage"]["completion_tokens"], 12);
+    }
+    // n samples with a seed are generate's n rows with that seed
+    let (status, r) = post(
+        &s,
+        "/completions",
+        &json!({"prompt": prompts[0], "max_tokens": 8, "n": 3, "seed": 11, "return_token_ids": true, "ignore_eos": true, "logprobs": 1}),
+    );
+    assert_eq!(status, 200, "{r}");
+    let want = generate_ids(&lm, prompts[0], 8, 1.0, 11, 3);
+    for (i, w) in want.iter().enumerate() {
+        let choice = &r["choices"][i];
+        assert_eq!(&token_ids(choice), w, "sample {i}");
+        let lps = choice["logprobs"]["token_logprobs"].as_array().unwrap();
+        assert_eq!(lps.len(), w.len());
+        assert!(lps.iter().all(|l| l.as_f64().unwrap() <= 0.0));
+    }
+    assert_ne!(want[0], want[1]);
+}
+
+#[test]
+fn stop_strings_streaming_and_chat() {
+    let dir = tempfile::tempdir().unwrap();
+    tiny(dir.path());
+    let s = server(dir.path(), 8, 64);
+    let body = json!({"prompt": "12+34=", "max_tokens": 20, "seed": 5, "ignore_eos": true});
+    let (_, full) = post(&s, "/completions", &body);
+    let text = full["choices"][0]["text"].as_str().unwrap().to_owned();
+    assert_eq!(text.chars().count(), 20, "{full}");
+    // a stop string from the middle of that text ends it there
+    let stop: String = text.chars().skip(6).take(2).collect();
+    let mut stopped_body = body.clone();
+    stopped_body["stop"] = json!([stop]);
+    let (_, stopped) = post(&s, "/completions", &stopped_body);
+    let cut = &stopped["choices"][0];
+    assert_eq!(cut["finish_reason"], "stop", "{stopped}");
+    assert_eq!(
+        cut["text"].as_str().unwrap(),
+        &text[..text.find(&stop).unwrap()]
+    );
+    // streamed: the deltas add up to the same text, one chunk a token, then [DONE]
+    let mut streamed_body = body.clone();
+    streamed_body["stream"] = json!(true);
+    let raw = Client::new()
+        .post(format!("{}/completions", s.base_url()))
+        .json(&streamed_body)
+        .send()
+        .unwrap()
+        .text()
+        .unwrap();
+    let events: Vec<&str> = raw
+        .split("\n\n")
+        .filter(|e| !e.is_empty())
+        .map(|e| e.strip_prefix("data: ").unwrap())
+        .collect();
+    assert_eq!(events.last(), Some(&"[DONE]"));
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    assert_eq!(chunks.len(), 20);
+    let joined: String = chunks
+        .iter()
+        .map(|c| c["choices"][0]["text"].as_str().unwrap())
+        .collect();
+    assert_eq!(joined, text);
+    assert_eq!(chunks[19]["choices"][0]["finish_reason"], "length");
+    // chat: the template rendered as training renders it, the reply as a message
+    let (status, chat) = post(
+        &s,
+        "/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "12+34="}], "max_tokens": 5, "seed": 1, "logprobs": true, "return_token_ids": true}),
+    );
+    assert_eq!(status, 200, "{chat}");
+    let choice = &chat["choices"][0];
+    assert_eq!(choice["message"]["role"], "assistant");
+    let prompt_ids: Vec<u32> = choice["prompt_token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap() as u32)
+        .collect();
+    let tok = Tokenizer::from_dir(dir.path()).unwrap();
+    let rendered = tok
+        .apply_chat_template(&[rl_data::Message::user("12+34=")], true)
+        .unwrap();
+    assert_eq!(tok.decode(&prompt_ids, false).unwrap(), rendered);
+    assert_eq!(
+        choice["logprobs"]["content"].as_array().unwrap().len(),
+        token_ids(choice).len()
+    );
+}
+
+#[test]
+fn bad_requests_are_named_and_a_full_server_says_429() {
+    let dir = tempfile::tempdir().unwrap();
+    tiny(dir.path());
+    let s = server(dir.path(), 1, 2);
+    for (path, body, needle) in [
+        ("/completions", json!({"max_tokens": 3}), "prompt"),
+        (
+            "/completions",
+            json!({"prompt": "1", "max_tokens": 0}),
+            "max_tokens",
+        ),
+        ("/completions", json!({"prompt": "1", "top_p": 0}), "top_p"),
+        ("/completions", json!({"prompt": [1, 999]}), "999"),
+        (
+            "/completions",
+            json!({"prompt": "1", "logprobs": 5}),
+            "logprobs",
+        ),
+        (
+            "/completions",
+            json!({"prompt": "1", "model": "other"}),
+            "model",
+        ),
+        (
+            "/completions",
+            json!({"prompt": "1", "frequency_penalty": 1.0}),
+            "frequency_penalty",
+        ),
+        (
+            "/completions",
+            json!({"prompt": "1", "max_tokens": 100000}),
+            "max_tokens",
+        ),
+        ("/chat/completions", json!({"messages": []}), "messages"),
+        ("/chat/completions", json!({"prompt": "1"}), "prompt"),
+    ] {
+        let (status, r) = post(&s, path, &body);
+        assert_eq!(status, 400, "{body}: {r}");
+        let message = r["error"]["message"].as_str().unwrap();
+        assert!(message.contains(needle), "{body}: {message}");
+    }
+    let r = Client::new()
+        .get(format!("{}/nope", s.base_url()))
+        .send()
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 404);
+    // two long samples fill the queue of 2 (streamed: once the headers are back they are in
+    // flight): another request is refused, and the two run to their end
+    let long = Client::new()
+        .post(format!("{}/completions", s.base_url()))
+        .json(
+            &json!({"prompt": "1", "max_tokens": 250, "n": 2, "ignore_eos": true, "stream": true}),
+        )
+        .send()
+        .unwrap();
+    assert_eq!(long.status().as_u16(), 200);
+    let (status, refused) = post(&s, "/completions", &json!({"prompt": "2", "max_tokens": 1}));
+    assert_eq!(status, 429, "{refused}");
+    assert!(
+        refused["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("--max-queue")
+    );
+    let streamed = long.text().unwrap();
+    assert_eq!(
+        streamed.matches("\"finish_reason\":\"length\"").count(),
+        2,
+        "{streamed}"
+    );
+    assert_eq!(streamed.matches("\"text\"").count(), 500);
+    // and once it drained, it serves again
+    let (status, _) = post(&s, "/completions", &json!({"prompt": "2", "max_tokens": 1}));
+    assert_eq!(status, 200);
+}
+
+#[test]
+fn setup_errors_name_the_option() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = start(dir.path(), &ServeOptions::default()).unwrap_err();
+    assert!(format!("{missing:#}").contains(&dir.path().display().to_string()));
+    tiny(dir.path());
+    let remote = ServeOptions {
+        addr: SocketAddr::from(([0, 0, 0, 0], 0)),
+        ..ServeOptions::default()
+    };
+    assert!(
+        start(dir.path(), &remote)
+            .unwrap_err()
+            .to_string()
+            .contains("--allow-remote")
+    );
+    let queue = ServeOptions {
+        max_batch: 8,
+        max_queue: 4,
+        ..ServeOptions::default()
+    };
+    assert!(
+        start(dir.path(), &queue)
+            .unwrap_err()
+            .to_string()
+            .contains("--max-queue")
+    );
+    let s = server(dir.path(), 1, 1);
+    let taken = ServeOptions {
+        addr: s.addr(),
+        ..ServeOptions::default()
+    };
+    assert!(
+        format!("{:#}", start(dir.path(), &taken).unwrap_err()).contains(&s.addr().to_string())
+    );
+}
