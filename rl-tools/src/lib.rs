@@ -17,6 +17,7 @@
 
 mod calculator;
 mod error;
+pub mod http;
 pub mod retriever;
 mod search;
 mod spec;

@@ -7,14 +7,12 @@ use std::sync::atomic::Ordering;
 use std::task::{Context, Poll};
 
 use http_body_util::combinators::BoxBody;
-use http_body_util::{BodyExt, Full};
+use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::{Body, Bytes, Frame, Incoming};
 use hyper::{Method, Request, Response, StatusCode};
-use hyper_util::rt::TokioIo;
 use rl_workers::engine::{Emitted, Finish};
 use serde_json::{Value, json};
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
-use tokio::sync::oneshot;
 
 use super::State;
 use super::openai::{Endpoint, Generation, parse};
@@ -22,44 +20,8 @@ use super::worker::{Event, Msg};
 
 type Reply = Response<BoxBody<Bytes, Infallible>>;
 
-pub(crate) async fn accept_loop(
-    listener: std::net::TcpListener,
-    state: Arc<State>,
-    mut shutdown: oneshot::Receiver<()>,
-) {
-    let listener = match tokio::net::TcpListener::from_std(listener) {
-        Ok(l) => l,
-        Err(e) => {
-            tracing::error!("serve: cannot listen: {e}");
-            return;
-        }
-    };
-    loop {
-        tokio::select! {
-            _ = &mut shutdown => return,
-            accepted = listener.accept() => {
-                let stream = match accepted {
-                    Ok((s, _)) => s,
-                    Err(e) => {
-                        tracing::warn!("serve: accept failed: {e}");
-                        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-                        continue;
-                    }
-                };
-                let state = state.clone();
-                tokio::spawn(async move {
-                    let service = hyper::service::service_fn(move |req| handle(req, state.clone()));
-                    if let Err(e) = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(TokioIo::new(stream), service)
-                        .await
-                    {
-                        tracing::debug!("serve: connection ended: {e}");
-                    }
-                });
-            }
-        }
-    }
-}
+/// The largest request body accepted (bytes).
+const MAX_BODY: usize = 16 << 20;
 
 fn json_reply(status: StatusCode, body: &Value) -> Reply {
     let mut r = Response::new(Full::new(Bytes::from(body.to_string())).boxed());
@@ -85,7 +47,7 @@ fn error(status: StatusCode, message: impl Into<String>) -> Reply {
     )
 }
 
-async fn handle(req: Request<Incoming>, state: Arc<State>) -> Result<Reply, Infallible> {
+pub(crate) async fn handle(req: Request<Incoming>, state: Arc<State>) -> Result<Reply, Infallible> {
     let endpoint = match (req.method(), req.uri().path()) {
         (&Method::GET, "/v1/models") => return Ok(models(&state)),
         (&Method::GET, "/health") => return Ok(json_reply(StatusCode::OK, &json!({}))),
@@ -100,12 +62,12 @@ async fn handle(req: Request<Incoming>, state: Arc<State>) -> Result<Reply, Infa
             ));
         }
     };
-    let body = match req.into_body().collect().await {
+    let body = match Limited::new(req.into_body(), MAX_BODY).collect().await {
         Ok(b) => b.to_bytes(),
         Err(e) => {
             return Ok(error(
                 StatusCode::BAD_REQUEST,
-                format!("reading the body: {e}"),
+                format!("reading the body (at most {MAX_BODY} bytes): {e}"),
             ));
         }
     };
@@ -154,6 +116,20 @@ struct Choice {
 }
 
 impl Choice {
+    /// Takes a token unless the choice has ended already (its job may still emit one or two
+    /// after a stop string ended it); cancels the job when a stop string ends it here. The
+    /// streamable text it adds.
+    fn take(&mut self, e: &Emitted, state: &State, stop: &[String]) -> Option<String> {
+        if self.finish.is_some() {
+            return None;
+        }
+        let (delta, by_stop) = self.push(e, state, stop);
+        if by_stop {
+            let _ = state.engine.send(Msg::Cancel(self.key));
+        }
+        Some(delta)
+    }
+
     /// Takes one token: the text so far (cut before a stop string), and the streamable part
     /// not yet sent. Returns true when the choice ended here by a stop string.
     fn push(&mut self, e: &Emitted, state: &State, stop: &[String]) -> (String, bool) {
@@ -325,14 +301,7 @@ async fn collect(
         match ev {
             Event::Failed(m) => return error(StatusCode::INTERNAL_SERVER_ERROR, m),
             Event::Token(e) => {
-                let c = &mut choices[tag];
-                if c.finish.is_some() {
-                    continue;
-                }
-                let (_, by_stop) = c.push(&e, &state, &g.stop);
-                if by_stop {
-                    let _ = state.engine.send(Msg::Cancel(c.key));
-                }
+                choices[tag].take(&e, &state, &g.stop);
             }
         }
     }
@@ -423,13 +392,9 @@ async fn stream(
             Event::Token(e) => e,
         };
         let c = &mut choices[tag];
-        if c.finish.is_some() {
+        let Some(delta) = c.take(&e, &state, &g.stop) else {
             continue;
-        }
-        let (delta, by_stop) = c.push(&e, &state, &g.stop);
-        if by_stop {
-            let _ = state.engine.send(Msg::Cancel(c.key));
-        }
+        };
         let logprobs = g
             .logprobs
             .then(|| logprobs_json(&state, &g, endpoint, &[e.token], &[e.log_prob]));

@@ -198,7 +198,12 @@ pub fn start(dir: &Path, opts: &ServeOptions) -> Result<ServerHandle> {
     let http = std::thread::Builder::new()
         .name(format!("serve-{}", addr.port()))
         .spawn(move || {
-            rt.block_on(http::accept_loop(listener, state, rx));
+            rt.block_on(rl_tools::http::accept_loop(
+                listener,
+                "serve",
+                rx,
+                move |req| http::handle(req, state.clone()),
+            ));
         })
         .context("starting the HTTP thread")?;
     Ok(ServerHandle {

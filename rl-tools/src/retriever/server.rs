@@ -17,7 +17,6 @@ use std::thread::JoinHandle;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::{Bytes, Incoming};
 use hyper::{Method, Request, Response, StatusCode};
-use hyper_util::rt::TokioIo;
 use serde_json::{Value, json};
 use tokio::sync::oneshot;
 
@@ -162,7 +161,14 @@ pub fn start_server(dir: &Path, opts: &ServeOptions) -> Result<ServerHandle> {
     let served = state.clone();
     let thread = std::thread::Builder::new()
         .name(format!("retriever-{}", bound.port()))
-        .spawn(move || rt.block_on(accept_loop(listener, served, rx)))
+        .spawn(move || {
+            rt.block_on(crate::http::accept_loop(
+                listener,
+                "retriever",
+                rx,
+                move |req| handle(req, served.clone()),
+            ));
+        })
         .map_err(|e| fail(format!("starting the server thread: {e}")))?;
     Ok(ServerHandle {
         addr: bound,
@@ -178,45 +184,6 @@ struct State {
     retriever: Retriever,
     default_topk: usize,
     requests: AtomicU64,
-}
-
-async fn accept_loop(
-    listener: std::net::TcpListener,
-    state: Arc<State>,
-    mut shutdown: oneshot::Receiver<()>,
-) {
-    let listener = match tokio::net::TcpListener::from_std(listener) {
-        Ok(l) => l,
-        Err(e) => {
-            tracing::error!("retriever: cannot listen: {e}");
-            return;
-        }
-    };
-    loop {
-        tokio::select! {
-            _ = &mut shutdown => return,
-            accepted = listener.accept() => {
-                let stream = match accepted {
-                    Ok((s, _)) => s,
-                    Err(e) => {
-                        tracing::warn!("retriever: accept failed: {e}");
-                        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-                        continue;
-                    }
-                };
-                let state = state.clone();
-                tokio::spawn(async move {
-                    let service = hyper::service::service_fn(move |req| handle(req, state.clone()));
-                    if let Err(e) = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(TokioIo::new(stream), service)
-                        .await
-                    {
-                        tracing::debug!("retriever: connection ended: {e}");
-                    }
-                });
-            }
-        }
-    }
 }
 
 fn reply(status: StatusCode, body: &Value) -> Response<Full<Bytes>> {
