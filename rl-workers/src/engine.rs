@@ -137,6 +137,8 @@ pub struct Engine<'a> {
     /// `[running, cache.len()]` i64, 1 = a real token of the row.
     mask: Option<Tensor>,
     next_request: u64,
+    /// No request joins the batch while paused (a weight update waits for it to drain).
+    paused: bool,
 }
 
 impl std::fmt::Debug for Engine<'_> {
@@ -164,6 +166,7 @@ impl<'a> Engine<'a> {
             cache: None,
             mask: None,
             next_request: 0,
+            paused: false,
         })
     }
 
@@ -217,6 +220,13 @@ impl<'a> Engine<'a> {
         self.running.len()
     }
 
+    /// Stops (or restarts) admitting waiting requests: the running ones finish, the waiting
+    /// ones wait. A weight update pauses until nothing runs, so that no sample mixes two
+    /// policies.
+    pub fn set_paused(&mut self, paused: bool) {
+        self.paused = paused;
+    }
+
     /// Nothing waits or runs.
     pub fn is_idle(&self) -> bool {
         self.waiting.is_empty() && self.running.is_empty()
@@ -232,7 +242,11 @@ impl<'a> Engine<'a> {
         if !self.running.is_empty() {
             logits.push(self.decode()?);
         }
-        let room = self.max_rows - self.running.len();
+        let room = if self.paused {
+            0
+        } else {
+            self.max_rows - self.running.len()
+        };
         let admitted: Vec<Waiting> = (0..room).map_while(|_| self.waiting.pop_front()).collect();
         if !admitted.is_empty() {
             logits.push(self.admit(admitted)?);

@@ -293,3 +293,32 @@ fn streams_zero_to_n_are_generates_n_samples_of_one_prompt() {
     }
     assert_ne!(want[0], want[1], "the streams sample differently");
 }
+
+#[test]
+fn a_paused_engine_finishes_its_batch_and_admits_nothing() {
+    let lm = lm();
+    let params = SamplingParams {
+        max_tokens: 3,
+        temperature: 0.0,
+        ..SamplingParams::default()
+    };
+    let mut engine = Engine::new(&lm, 4).unwrap();
+    let first = engine.submit(vec![1, 2, 3], params.clone()).unwrap();
+    assert_eq!(engine.step().unwrap().len(), 1);
+    engine.set_paused(true);
+    let second = engine.submit(vec![4, 5], params).unwrap();
+    let mut seen = Vec::new();
+    for _ in 0..5 {
+        seen.extend(engine.step().unwrap().into_iter().map(|e| e.request));
+    }
+    assert_eq!(seen, vec![first, first], "only the running request goes on");
+    assert_eq!((engine.running(), engine.waiting()), (0, 1));
+    engine.set_paused(false);
+    let resumed: Vec<u64> = engine
+        .step()
+        .unwrap()
+        .into_iter()
+        .map(|e| e.request)
+        .collect();
+    assert_eq!(resumed, vec![second]);
+}

@@ -274,6 +274,17 @@ impl CausalLm {
         hf::save_tensors(&export_tensors(&self.vs, self.lora.as_ref()), dir)
     }
 
+    /// Replaces the weights, in place, with those of the Hugging Face folder `dir` (the same
+    /// architecture: a tensor missing there or of another shape is an error naming it, and the
+    /// weights may then be part old, part new); whatever shares this model sees the new
+    /// weights. The serving engine's weight sync (`/update_weights_from_disk`).
+    pub fn load_weights(&self, dir: impl AsRef<Path>) -> Result<()> {
+        self.model.check_whole()?;
+        let ckpt = Checkpoint::open(dir.as_ref())?;
+        hf::load_into(&self.vs, &ckpt, &|_| false)?;
+        Ok(())
+    }
+
     /// Logits for every position.
     ///
     /// # Shapes

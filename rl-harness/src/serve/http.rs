@@ -13,6 +13,7 @@ use hyper::{Method, Request, Response, StatusCode};
 use rl_workers::engine::{Emitted, Finish};
 use serde_json::{Value, json};
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
+use tokio::sync::oneshot;
 
 use super::State;
 use super::openai::{Endpoint, Generation, parse};
@@ -51,6 +52,20 @@ pub(crate) async fn handle(req: Request<Incoming>, state: Arc<State>) -> Result<
     let endpoint = match (req.method(), req.uri().path()) {
         (&Method::GET, "/v1/models") => return Ok(models(&state)),
         (&Method::GET, "/health") => return Ok(json_reply(StatusCode::OK, &json!({}))),
+        (&Method::GET, "/get_model_info") => {
+            return Ok(json_reply(
+                StatusCode::OK,
+                &json!({"model_path": state.model.name, "is_generation": true}),
+            ));
+        }
+        (&Method::GET, "/weights_checksum") => return Ok(checksum(&state).await),
+        (&Method::POST, "/update_weights_from_disk") => {
+            let body = match read_body(req).await {
+                Ok(b) => b,
+                Err(r) => return Ok(r),
+            };
+            return Ok(update_weights(&state, &body).await);
+        }
         (&Method::POST, "/v1/completions") => Endpoint::Completions,
         (&Method::POST, "/v1/chat/completions") => Endpoint::Chat,
         (m, p) => {
@@ -62,20 +77,85 @@ pub(crate) async fn handle(req: Request<Incoming>, state: Arc<State>) -> Result<
             ));
         }
     };
-    let body = match Limited::new(req.into_body(), MAX_BODY).collect().await {
-        Ok(b) => b.to_bytes(),
-        Err(e) => {
-            return Ok(error(
-                StatusCode::BAD_REQUEST,
-                format!("reading the body (at most {MAX_BODY} bytes): {e}"),
-            ));
-        }
+    let body = match read_body(req).await {
+        Ok(b) => b,
+        Err(r) => return Ok(r),
     };
     let g = match parse(&body, endpoint, &state.model, &state.tokenizer) {
         Ok(g) => g,
         Err(message) => return Ok(error(StatusCode::BAD_REQUEST, message)),
     };
     Ok(generate(state, endpoint, g).await)
+}
+
+async fn read_body(req: Request<Incoming>) -> Result<Bytes, Reply> {
+    match Limited::new(req.into_body(), MAX_BODY).collect().await {
+        Ok(b) => Ok(b.to_bytes()),
+        Err(e) => Err(error(
+            StatusCode::BAD_REQUEST,
+            format!("reading the body (at most {MAX_BODY} bytes): {e}"),
+        )),
+    }
+}
+
+/// SGLang's `POST /update_weights_from_disk` (`{"model_path": DIR}`): the engine loads the
+/// folder's weights once its running batch has drained; the answer carries the new weights'
+/// checksum (ours, as `GET /weights_checksum` gives it) for the trainer to compare.
+async fn update_weights(state: &State, body: &[u8]) -> Reply {
+    let v: Value = match serde_json::from_slice(body) {
+        Ok(v) => v,
+        Err(e) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                format!("the body is not JSON: {e}"),
+            );
+        }
+    };
+    let Some(dir) = v.get("model_path").and_then(Value::as_str) else {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "missing `model_path` (the Hugging Face folder to load)",
+        );
+    };
+    if let Some(f) = v
+        .get("load_format")
+        .filter(|f| !f.is_null() && f.as_str() != Some("auto"))
+    {
+        return error(
+            StatusCode::BAD_REQUEST,
+            format!("`load_format` {f} is not supported (safetensors folders only)"),
+        );
+    }
+    let (tx, rx) = oneshot::channel();
+    let msg = Msg::UpdateWeights {
+        dir: dir.into(),
+        reply: tx,
+    };
+    if state.engine.send(msg).is_err() {
+        return error(StatusCode::SERVICE_UNAVAILABLE, "the engine has stopped");
+    }
+    match rx.await {
+        Ok(Ok(sha)) => json_reply(
+            StatusCode::OK,
+            &json!({"success": true, "message": format!("loaded the weights of {dir}"), "weights_sha256": sha}),
+        ),
+        Ok(Err(message)) => json_reply(
+            StatusCode::BAD_REQUEST,
+            &json!({"success": false, "message": message}),
+        ),
+        Err(_) => error(StatusCode::SERVICE_UNAVAILABLE, "the engine has stopped"),
+    }
+}
+
+async fn checksum(state: &State) -> Reply {
+    let (tx, rx) = oneshot::channel();
+    if state.engine.send(Msg::Checksum(tx)).is_err() {
+        return error(StatusCode::SERVICE_UNAVAILABLE, "the engine has stopped");
+    }
+    match rx.await {
+        Ok(sha) => json_reply(StatusCode::OK, &json!({"sha256": sha})),
+        Err(_) => error(StatusCode::SERVICE_UNAVAILABLE, "the engine has stopped"),
+    }
 }
 
 fn models(state: &State) -> Reply {

@@ -318,3 +318,64 @@ fn setup_errors_name_the_option() {
         format!("{:#}", start(dir.path(), &taken).unwrap_err()).contains(&s.addr().to_string())
     );
 }
+
+/// The whole loop of a trainer syncing weights: generate, load new weights from a folder,
+/// compare the checksum, generate again: the output is the in-process engine's with the new
+/// weights; a bad folder is a 400 naming it and leaves the server serving.
+#[test]
+fn weights_loaded_from_disk_are_what_the_next_requests_use() {
+    let dir = tempfile::tempdir().unwrap();
+    let old = tiny(&dir.path().join("old"));
+    let new = {
+        crate::run::compose::init_tiny(&dir.path().join("new"), 8, 0.0).unwrap();
+        CausalLm::from_pretrained(dir.path().join("new"), Device::Cpu, Kind::Float).unwrap()
+    };
+    let s = server(&dir.path().join("old"), 4, 64);
+    let prompt: [i64; 4] = [22, 23, 16, 24];
+    // seeded sampling: two random tiny models may share their greedy output
+    let seeded = json!({"prompt": prompt, "max_tokens": 10, "seed": 5, "return_token_ids": true, "ignore_eos": true});
+    let ask = || token_ids(&post(&s, "/completions", &seeded).1["choices"][0]);
+    let before = ask();
+    assert_eq!(before, generate_ids(&old, &prompt, 10, 1.0, 5, 1)[0]);
+    let get = |path: &str| -> Value {
+        Client::new()
+            .get(format!("http://{}{path}", s.addr()))
+            .send()
+            .unwrap()
+            .json()
+            .unwrap()
+    };
+    assert_eq!(
+        get("/weights_checksum")["sha256"],
+        worker::weights_sha256(&old)
+    );
+
+    let url = format!("http://{}/update_weights_from_disk", s.addr());
+    let r: Value = Client::new()
+        .post(&url)
+        .json(&json!({"model_path": dir.path().join("new")}))
+        .send()
+        .unwrap()
+        .json()
+        .unwrap();
+    assert_eq!(r["success"], true, "{r}");
+    let sha = worker::weights_sha256(&new);
+    assert_eq!(r["weights_sha256"], sha);
+    assert_ne!(sha, worker::weights_sha256(&old));
+    assert_eq!(get("/weights_checksum")["sha256"], sha);
+    let after = ask();
+    assert_eq!(after, generate_ids(&new, &prompt, 10, 1.0, 5, 1)[0]);
+    assert_ne!(before, after);
+
+    let missing = dir.path().join("nowhere");
+    let r = Client::new()
+        .post(&url)
+        .json(&json!({"model_path": missing}))
+        .send()
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 400);
+    let r: Value = r.json().unwrap();
+    assert_eq!(r["success"], false);
+    assert!(r["message"].as_str().unwrap().contains("nowhere"), "{r}");
+    assert_eq!(ask(), after, "a failed load changes nothing");
+}

@@ -5,12 +5,16 @@
 //! the batch at the next step.
 
 use std::collections::HashMap;
+use std::path::PathBuf;
 use std::sync::mpsc;
 use std::thread::JoinHandle;
 
 use rl_workers::CausalLm;
 use rl_workers::engine::{Emitted, Engine, SamplingParams};
+use sha2::{Digest, Sha256};
+use tch::Kind;
 use tokio::sync::mpsc::UnboundedSender;
+use tokio::sync::oneshot;
 
 /// What a job's handler hears.
 #[derive(Debug, Clone)]
@@ -34,6 +38,15 @@ pub(crate) enum Msg {
     },
     /// Stop a job early.
     Cancel(u64),
+    /// Load the weights of a Hugging Face folder once the running batch has drained (no
+    /// sample mixes two policies; waiting requests wait), answering with the new weights'
+    /// checksum ([`weights_sha256`]) or the error.
+    UpdateWeights {
+        dir: PathBuf,
+        reply: oneshot::Sender<Result<String, String>>,
+    },
+    /// The current weights' checksum.
+    Checksum(oneshot::Sender<String>),
 }
 
 struct Job {
@@ -65,15 +78,29 @@ fn run(lm: &CausalLm, max_rows: usize, rx: &mpsc::Receiver<Msg>) {
     };
     // engine request id -> job
     let mut jobs: HashMap<u64, Job> = HashMap::new();
+    let mut updates: Vec<(PathBuf, oneshot::Sender<Result<String, String>>)> = Vec::new();
     loop {
-        if engine.is_idle() {
+        if engine.is_idle() && updates.is_empty() {
             match rx.recv() {
-                Ok(m) => accept(&mut engine, &mut jobs, m),
+                Ok(m) => accept(lm, &mut engine, &mut jobs, &mut updates, m),
                 Err(_) => return,
             }
         }
         while let Ok(m) = rx.try_recv() {
-            accept(&mut engine, &mut jobs, m);
+            accept(lm, &mut engine, &mut jobs, &mut updates, m);
+        }
+        if !updates.is_empty() {
+            engine.set_paused(true);
+            if engine.running() == 0 {
+                for (dir, reply) in updates.drain(..) {
+                    let done = lm
+                        .load_weights(&dir)
+                        .map(|()| weights_sha256(lm))
+                        .map_err(|e| format!("loading the weights of {}: {e}", dir.display()));
+                    let _ = reply.send(done);
+                }
+                engine.set_paused(false);
+            }
         }
         let gone: Vec<u64> = jobs
             .iter()
@@ -117,8 +144,18 @@ fn run(lm: &CausalLm, max_rows: usize, rx: &mpsc::Receiver<Msg>) {
     }
 }
 
-fn accept(engine: &mut Engine<'_>, jobs: &mut HashMap<u64, Job>, m: Msg) {
+fn accept(
+    lm: &CausalLm,
+    engine: &mut Engine<'_>,
+    jobs: &mut HashMap<u64, Job>,
+    updates: &mut Vec<(PathBuf, oneshot::Sender<Result<String, String>>)>,
+    m: Msg,
+) {
     match m {
+        Msg::UpdateWeights { dir, reply } => updates.push((dir, reply)),
+        Msg::Checksum(reply) => {
+            let _ = reply.send(weights_sha256(lm));
+        }
         Msg::Submit {
             key,
             tag,
@@ -146,4 +183,28 @@ fn cancel(engine: &mut Engine<'_>, jobs: &mut HashMap<u64, Job>, id: u64) {
     if let Err(e) = engine.cancel(id) {
         tracing::warn!("serve: cancelling request {id}: {e}");
     }
+}
+
+/// SHA-256 over the model's tensors in name order (each name, shape and float32 values), the
+/// same whatever the dtype the weights were written in: what a trainer compares after a sync.
+pub(crate) fn weights_sha256(lm: &CausalLm) -> String {
+    let mut vars = lm.var_store().variables().into_iter().collect::<Vec<_>>();
+    vars.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut h = Sha256::new();
+    for (name, t) in vars {
+        h.update(name.as_bytes());
+        for d in t.size() {
+            h.update(d.to_le_bytes());
+        }
+        let values = t
+            .to_kind(Kind::Float)
+            .to_device(tch::Device::Cpu)
+            .contiguous()
+            .view([-1]);
+        let values = Vec::<f32>::try_from(&values).unwrap_or_default();
+        for v in values {
+            h.update(v.to_le_bytes());
+        }
+    }
+    format!("{:x}", h.finalize())
 }
