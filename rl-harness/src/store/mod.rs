@@ -300,6 +300,18 @@ impl Store {
     /// from a newer harness is refused, naming both schema versions; one from an older harness
     /// is migrated first (which needs write access, and says so when it has none).
     pub async fn open_read_only(path: &Path) -> Result<Store> {
+        Store::open_reader(path, true).await
+    }
+
+    /// Opens an existing store only to read it, as [`Store::open_read_only`], but never
+    /// writes it in any way: a store from an older harness is refused (naming both schema
+    /// versions) instead of migrated. What a viewer that promises not to touch the store
+    /// opens (`harness ui`).
+    pub async fn open_strictly_read_only(path: &Path) -> Result<Store> {
+        Store::open_reader(path, false).await
+    }
+
+    async fn open_reader(path: &Path, migrate_older: bool) -> Result<Store> {
         let opts = SqliteConnectOptions::new()
             .filename(path)
             .create_if_missing(false)
@@ -307,6 +319,15 @@ impl Store {
             .busy_timeout(Duration::from_secs(60))
             .foreign_keys(false);
         let (ours, theirs) = check_schema(path, &opts).await?;
+        if theirs < ours && !migrate_older {
+            bail!(
+                "the run store {} is from an older harness (schema {theirs}, this one {ours}); \
+                 it is opened read-only here, so it is not migrated: run `harness runs --db {}` \
+                 once to migrate it",
+                path.display(),
+                path.display()
+            );
+        }
         if theirs < ours {
             return Store::open(path).await.with_context(|| {
                 format!(
@@ -582,11 +603,20 @@ impl Store {
         Ok(rows.iter().map(RunRow::from_row).collect())
     }
 
-    /// The last value of every metric of a run: key → (step, value).
+    /// The last value of every metric of a run: key → (step, value), the value the latest
+    /// record at the largest step holds. A skip-scan of the `(run_id, key, step)` index: one
+    /// seek per key to find the next key and one to its last step, so the cost grows with the
+    /// number of keys, not of records (a run browser lists hundreds of long runs).
     pub async fn final_metrics(&self, run: i64) -> Result<BTreeMap<String, (i64, f64)>> {
         let rows = sqlx::query(
-            "SELECT key, step, value FROM metrics m WHERE run_id = ?1 AND step = \
-             (SELECT MAX(step) FROM metrics WHERE run_id = ?1 AND key = m.key) ORDER BY key",
+            "WITH RECURSIVE k(key) AS ( \
+               SELECT (SELECT key FROM metrics WHERE run_id = ?1 ORDER BY key LIMIT 1) \
+               UNION ALL \
+               SELECT (SELECT key FROM metrics WHERE run_id = ?1 AND key > k.key \
+                       ORDER BY key LIMIT 1) FROM k WHERE k.key IS NOT NULL) \
+             SELECT m.key, m.step, m.value FROM k JOIN metrics m ON m.id = \
+               (SELECT id FROM metrics WHERE run_id = ?1 AND key = k.key \
+                ORDER BY step DESC, id DESC LIMIT 1)",
         )
         .bind(run)
         .fetch_all(&self.pool)
@@ -669,8 +699,20 @@ impl Store {
 
     /// One metric's history: (step, value), by step.
     pub async fn series(&self, run: i64, key: &str) -> Result<Vec<(i64, f64)>> {
+        Ok(self
+            .series_timed(run, key)
+            .await?
+            .into_iter()
+            .map(|(step, _, v)| (step, v))
+            .collect())
+    }
+
+    /// One metric's history with the wall-clock time of each record: (step, Unix seconds,
+    /// value), by step.
+    pub async fn series_timed(&self, run: i64, key: &str) -> Result<Vec<(i64, f64, f64)>> {
         let rows = sqlx::query(
-            "SELECT step, value FROM metrics WHERE run_id = ? AND key = ? ORDER BY step, id",
+            "SELECT step, wall_time, value FROM metrics WHERE run_id = ? AND key = ? \
+             ORDER BY step, id",
         )
         .bind(run)
         .bind(key)
@@ -680,8 +722,8 @@ impl Store {
         Ok(rows
             .iter()
             .map(|r| {
-                let v: Option<f64> = r.get(1);
-                (r.get(0), v.unwrap_or(f64::NAN))
+                let v: Option<f64> = r.get(2);
+                (r.get(0), r.get(1), v.unwrap_or(f64::NAN))
             })
             .collect())
     }
