@@ -23,7 +23,7 @@ async function route() {
   const [path, query] = hash.slice(1).split("?");
   const params = new URLSearchParams(query || "");
   for (const a of document.querySelectorAll("nav a")) {
-    a.classList.toggle("active", path.startsWith(`/${a.dataset.nav}`) || (a.dataset.nav === "runs" && (path === "/" || path.startsWith("/run"))));
+    a.classList.toggle("active", path.startsWith(`/${a.dataset.nav}`) || (a.dataset.nav === "runs" && (path === "/" || path.startsWith("/run") || path === "/compare")));
   }
   current = null;
   try {

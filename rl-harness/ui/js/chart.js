@@ -2,7 +2,7 @@
 // chosen metric overlaying the selected runs (x by step or by wall time since the run's first
 // record, EMA smoothing, log scale, and a min/max band with the mean for runs grouped together).
 
-import { api, el, colour, fmtNum } from "./util.js";
+import { api, el, colour } from "./util.js";
 
 /** TensorBoard's EMA (as `harness compare --smooth`): weight 0 leaves the series as it is. */
 export function smooth(values, weight) {
@@ -206,7 +206,7 @@ export class ChartPanel {
       bands,
       scales: { x: { time: false }, y: s.log ? { distr: 3 } : {} },
       axes: [{ label: s.xaxis === "time" ? "wall time since the run's first record (s)" : "step", labelSize: 20, size: 36 },
-        { size: 64, values: (u, vals) => vals.map(fmtNum) }],
+        { size: 60 }],
       legend: { live: true },
       cursor: { drag: { x: true, y: false } },
     };

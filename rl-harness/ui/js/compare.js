@@ -36,13 +36,16 @@ function parallel(params, trials, metric, maximise) {
   const done = trials.filter((t) => t.best !== null);
   const axes = [...params, metric];
   const value = (t, a) => (a === metric ? t.best : t.params[a]);
+  // a few distinct values (a grid) sit evenly spaced in order; many numbers on a linear scale
   const scales = axes.map((a) => {
     const vs = done.map((t) => value(t, a));
-    if (vs.every((v) => typeof v === "number")) {
+    const numeric = vs.every((v) => typeof v === "number");
+    const distinct = [...new Set(vs.map(fmtValue))];
+    if (numeric && (a === metric || distinct.length > 8)) {
       const lo = Math.min(...vs), hi = Math.max(...vs);
       return { pos: (v) => (hi === lo ? 0.5 : (v - lo) / (hi - lo)), ticks: [lo, hi].map(fmtNum) };
     }
-    const cats = [...new Set(vs.map(fmtValue))];
+    const cats = numeric ? [...new Set(vs)].sort((x, y) => x - y).map(fmtValue) : distinct.sort();
     return { pos: (v) => (cats.length === 1 ? 0.5 : cats.indexOf(fmtValue(v)) / (cats.length - 1)), ticks: cats };
   });
   const draw = () => {
@@ -56,11 +59,12 @@ function parallel(params, trials, metric, maximise) {
     ctx.font = "12px system-ui, sans-serif";
     const ms = done.map((t) => t.best);
     const lo = Math.min(...ms), hi = Math.max(...ms);
-    for (const t of done) {
-      const q = hi === lo ? 1 : (t.best - lo) / (hi - lo);
-      const good = maximise ? q : 1 - q;
-      ctx.strokeStyle = `hsla(${210 - 200 * good}, 75%, ${62 - 25 * good}%, 0.85)`;
-      ctx.lineWidth = 1.5 + 1.5 * good;
+    const goodness = (t) => { const q = hi === lo ? 1 : (t.best - lo) / (hi - lo); return maximise ? q : 1 - q; };
+    // the best trials drawn last, darkest and widest
+    for (const t of [...done].sort((a, b) => goodness(a) - goodness(b))) {
+      const good = goodness(t);
+      ctx.strokeStyle = `hsla(222, 70%, ${82 - 52 * good}%, 0.9)`;
+      ctx.lineWidth = 1.2 + 2 * good;
       ctx.beginPath();
       axes.forEach((a, i) => { const py = y(scales[i].pos(value(t, a))); i ? ctx.lineTo(x(i), py) : ctx.moveTo(x(i), py); });
       ctx.stroke();
@@ -77,8 +81,13 @@ function parallel(params, trials, metric, maximise) {
       const ticks = scales[i].ticks;
       ticks.forEach((tk, j) => {
         const p = ticks.length === 1 ? 0.5 : j / (ticks.length - 1);
-        ctx.textAlign = i === axes.length - 1 ? "left" : "right";
-        ctx.fillText(tk, x(i) + (i === axes.length - 1 ? 6 : -6), y(p) + 4);
+        const last = i === axes.length - 1;
+        ctx.textAlign = last ? "left" : "right";
+        const tx = x(i) + (last ? 6 : -6), tw = ctx.measureText(tk).width;
+        ctx.fillStyle = "rgba(255,255,255,0.85)";
+        ctx.fillRect(last ? tx - 2 : tx - tw - 2, y(p) - 8, tw + 4, 15);
+        ctx.fillStyle = "#222";
+        ctx.fillText(tk, tx, y(p) + 4);
       });
     });
   };
@@ -102,8 +111,10 @@ export async function sweepView(id, metric) {
     el("section", { class: "panel" }, el("label", {}, "rank by ", input, " "),
       el("span", { class: "muted" }, `best value per trial, ${s.maximise ? "higher" : "lower"} is better; Enter to re-rank`)),
     el("section", { class: "panel" }, el("h2", {}, "Parameters against the metric"),
-      withValue === 0 ? errorBox(`No trial has recorded ${s.metric} yet.`) : parallel(s.params, s.trials, s.metric, s.maximise)),
+      withValue === 0 ? errorBox(`No trial has recorded ${s.metric} yet.`)
+        : [el("p", { class: "muted" }, `One line per trial through its parameters to its best ${s.metric}; darker and thicker is better.`),
+          parallel(s.params, s.trials, s.metric, s.maximise)]),
     el("section", { class: "panel" }, el("h2", {}, "Ranking"),
       el("table", { id: "ranking", class: "plain" }, el("thead", {}, el("tr", {},
-        ...["rank", "trial", "state", "run", `best ${s.metric}`, ...s.params].map((h) => el("th", {}, h)))), el("tbody", {}, ...ranked))));
+        ...["rank", "trial", "state", "run", `best ${s.metric}`, ...s.params].map((h, i) => el("th", { class: i === 0 || i === 4 ? "num" : "" }, h)))), el("tbody", {}, ...ranked))));
 }

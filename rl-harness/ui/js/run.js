@@ -51,7 +51,7 @@ export async function runPage(idText) {
     el("section", { class: "panel" }, el("dl", { class: "facts" }, ...facts.flatMap(([k, v]) => [el("dt", {}, k), el("dd", {}, v)]))),
     el("section", { class: "panel" }, el("h2", {}, "Resume"), el("div", { class: "cmd" }, cmd, copy), el("p", { class: "muted" }, resumeNote)),
     el("section", { class: "panel" }, el("h2", {}, "Final metrics"),
-      table("metrics", ["metric", "value", "step"], r.metrics.map((m) => [m.key, fmtNum(m.value), String(m.step)]), "No metric recorded yet.")),
+      table("metrics", ["metric", "value", "step"], r.metrics.map((m) => [m.key, m.value === null ? "NaN" : fmtNum(m.value), String(m.step)]), "No metric recorded yet.")),
     el("section", { class: "panel", id: "config" }, el("h2", {}, "Config"),
       el("p", { class: "muted" }, "Groups left at their defaults are folded."),
       ...r.config.map((g) => el("details", { open: !g.at_default, "data-group": g.name },

@@ -74,10 +74,13 @@ export class RunsView {
       this.error.textContent = e.message;
       this.error.hidden = false;
       document.getElementById("filter")?.classList.add("bad");
+      this.count.textContent = "filter not applied: the table still shows the previous list";
+      this.table.parentElement?.classList.add("stale");
       return;
     }
     this.error.hidden = true;
     document.getElementById("filter")?.classList.remove("bad");
+    this.table.parentElement?.classList.remove("stale");
     const wasRunning = s.runs.some((r) => s.selected.has(r.id) && r.status === "running");
     s.runs = body.runs;
     s.sweeps = body.sweeps;
