@@ -34,6 +34,7 @@ embedded! {
     "/style.css" => "style.css", CSS;
     "/js/app.js" => "js/app.js", JS;
     "/js/util.js" => "js/util.js", JS;
+    "/js/state.js" => "js/state.js", JS;
     "/js/runs.js" => "js/runs.js", JS;
     "/js/chart.js" => "js/chart.js", JS;
     "/js/run.js" => "js/run.js", JS;

@@ -165,10 +165,16 @@ impl Browser {
         }
     }
 
-    /// Opens `url` and waits until the page has drawn its view.
+    /// Opens `url` afresh and waits until the page has drawn its view.
     pub(crate) fn open(&mut self, url: &str) {
-        // a change of the hash alone keeps the document: mark it unready until it redraws
-        self.eval("window.harnessUi && (window.harnessUi.ready = false)");
+        // through a blank page, so that it is a fresh load even when only the hash differs (or
+        // nothing does)
+        self.call("Page.navigate", json!({ "url": "about:blank" }));
+        self.wait(
+            "a blank page",
+            "location.href === 'about:blank'",
+            Duration::from_secs(10),
+        );
         self.call("Page.navigate", json!({ "url": url }));
         self.wait(
             "the page to load",

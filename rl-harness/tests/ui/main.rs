@@ -2,8 +2,8 @@
 //! running and a failed run (made by the `harness` binary itself), the binary serving it, and
 //! headless Chromium (Debian's package, installed by `scripts/test`) driving the page over the
 //! DevTools protocol: the runs table, the filter box (a match and an error), a chart of two runs
-//! whose drawn points are counted against the store, the live table, a config diff and a run's
-//! page. Screenshots land in `target/ui-screenshots/` for a person to look at.
+//! whose drawn points are counted against the store, the same view reopened from its address,
+//! a band over grouped runs, the live table, a config diff, a run's page and a sweep's ranking. Screenshots land in `target/ui-screenshots/` for a person to look at.
 //!
 //! Without Chromium the browser test fails, unless `HARNESS_SKIP_BROWSER_TESTS` says why it is
 //! skipped (`scripts/test` sets it, loudly, when it cannot install Chromium): never a silent pass.
@@ -19,6 +19,29 @@ use std::time::Duration;
 
 use common::{BANDIT, Env, Tied, wait_for};
 use serde_json::{Value, json};
+
+/// A grid sweep of two bandit trials.
+const SWEEP: &str = r#"
+[trainer]
+algorithm = "bandit"
+project_name = "sweeps"
+experiment_name = "sw"
+total_training_steps = 10
+save_freq = 5
+test_freq = 5
+heartbeat_s = 0.5
+
+[bandit]
+batch_size = 32
+
+[sweep]
+name = "sw"
+strategy = "grid"
+metric = "val/test_score"
+
+[sweep.grid]
+"bandit.lr" = [0.02, 0.2]
+"#;
 
 /// `harness ui --port 0` on `env`'s store, and the address it printed.
 fn serve(env: &Env) -> (Tied, String) {
@@ -202,6 +225,37 @@ fn the_run_browser_in_a_real_browser() {
     }
     b.screenshot(&shots.join("chart.png"));
 
+    // the view is in the address: reopened from it, the same runs and metrics are charted
+    let hash = b.eval("location.hash").as_str().unwrap().to_string();
+    let chosen = b.eval(
+        "(() => { const p = new URLSearchParams(location.hash.split('?')[1]); \
+         return [p.get('runs'), p.getAll('metric')]; })()",
+    );
+    assert_eq!(
+        chosen,
+        json!(["1,2", ["val/test_score", "actor/pg_loss"]]),
+        "{hash}"
+    );
+    b.open(&format!("{url}{hash}"));
+    b.wait(
+        "the charts reopened from the address",
+        "window.harnessUi.charts.size === 2",
+        Duration::from_secs(10),
+    );
+
+    // grouped by project, the two runs become one band: max, mean, min
+    b.eval(
+        "(() => { const g = document.getElementById('group'); g.value = 'project'; \
+         g.dispatchEvent(new Event('change')); })()",
+    );
+    b.wait(
+        "the band of the grouped runs",
+        "(() => { const u = window.harnessUi.charts.get('val/test_score'); \
+         return u && u.series.length === 4 && u.series[2].label.includes('mean of 2'); })()",
+        Duration::from_secs(10),
+    );
+    b.screenshot(&shots.join("band.png"));
+
     // the config diff of the two: only the keys that differ
     b.click("#compare");
     b.wait(
@@ -229,6 +283,22 @@ fn the_run_browser_in_a_real_browser() {
         "the run's changed group is unfolded"
     );
     b.screenshot(&shots.join("run.png"));
+
+    // a sweep of two trials: its ranking and the parallel-coordinates view
+    env.file("sweep.toml", SWEEP);
+    env.ok(&["sweep", "sweep.toml"]);
+    b.open(&format!("{url}#/sweep/sw"));
+    b.wait(
+        "the sweep's ranking",
+        "document.querySelectorAll('#ranking tbody tr').length === 2 && document.getElementById('parallel')",
+        Duration::from_secs(10),
+    );
+    let ranked = b.eval(
+        "[...document.querySelectorAll('#ranking tbody tr')].map(r => Number(r.cells[4].textContent))",
+    );
+    let ranked: Vec<f64> = serde_json::from_value(ranked).unwrap();
+    assert!(ranked[0] >= ranked[1], "ranked best first: {ranked:?}");
+    b.screenshot(&shots.join("sweep.png"));
     eprintln!("screenshots in {}", shots.display());
     drop(ui);
 }

@@ -5,15 +5,12 @@ import { RunsView } from "./runs.js";
 import { runPage } from "./run.js";
 import { compareView, sweepsView, sweepView } from "./compare.js";
 import { show, errorBox } from "./util.js";
+import { state, loadState } from "./state.js";
 
 const REFRESH_MS = 3000;
 
 window.harnessUi = { charts: new Map(), ready: false };
 
-const state = {
-  filter: "", sort: { col: "started", dir: -1 }, group: "none", selected: new Set(),
-  metrics: [], smoothing: 0, xaxis: "step", log: false, band: true, runs: [], sweeps: {},
-};
 
 let current = null;
 
@@ -23,11 +20,13 @@ async function route() {
   const [path, query] = hash.slice(1).split("?");
   const params = new URLSearchParams(query || "");
   for (const a of document.querySelectorAll("nav a")) {
-    a.classList.toggle("active", path.startsWith(`/${a.dataset.nav}`) || (a.dataset.nav === "runs" && (path === "/" || path.startsWith("/run") || path === "/compare")));
+    const runs = path === "/" || path === "" || path.startsWith("/run/") || path === "/compare";
+    a.classList.toggle("active", a.dataset.nav === "runs" ? runs : path.startsWith("/sweep"));
   }
   current = null;
   try {
     if (path === "/" || path === "") {
+      loadState(params);
       current = new RunsView(state);
       await current.mount();
     } else if (path.startsWith("/run/")) {

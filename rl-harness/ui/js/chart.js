@@ -3,6 +3,7 @@
 // record, EMA smoothing, log scale, and a min/max band with the mean for runs grouped together).
 
 import { api, el, colour } from "./util.js";
+import { saveState } from "./state.js";
 
 /** TensorBoard's EMA (as `harness compare --smooth`): weight 0 leaves the series as it is. */
 export function smooth(values, weight) {
@@ -58,6 +59,7 @@ export class ChartPanel {
   async render() {
     const runs = this.selectedRuns();
     if (runs.length === 0) {
+      saveState();
       this.destroy();
       this.root.replaceChildren(el("p", { class: "muted" },
         "Tick runs in the table to chart their metrics."));
@@ -82,10 +84,13 @@ export class ChartPanel {
   controls() {
     const s = this.state;
     const smoothLabel = el("span", { id: "smooth-label" }, s.smoothing > 0 ? `EMA ${s.smoothing.toFixed(2)}` : "off");
-    const grouped = s.group !== "none";
+    // a band needs the grouped runs at shared x values: steps, not seconds since each start
+    const grouped = s.group !== "none" && s.xaxis === "step";
+    const why = s.group === "none" ? "Group the table (by project, sweep or name) to band runs together"
+      : "Bands need the runs at the same x: pick step as the x axis";
     return el("div", { class: "controls" },
       el("label", {}, "x axis ",
-        el("select", { id: "xaxis", onchange: (e) => { s.xaxis = e.target.value; this.draw(); } },
+        el("select", { id: "xaxis", onchange: (e) => { s.xaxis = e.target.value; this.render(); } },
           el("option", { value: "step", selected: s.xaxis === "step" }, "step"),
           el("option", { value: "time", selected: s.xaxis === "time" }, "wall time (s since start)"))),
       el("label", { title: "Exponential moving average, TensorBoard's weighting" }, "smoothing ",
@@ -94,7 +99,7 @@ export class ChartPanel {
         " ", smoothLabel),
       el("label", {}, el("input", { id: "logscale", type: "checkbox", checked: s.log,
         onchange: (e) => { s.log = e.target.checked; this.draw(); } }), " log scale"),
-      el("label", { class: grouped ? "" : "disabled", title: grouped ? "" : "Group the table (by project, sweep or name) to band runs together" },
+      el("label", { class: grouped ? "" : "disabled", title: grouped ? "" : why },
         el("input", { id: "band", type: "checkbox", checked: s.band && grouped, disabled: !grouped,
           onchange: (e) => { s.band = e.target.checked; this.draw(); } }),
         " min/max band per group"));
@@ -126,6 +131,7 @@ export class ChartPanel {
 
   /** Fetches the chosen metrics of the selected runs and (re)draws every chart. */
   async draw() {
+    saveState();
     const grid = this.root.querySelector("#chart-grid");
     if (!grid) return;
     const runs = this.selectedRuns();
@@ -170,7 +176,7 @@ export class ChartPanel {
     const uSeries = [{ label: s.xaxis === "time" ? "seconds" : "step" }];
     const bands = [];
     const groups = new Map();
-    if (s.band && s.group !== "none") {
+    if (s.band && s.group !== "none" && s.xaxis === "step") {
       lines.forEach((l, i) => {
         const g = this.state.groupOf(l.run);
         if (!groups.has(g)) groups.set(g, []);
@@ -185,18 +191,17 @@ export class ChartPanel {
       uSeries.push({ label: `#${l.run.id} ${l.run.name}${ema}`, stroke: l.colour, width: 1.5,
         spanGaps: true, points: { show: l.xs.length < 2 }, "run": l.run.id });
     });
-    let gi = 0;
     for (const [g, members] of groups) {
       if (members.length < 2) continue;
       const c = colour(members[0]);
       const env = envelope(members.map((i) => data[i + 1]), n);
       const base = out.length;
       out.push(env.hi, env.mid, env.lo);
-      uSeries.push({ label: `${g} max`, stroke: c + "55", width: 1, spanGaps: true },
-        { label: `${g}: mean of ${members.length}${ema}`, stroke: c, width: 2, spanGaps: true },
-        { label: `${g} min`, stroke: c + "55", width: 1, spanGaps: true });
+      const quiet = { width: 1, spanGaps: true, points: { show: false } };
+      uSeries.push({ ...quiet, label: `${g} max`, stroke: c + "55" },
+        { label: `${g}: mean of ${members.length}${ema}`, stroke: c, width: 2, spanGaps: true, points: { show: false } },
+        { ...quiet, label: `${g} min`, stroke: c + "55" });
       bands.push({ series: [base, base + 2], fill: c + "22" });
-      gi++;
     }
     const width = Math.max(320, box.clientWidth || 600);
     const opts = {

@@ -63,7 +63,7 @@ function parallel(params, trials, metric, maximise) {
     // the best trials drawn last, darkest and widest
     for (const t of [...done].sort((a, b) => goodness(a) - goodness(b))) {
       const good = goodness(t);
-      ctx.strokeStyle = `hsla(222, 70%, ${82 - 52 * good}%, 0.9)`;
+      ctx.strokeStyle = `hsla(222, 70%, ${72 - 42 * good}%, 0.9)`;
       ctx.lineWidth = 1.2 + 2 * good;
       ctx.beginPath();
       axes.forEach((a, i) => { const py = y(scales[i].pos(value(t, a))); i ? ctx.lineTo(x(i), py) : ctx.moveTo(x(i), py); });

@@ -3,6 +3,7 @@
 
 import { api, el, fmtNum, fmtTime, fmtDuration, statusPill, show } from "./util.js";
 import { ChartPanel } from "./chart.js";
+import { saveState } from "./state.js";
 
 const COLUMNS = [
   ["status", "status", (r) => r.status],
@@ -27,11 +28,12 @@ export class RunsView {
       onclick: () => { location.hash = `#/compare?runs=${[...state.selected].join(",")}`; } }, "Compare configs");
   }
 
+  /** The group a run belongs to under the current grouping ("" when none). */
   groupOf(r) {
     switch (this.state.group) {
-      case "project": return `project ${r.project}`;
-      case "sweep": return r.sweep ? `sweep ${this.state.sweeps[r.sweep] || r.sweep}` : "no sweep";
-      case "name": return `name ${r.name}`;
+      case "project": return r.project;
+      case "sweep": return r.sweep ? (this.state.sweeps[r.sweep] || r.sweep) : "(no sweep)";
+      case "name": return r.name;
       default: return "";
     }
   }
@@ -59,6 +61,7 @@ export class RunsView {
 
   async applyFilter(text) {
     this.state.filter = text;
+    saveState();
     await this.refresh();
     await this.charts.render();
   }
@@ -126,7 +129,8 @@ export class RunsView {
         body.append(el("tr", { class: "group" }, el("td", { class: "check" },
           el("input", { type: "checkbox", checked: all, title: "select the group",
             onchange: (e) => { for (const r of members) e.target.checked ? s.selected.add(r.id) : s.selected.delete(r.id); this.selectionChanged(); } })),
-          el("td", { colspan: String(COLUMNS.length) }, g, el("span", { class: "muted" }, ` · ${members.length} run${members.length === 1 ? "" : "s"}`))));
+          el("td", { colspan: String(COLUMNS.length) }, el("span", { class: "muted" }, `${s.group} `), g,
+            el("span", { class: "muted" }, ` · ${members.length} run${members.length === 1 ? "" : "s"}`))));
       }
       for (const r of members) body.append(this.row(r));
     }
