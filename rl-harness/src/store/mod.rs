@@ -908,3 +908,67 @@ async fn migrate(path: &Path, opts: &SqliteConnectOptions) -> Result<()> {
     drop(lock);
     result.map_err(Into::into)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The skip-scan of `final_metrics` finds every key and, per key, the value of the latest
+    /// record at its largest step: a step recorded twice (a resume that rewinds) gives the later
+    /// record, a NaN stays NaN, and each run sees only its own records.
+    #[test]
+    fn final_metrics_takes_the_latest_record_at_each_keys_last_step() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        rt.block_on(async {
+            let store = Store::open(&dir.path().join("harness.db")).await.unwrap();
+            let mut runs = Vec::new();
+            for name in ["a", "b"] {
+                let id = store
+                    .write(move |c| {
+                        Box::pin(async move {
+                            Ok(sqlx::query_scalar(
+                                "INSERT INTO runs (name, project, status, config, host, seed, \
+                                 run_dir, created, heartbeat_s) \
+                                 VALUES (?, 'p', 'finished', '{}', 'h', 0, '', 0, 5) RETURNING id",
+                            )
+                            .bind(name)
+                            .fetch_one(&mut *c)
+                            .await?)
+                        })
+                    })
+                    .await
+                    .unwrap();
+                runs.push(id);
+            }
+            let log = |run: i64, step: u64, m: &[(&str, f64)]| {
+                let m: Vec<(String, f64)> = m.iter().map(|(k, v)| (k.to_string(), *v)).collect();
+                store
+                    .log_metrics(run, step, m.iter().map(|(k, v)| (k, v)))
+                    .unwrap();
+            };
+            log(runs[0], 0, &[("loss", 3.0), ("score", 0.1), ("x/y", 1.0)]);
+            log(runs[0], 1, &[("loss", 2.0), ("score", 0.2)]);
+            log(runs[0], 1, &[("loss", 1.5)]);
+            log(runs[0], 2, &[("score", f64::NAN)]);
+            log(runs[1], 5, &[("other", 7.0)]);
+            store.flush().await.unwrap();
+            let got = store.final_metrics(runs[0]).await.unwrap();
+            assert_eq!(got.keys().collect::<Vec<_>>(), ["loss", "score", "x/y"]);
+            assert_eq!(got["loss"], (1, 1.5));
+            assert_eq!(got["score"].0, 2);
+            assert!(got["score"].1.is_nan());
+            assert_eq!(got["x/y"], (0, 1.0));
+            let other = store.final_metrics(runs[1]).await.unwrap();
+            assert_eq!(
+                other.into_iter().collect::<Vec<_>>(),
+                [("other".to_string(), (5, 7.0))]
+            );
+            let none = store.final_metrics(99).await.unwrap();
+            assert!(none.is_empty());
+        });
+    }
+}
