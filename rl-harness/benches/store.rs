@@ -49,11 +49,7 @@ fn log(rt: &tokio::runtime::Runtime, store: &Store, run: i64, steps: u64) -> (Du
 }
 
 fn bench(c: &mut Criterion) {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = common::runtime();
     let dir = tempfile::tempdir().unwrap();
     let store = rt
         .block_on(Store::open(&dir.path().join("harness.db")))

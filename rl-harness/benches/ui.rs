@@ -177,11 +177,7 @@ fn store_path(rt: &tokio::runtime::Runtime) -> PathBuf {
 }
 
 fn bench(c: &mut Criterion) {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = common::runtime();
     let db = store_path(&rt);
     let running = rt
         .block_on(rl_harness::ui::start(&rl_harness::ui::Options {

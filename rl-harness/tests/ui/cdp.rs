@@ -19,7 +19,15 @@ use crate::common::Tied;
 /// Where Chromium is, or why the browser tests cannot run here.
 pub(crate) fn find_chromium() -> Result<PathBuf, String> {
     if let Some(p) = std::env::var_os("HARNESS_CHROMIUM") {
-        return Ok(PathBuf::from(p));
+        let p = PathBuf::from(p);
+        return if p.is_file() {
+            Ok(p)
+        } else {
+            Err(format!(
+                "HARNESS_CHROMIUM names {}, which is no file",
+                p.display()
+            ))
+        };
     }
     for name in ["chromium", "chromium-browser", "google-chrome"] {
         for dir in std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default()) {
@@ -149,6 +157,15 @@ impl Browser {
             panic!("`{expr}` threw: {ex}");
         }
         r["result"]["value"].clone()
+    }
+
+    /// The text of every element `selector` matches, in page order.
+    pub(crate) fn texts(&mut self, selector: &str) -> Vec<String> {
+        let sel = serde_json::to_string(selector).unwrap();
+        let v = self.eval(&format!(
+            "[...document.querySelectorAll({sel})].map(e => e.textContent)"
+        ));
+        serde_json::from_value(v).unwrap()
     }
 
     /// Polls `expr` until it is `true`; panics naming `what` (and the page's text) after `limit`.

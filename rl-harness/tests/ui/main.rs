@@ -20,20 +20,8 @@ use std::time::Duration;
 use common::{BANDIT, Env, Tied, wait_for};
 use serde_json::{Value, json};
 
-/// A grid sweep of two bandit trials.
-const SWEEP: &str = r#"
-[trainer]
-algorithm = "bandit"
-project_name = "sweeps"
-experiment_name = "sw"
-total_training_steps = 10
-save_freq = 5
-test_freq = 5
-heartbeat_s = 0.5
-
-[bandit]
-batch_size = 32
-
+/// A grid over two learning rates, appended to [`BANDIT`]: a sweep of two trials.
+const SWEEP_TABLE: &str = r#"
 [sweep]
 name = "sw"
 strategy = "grid"
@@ -263,11 +251,10 @@ fn the_run_browser_in_a_real_browser() {
         "document.getElementById('diff')",
         Duration::from_secs(10),
     );
-    let keys = b.eval(
-        "[...document.querySelectorAll('#diff tbody tr td:first-child')].map(t => t.textContent)",
+    assert_eq!(
+        b.texts("#diff tbody tr td:first-child"),
+        ["bandit.diverge_at_step", "trainer.experiment_name"]
     );
-    let keys: Vec<String> = serde_json::from_value(keys).unwrap();
-    assert_eq!(keys, ["bandit.diverge_at_step", "trainer.experiment_name"]);
     b.screenshot(&shots.join("diff.png"));
 
     // the failed run's page: why it failed, its config, the command that resumes it
@@ -285,7 +272,7 @@ fn the_run_browser_in_a_real_browser() {
     b.screenshot(&shots.join("run.png"));
 
     // a sweep of two trials: its ranking and the parallel-coordinates view
-    env.file("sweep.toml", SWEEP);
+    env.file("sweep.toml", &format!("{BANDIT}{SWEEP_TABLE}"));
     env.ok(&["sweep", "sweep.toml"]);
     b.open(&format!("{url}#/sweep/sw"));
     b.wait(
@@ -293,10 +280,11 @@ fn the_run_browser_in_a_real_browser() {
         "document.querySelectorAll('#ranking tbody tr').length === 2 && document.getElementById('parallel')",
         Duration::from_secs(10),
     );
-    let ranked = b.eval(
-        "[...document.querySelectorAll('#ranking tbody tr')].map(r => Number(r.cells[4].textContent))",
-    );
-    let ranked: Vec<f64> = serde_json::from_value(ranked).unwrap();
+    let ranked: Vec<f64> = b
+        .texts("#ranking tbody tr td:nth-child(5)")
+        .iter()
+        .map(|t| t.parse().unwrap())
+        .collect();
     assert!(ranked[0] >= ranked[1], "ranked best first: {ranked:?}");
     b.screenshot(&shots.join("sweep.png"));
     eprintln!("screenshots in {}", shots.display());
