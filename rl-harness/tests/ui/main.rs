@@ -3,7 +3,8 @@
 //! headless Chromium (Debian's package, installed by `scripts/test`) driving the page over the
 //! DevTools protocol: the runs table, the filter box (a match and an error), a chart of two runs
 //! whose drawn points are counted against the store, the same view reopened from its address,
-//! a band over grouped runs, the live table, a config diff, a run's page and a sweep's ranking. Screenshots land in `target/ui-screenshots/` for a person to look at.
+//! a band over grouped runs, the live table and chart, a config diff, a run's page and a sweep's
+//! ranking. Screenshots land in `target/ui-screenshots/` for a person to look at.
 //!
 //! Without Chromium the browser test fails, unless `HARNESS_SKIP_BROWSER_TESTS` says why it is
 //! skipped (`scripts/test` sets it, loudly, when it cannot install Chromium): never a silent pass.
@@ -270,6 +271,22 @@ fn the_run_browser_in_a_real_browser() {
         "the run's changed group is unfolded"
     );
     b.screenshot(&shots.join("run.png"));
+
+    // a chart of the running run grows while it trains, without a reload
+    b.open(&format!("{url}#/?runs=3&metric=actor%2Fpg_loss"));
+    let points = "(() => { const u = window.harnessUi.charts.get('actor/pg_loss'); \
+                  return u ? u.data[1].filter(v => v !== null).length : 0; })()";
+    b.wait(
+        "the running run's chart",
+        &format!("{points} > 0"),
+        Duration::from_secs(10),
+    );
+    let first = b.eval(points).as_u64().unwrap();
+    b.wait(
+        "the running run's chart to grow",
+        &format!("{points} > {first}"),
+        Duration::from_secs(20),
+    );
 
     // a sweep of two trials: its ranking and the parallel-coordinates view
     env.file("sweep.toml", &format!("{BANDIT}{SWEEP_TABLE}"));
