@@ -16,7 +16,7 @@ use crate::config::{self, Override, Sources};
 use crate::integrations::tracker;
 use crate::run::rank::{self, Membership};
 use crate::run::train;
-use crate::store::{Store, filter};
+use crate::store::{RunRow, Store, filter};
 
 /// Trains, resumes, sweeps and compares RL post-training runs; every run is recorded in a
 /// SQLite run store.
@@ -863,33 +863,19 @@ async fn list_runs(db: &Path, q: &RunsQuery<'_>) -> Result<()> {
         );
     }
     // each run's lookup table, and every key any run has (to catch a typo in --filter)
-    let mut rows = Vec::new();
-    let mut keys = std::collections::BTreeSet::new();
-    for r in runs {
-        if q.project.is_some_and(|p| r.project != p) {
-            continue;
-        }
-        let (table, step) = listing::lookup_table(&store, &r).await?;
-        keys.extend(table.keys().cloned());
-        rows.push((r, table, step));
-    }
-    if let Some(e) = &expr {
-        listing::check_filter_keys(e, &keys).context("--filter")?;
-    }
+    let runs: Vec<RunRow> = runs
+        .into_iter()
+        .filter(|r| q.project.is_none_or(|p| r.project == p))
+        .collect();
     let mut hidden = 0;
     let mut shown = Vec::new();
-    for (r, table, step) in rows {
-        if let Some(e) = &expr
-            && !e.eval(&|k| table.get(k).cloned())
-        {
-            continue;
-        }
+    for l in listing::filtered(&store, runs, expr.as_ref(), "--filter").await? {
         // a bad input fails a run before its first step: clutter, unless asked for
-        if !q.all && r.status == "failed" && step.is_none() {
+        if !q.all && l.run.status == "failed" && l.last_step.is_none() {
             hidden += 1;
             continue;
         }
-        shown.push((r, table, step.unwrap_or(0)));
+        shown.push((l.run, l.table, l.last_step.unwrap_or(0)));
     }
     if let Some(n) = q.limit {
         let skip = shown.len().saturating_sub(n);

@@ -5,7 +5,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use serde_json::Value;
 
 use crate::config;
@@ -64,22 +64,90 @@ pub fn fmt_duration(seconds: f64) -> String {
     }
 }
 
-/// An error naming the first key `expr` compares that no listed run has (a typo, not an empty
-/// list), with the nearest key that exists; fine when there are no runs at all.
-pub fn check_filter_keys(expr: &filter::Expr, keys: &BTreeSet<String>) -> Result<()> {
+/// A filter compares a key no listed run has: a typo, not an empty list.
+#[derive(Debug)]
+pub struct UnknownFilterKey {
+    /// The key.
+    pub key: String,
+    /// The nearest key that exists.
+    pub nearest: Option<String>,
+}
+
+impl std::fmt::Display for UnknownFilterKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "no run has `{}` (a config key, final metric or run field)",
+            self.key
+        )?;
+        match &self.nearest {
+            Some(n) => write!(f, "; did you mean `{n}`?"),
+            None => Ok(()),
+        }
+    }
+}
+
+impl std::error::Error for UnknownFilterKey {}
+
+/// An [`UnknownFilterKey`] for the first key `expr` compares that no listed run has (`keys`:
+/// every key of every run); fine when there are no runs at all.
+pub fn check_filter_keys(
+    expr: &filter::Expr,
+    keys: &BTreeSet<String>,
+) -> Result<(), UnknownFilterKey> {
     if keys.is_empty() {
         return Ok(());
     }
     let known: Vec<String> = keys.iter().cloned().collect();
-    for (key, _) in expr.comparisons() {
-        if !keys.contains(key) {
-            let hint = crate::suggest::nearest_key(key, &known)
-                .map(|n| format!("; did you mean `{n}`?"))
-                .unwrap_or_default();
-            bail!("no run has `{key}` (a config key, final metric or run field){hint}");
-        }
+    match expr
+        .comparisons()
+        .into_iter()
+        .find(|(k, _)| !keys.contains(*k))
+    {
+        Some((key, _)) => Err(UnknownFilterKey {
+            key: key.to_string(),
+            nearest: crate::suggest::nearest_key(key, &known),
+        }),
+        None => Ok(()),
     }
-    Ok(())
+}
+
+/// A run with what a listing shows of it.
+#[derive(Debug, Clone)]
+pub struct Listed {
+    /// The run.
+    pub run: RunRow,
+    /// What `--filter` sees of it ([`lookup_table`]).
+    pub table: BTreeMap<String, Value>,
+    /// The last step it recorded a metric at (`None`: none yet).
+    pub last_step: Option<i64>,
+}
+
+/// The runs of `runs` that `expr` keeps (all of them without one), in order, each with its
+/// lookup table. A key `expr` compares that no run has is an [`UnknownFilterKey`] under the
+/// context `what` (the option or box the filter came from).
+pub async fn filtered(
+    store: &Store,
+    runs: Vec<RunRow>,
+    expr: Option<&filter::Expr>,
+    what: &'static str,
+) -> Result<Vec<Listed>> {
+    let mut listed = Vec::new();
+    let mut keys = BTreeSet::new();
+    for run in runs {
+        let (table, last_step) = lookup_table(store, &run).await?;
+        keys.extend(table.keys().cloned());
+        listed.push(Listed {
+            run,
+            table,
+            last_step,
+        });
+    }
+    if let Some(e) = expr {
+        check_filter_keys(e, &keys).context(what)?;
+        listed.retain(|l| e.eval(&|k| l.table.get(k).cloned()));
+    }
+    Ok(listed)
 }
 
 /// One group of a run's resolved config (`trainer`, `algorithm`, `actor_rollout_ref`, ...).

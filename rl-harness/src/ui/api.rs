@@ -84,23 +84,17 @@ pub async fn runs(store: &Store, filter: Option<&str>) -> Answer {
         .map(filter::parse)
         .transpose()
         .map_err(|e| Fault::BadRequest(format!("{e:#}")))?;
-    let mut listed = Vec::new();
-    let mut keys = BTreeSet::new();
-    for r in store.runs(None).await? {
-        let (table, step) = listing::lookup_table(store, &r).await?;
-        keys.extend(table.keys().cloned());
-        listed.push((r, table, step));
-    }
-    if let Some(e) = &expr {
-        listing::check_filter_keys(e, &keys).map_err(|e| Fault::BadRequest(format!("{e:#}")))?;
-    }
+    let runs = store.runs(None).await?;
+    let total = runs.len();
+    let listed = listing::filtered(store, runs, expr.as_ref(), "filter")
+        .await
+        .map_err(|e| match e.downcast_ref::<listing::UnknownFilterKey>() {
+            Some(_) => Fault::BadRequest(format!("{e:#}")),
+            None => Fault::Store(e),
+        })?;
     let mut rows = Vec::new();
-    for (r, table, step) in &listed {
-        if let Some(e) = &expr
-            && !e.eval(&|k| table.get(k).cloned())
-        {
-            continue;
-        }
+    for l in &listed {
+        let (r, table, step) = (&l.run, &l.table, &l.last_step);
         let metric = listing::main_metric(table);
         rows.push(json!({
             "id": r.id,
@@ -125,7 +119,7 @@ pub async fn runs(store: &Store, filter: Option<&str>) -> Answer {
         .into_iter()
         .map(|s| (s.id, s.name))
         .collect();
-    Ok(json!({ "runs": rows, "total": listed.len(), "sweeps": sweeps }))
+    Ok(json!({ "runs": rows, "total": total, "sweeps": sweeps }))
 }
 
 /// The metric keys the runs `ids` recorded (every run's when none is named), sorted.
