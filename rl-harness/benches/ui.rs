@@ -108,7 +108,8 @@ fn build(rt: &tokio::runtime::Runtime, db: &Path) {
                 .unwrap();
         }
         if i < SWEEP_TRIALS {
-            let params = serde_json::json!({ "actor_rollout_ref.actor.optim.lr": 1e-6 * (1 + i % 7) as f64 });
+            let lr = 1e-6 * (1 + i % 7) as f64;
+            let params = serde_json::json!({ "actor_rollout_ref.actor.optim.lr": lr });
             let trial = format!("trial{i:03}");
             rt.block_on(store.write(move |c| {
                 Box::pin(async move {

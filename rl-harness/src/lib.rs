@@ -1,4 +1,4 @@
-//! The `harness` library: the CLI ([`Cli`], [`run()`]) over five parts, each a folder:
+//! The `harness` library: the CLI ([`Cli`], [`run()`]) over six parts, each a folder:
 //!
 //! - [`store`]: the SQLite run store ([`Store`]) and the `runs --filter` / `trainer.stop_when`
 //!   language ([`store::filter`]);
@@ -16,9 +16,9 @@
 //! Below them sit leaves that use nothing else in the crate: [`console`] (all printing),
 //! `logging`, [`suggest`] (the nearest name to a typo), [`device`] and [`bandit`] (a small
 //! deterministic trainer of the harness's own, for fast tests). The layers, bottom to top:
-//! leaves, `store`, `config`, `integrations` and `analysis`, `run` and `ui`, `cli`; a module uses only
-//! modules of its layer or below, so there is no import cycle (`scripts/module-deps` lists the
-//! edges).
+//! leaves, `store`, `config`, `integrations` and `analysis`, `run` and `ui`, `cli`; a module uses
+//! only modules of its layer or below, so there is no import cycle (`scripts/module-deps` lists
+//! the edges).
 //!
 //! This crate is the only one that knows the CLI, figment, SQLite, the run directory and
 //! wall-clock time. `main.rs` only parses the command line and prints errors. Nothing prints with
