@@ -9,18 +9,8 @@ use rl_core::StepMetrics;
 use rl_harness::Store;
 use rl_harness::analysis::compare::{self, Mode};
 
-const KEYS: [&str; 10] = [
-    "actor/pg_loss",
-    "actor/entropy",
-    "actor/grad_norm",
-    "actor/lr",
-    "actor/kl_loss",
-    "critic/score/mean",
-    "training/baseline",
-    "timing_s/step",
-    "response_length/mean",
-    "val/test_score",
-];
+mod common;
+use common::KEYS;
 
 async fn new_run(store: &Store, name: &str) -> i64 {
     let name = name.to_string();
@@ -59,11 +49,7 @@ fn log(rt: &tokio::runtime::Runtime, store: &Store, run: i64, steps: u64) -> (Du
 }
 
 fn bench(c: &mut Criterion) {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = common::runtime();
     let dir = tempfile::tempdir().unwrap();
     let store = rt
         .block_on(Store::open(&dir.path().join("harness.db")))

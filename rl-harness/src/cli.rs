@@ -10,6 +10,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use serde_json::Value;
 
 use crate::analysis::compare::{self, Mode};
+use crate::analysis::listing;
 use crate::analysis::sweep;
 use crate::config::{self, Override, Sources};
 use crate::integrations::tracker;
@@ -132,6 +133,17 @@ pub enum Command {
     /// Import models.
     #[command(subcommand)]
     Model(ModelCommand),
+    /// Browse the run store in a web browser: runs table, metric charts, run pages, config
+    /// diffs, sweep rankings; read-only, served by this binary (127.0.0.1 by default).
+    Ui {
+        /// The address to listen on; anything but a loopback address lets other machines read
+        /// every run (there is no authentication).
+        #[arg(long, default_value = "127.0.0.1")]
+        host: std::net::IpAddr,
+        /// The port (0: any free one; the printed address says which).
+        #[arg(long, default_value_t = 8765)]
+        port: u16,
+    },
     /// The BM25 retriever of search-augmented training (Search-R1's protocol).
     #[command(subcommand)]
     Retriever(crate::integrations::retriever::RetrieverCommand),
@@ -565,6 +577,9 @@ pub(crate) fn run(cli: Cli) -> Result<()> {
         Command::Data(d) => data(d)?,
         Command::Retriever(c) => crate::integrations::retriever::run(c)?,
         Command::Serve(args) => crate::serve::run(&args)?,
+        Command::Ui { host, port } => {
+            rt.block_on(crate::ui::serve(crate::ui::Options { db, host, port }))?
+        }
         Command::Model(ModelCommand::InitTiny {
             out_dir,
             seed,
@@ -822,32 +837,6 @@ fn fmt_time(t: Option<f64>) -> String {
     .unwrap_or_else(|| "-".into())
 }
 
-/// What `--filter` sees of a run (config keys, final metrics, run fields), and the last step
-/// it recorded a metric at (`None`: none yet).
-async fn lookup_table(
-    store: &Store,
-    r: &RunRow,
-) -> Result<(std::collections::BTreeMap<String, Value>, Option<i64>)> {
-    let cfg: Value = serde_json::from_str(&r.config)
-        .with_context(|| format!("the stored config of run {}", r.id))?;
-    let mut m = config::flatten(&cfg);
-    let mut last = None;
-    for (k, (step, v)) in store.final_metrics(r.id).await? {
-        last = last.max(Some(step));
-        m.insert(k, serde_json::json!(v));
-    }
-    m.insert("id".into(), r.id.into());
-    m.insert("name".into(), r.name.clone().into());
-    m.insert("status".into(), r.effective_status().into());
-    m.insert("project".into(), r.project.clone().into());
-    m.insert("seed".into(), r.seed.into());
-    m.insert(
-        "sweep".into(),
-        r.sweep_id.clone().map(Value::String).unwrap_or(Value::Null),
-    );
-    Ok((m, last))
-}
-
 /// What `harness runs` lists.
 struct RunsQuery<'a> {
     filter: Option<&'a str>,
@@ -855,28 +844,6 @@ struct RunsQuery<'a> {
     project: Option<&'a str>,
     limit: Option<usize>,
     all: bool,
-}
-
-/// A run's main validation metric: the first `val/test_score/*` (by name), else
-/// `val/test_score`, else `val/loss`; its key and final value.
-fn main_metric(table: &std::collections::BTreeMap<String, Value>) -> Option<(String, f64)> {
-    let pick = |k: &String| table.get(k).and_then(Value::as_f64).map(|v| (k.clone(), v));
-    table
-        .keys()
-        .filter(|k| k.starts_with("val/test_score/"))
-        .find_map(pick)
-        .or_else(|| pick(&"val/test_score".to_string()))
-        .or_else(|| pick(&"val/loss".to_string()))
-}
-
-/// `1h02m`, `3m05s`, `12s`.
-fn fmt_duration(seconds: f64) -> String {
-    let s = seconds.max(0.0).round() as u64;
-    match s {
-        0..60 => format!("{s}s"),
-        60..3600 => format!("{}m{:02}s", s / 60, s % 60),
-        _ => format!("{}h{:02}m", s / 3600, (s % 3600) / 60),
-    }
 }
 
 async fn list_runs(db: &Path, q: &RunsQuery<'_>) -> Result<()> {
@@ -900,43 +867,19 @@ async fn list_runs(db: &Path, q: &RunsQuery<'_>) -> Result<()> {
         );
     }
     // each run's lookup table, and every key any run has (to catch a typo in --filter)
-    let mut rows = Vec::new();
-    let mut keys = std::collections::BTreeSet::new();
-    for r in runs {
-        if q.project.is_some_and(|p| r.project != p) {
-            continue;
-        }
-        let (table, step) = lookup_table(&store, &r).await?;
-        keys.extend(table.keys().cloned());
-        rows.push((r, table, step));
-    }
-    if let Some(e) = &expr {
-        let known: Vec<String> = keys.iter().cloned().collect();
-        for (key, _) in e.comparisons() {
-            if !keys.contains(key) && !rows.is_empty() {
-                let hint = crate::suggest::nearest_key(key, &known)
-                    .map(|n| format!("; did you mean `{n}`?"))
-                    .unwrap_or_default();
-                bail!(
-                    "--filter: no run has `{key}` (a config key, final metric or run field){hint}"
-                );
-            }
-        }
-    }
+    let runs: Vec<RunRow> = runs
+        .into_iter()
+        .filter(|r| q.project.is_none_or(|p| r.project == p))
+        .collect();
     let mut hidden = 0;
     let mut shown = Vec::new();
-    for (r, table, step) in rows {
-        if let Some(e) = &expr
-            && !e.eval(&|k| table.get(k).cloned())
-        {
-            continue;
-        }
+    for l in listing::filtered(&store, runs, expr.as_ref(), "--filter").await? {
         // a bad input fails a run before its first step: clutter, unless asked for
-        if !q.all && r.status == "failed" && step.is_none() {
+        if !q.all && l.run.status == "failed" && l.last_step.is_none() {
             hidden += 1;
             continue;
         }
-        shown.push((r, table, step.unwrap_or(0)));
+        shown.push((l.run, l.table, l.last_step.unwrap_or(0)));
     }
     if let Some(n) = q.limit {
         let skip = shown.len().saturating_sub(n);
@@ -949,11 +892,10 @@ async fn list_runs(db: &Path, q: &RunsQuery<'_>) -> Result<()> {
         "id", "name", "project", "status", "step", "created", "took", "sweep"
     )?;
     for (r, table, step) in &shown {
-        let took = r
-            .started
-            .map(|s| fmt_duration(r.ended.or(r.heartbeat).unwrap_or(s) - s))
+        let took = listing::duration_s(r)
+            .map(listing::fmt_duration)
             .unwrap_or_else(|| "-".into());
-        let metric = main_metric(table)
+        let metric = listing::main_metric(table)
             .map(|(k, v)| format!("{v:.4} {k}"))
             .unwrap_or_else(|| "-".into());
         writeln!(
@@ -1084,21 +1026,14 @@ async fn show(db: &Path, spec: &str, generations: bool, full: bool) -> Result<()
             );
         }
     }
-    let cfg: config::ExperimentConfig = config::from_stored(&r.config, &[])
-        .with_context(|| format!("the stored config of run {}", r.id))?;
-    let mut table: toml::Table = toml::from_str(&config::to_toml(&cfg)?)?;
+    let mut table = toml::Table::new();
     let mut left_out = Vec::new();
-    if !full {
-        // the groups the run never changed (most are groups its trainer does not read)
-        let defaults: toml::Table =
-            toml::from_str(&config::to_toml(&config::ExperimentConfig::default())?)?;
-        table.retain(|k, v| {
-            let keep = k == "trainer" || defaults.get(k) != Some(v);
-            if !keep {
-                left_out.push(k.to_string());
-            }
-            keep
-        });
+    for g in listing::config_groups(&r)? {
+        if g.at_default && !full {
+            left_out.push(g.name);
+        } else {
+            table.insert(g.name, g.table);
+        }
     }
     let _ = writeln!(out, "\nconfig:\n{}", toml::to_string(&table)?);
     if !left_out.is_empty() {

@@ -191,42 +191,43 @@ pub fn config_differences(runs: &[RunRow]) -> Result<BTreeMap<String, Vec<Option
     Ok(out)
 }
 
-/// A sweep's trials ranked by `metric` (best value under the mode), with their parameters.
-pub async fn rank_sweep(store: &Store, sweep: &str, metric: &str, mode: Mode) -> Result<String> {
+/// One trial of a ranked sweep.
+#[derive(Debug, Clone)]
+pub struct RankedTrial {
+    /// The stored trial (parameters, state, run).
+    pub trial: crate::analysis::sweep::TrialRow,
+    /// Its run's best value of the metric under the mode; `None` when it has none yet.
+    pub best: Option<f64>,
+}
+
+/// A sweep's trials ranked by `metric` (best value under the mode; trials without a value
+/// last), with its id as resolved; `maximise` says which way.
+pub async fn rank_trials(
+    store: &Store,
+    sweep: &str,
+    metric: &str,
+    maximise: bool,
+) -> Result<(String, Vec<RankedTrial>)> {
     // a sweep's name (`[sweep] name`) stands for its latest sweep
-    let sweep = &store.resolve_sweep(sweep).await?;
-    let trials = crate::analysis::sweep::trials(store, sweep).await?;
+    let sweep = store.resolve_sweep(sweep).await?;
+    let trials = crate::analysis::sweep::trials(store, &sweep).await?;
     if trials.is_empty() {
         bail!(
             "no sweep {sweep:?} (or it has no trials) in {}",
             store.path().display()
         );
     }
-    let maximise = mode.maximise(metric);
-    let mut rows: Vec<(Option<f64>, String)> = Vec::new();
-    for t in &trials {
-        let value = match t.run_id {
+    let mut ranked = Vec::new();
+    for trial in trials {
+        let best = match trial.run_id {
             Some(id) => {
                 summarise(&store.series(id, metric).await?, maximise, None).map(|s| s.best.1)
             }
             None => None,
         };
-        let params = crate::analysis::sweep::params_text(&t.params, " ");
-        rows.push((
-            value,
-            format!(
-                "{:<16} {:<9} {:>6} {:>12}  {}",
-                t.trial_id,
-                t.state,
-                t.run_id
-                    .map(|i| i.to_string())
-                    .unwrap_or_else(|| "-".into()),
-                value.map(fmt).unwrap_or_else(|| "-".into()),
-                params
-            ),
-        ));
+        ranked.push(RankedTrial { trial, best });
     }
-    rows.sort_by(|a, b| match (a.0, b.0) {
+    ranked.sort_by(|a, b| match (a.best, b.best) {
         (Some(x), Some(y)) => {
             let o = x.partial_cmp(&y).unwrap_or(std::cmp::Ordering::Equal);
             if maximise { o.reverse() } else { o }
@@ -235,6 +236,13 @@ pub async fn rank_sweep(store: &Store, sweep: &str, metric: &str, mode: Mode) ->
         (None, Some(_)) => std::cmp::Ordering::Greater,
         (None, None) => std::cmp::Ordering::Equal,
     });
+    Ok((sweep, ranked))
+}
+
+/// A sweep's trials ranked by `metric` (best value under the mode), with their parameters.
+pub async fn rank_sweep(store: &Store, sweep: &str, metric: &str, mode: Mode) -> Result<String> {
+    let maximise = mode.maximise(metric);
+    let (sweep, ranked) = rank_trials(store, sweep, metric, maximise).await?;
     let mut out = format!(
         "sweep {sweep}: trials ranked by best {metric} ({})\n{:<4} {:<16} {:<9} {:>6} {:>12}  params\n",
         if maximise { "max" } else { "min" },
@@ -244,8 +252,20 @@ pub async fn rank_sweep(store: &Store, sweep: &str, metric: &str, mode: Mode) ->
         "run",
         metric
     );
-    for (i, (_, line)) in rows.iter().enumerate() {
-        let _ = writeln!(out, "{:<4} {line}", i + 1);
+    for (i, r) in ranked.iter().enumerate() {
+        let t = &r.trial;
+        let _ = writeln!(
+            out,
+            "{:<4} {:<16} {:<9} {:>6} {:>12}  {}",
+            i + 1,
+            t.trial_id,
+            t.state,
+            t.run_id
+                .map(|i| i.to_string())
+                .unwrap_or_else(|| "-".into()),
+            r.best.map(fmt).unwrap_or_else(|| "-".into()),
+            crate::analysis::sweep::params_text(&t.params, " ")
+        );
     }
     Ok(out)
 }

@@ -742,6 +742,44 @@ async fn schedule(
     Ok(report)
 }
 
+/// A stored sweep.
+#[derive(Debug, Clone)]
+pub struct SweepRow {
+    /// Its id.
+    pub id: String,
+    /// Its `[sweep] name`.
+    pub name: String,
+    /// The metric it ranks its trials by (`[sweep] metric`).
+    pub metric: Option<String>,
+    /// How many trials it has.
+    pub trials: i64,
+}
+
+/// Every stored sweep, oldest first.
+pub async fn sweeps(store: &Store) -> Result<Vec<SweepRow>> {
+    let rows = sqlx::query(
+        "SELECT s.id, s.name, s.spec, (SELECT COUNT(*) FROM trials t WHERE t.sweep_id = s.id) \
+         FROM sweeps s ORDER BY s.created, s.id",
+    )
+    .fetch_all(store.pool())
+    .await
+    .context("reading the sweeps")?;
+    Ok(rows
+        .iter()
+        .map(|r| {
+            let spec: String = r.get(2);
+            SweepRow {
+                id: r.get(0),
+                name: r.get(1),
+                metric: serde_json::from_str::<Value>(&spec)
+                    .ok()
+                    .and_then(|v| v.get("metric")?.as_str().map(String::from)),
+                trials: r.get(3),
+            }
+        })
+        .collect())
+}
+
 /// The sweep file path a sweep was created from.
 pub async fn sweep_file(store: &Store, sweep: &str) -> Result<Option<PathBuf>> {
     let f: Option<String> = sqlx::query_scalar("SELECT file FROM sweeps WHERE id = ?")

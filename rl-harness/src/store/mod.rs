@@ -300,6 +300,18 @@ impl Store {
     /// from a newer harness is refused, naming both schema versions; one from an older harness
     /// is migrated first (which needs write access, and says so when it has none).
     pub async fn open_read_only(path: &Path) -> Result<Store> {
+        Store::open_reader(path, true).await
+    }
+
+    /// Opens an existing store only to read it, as [`Store::open_read_only`], but never
+    /// writes it in any way: a store from an older harness is refused (naming both schema
+    /// versions) instead of migrated. What a viewer that promises not to touch the store
+    /// opens (`harness ui`).
+    pub async fn open_strictly_read_only(path: &Path) -> Result<Store> {
+        Store::open_reader(path, false).await
+    }
+
+    async fn open_reader(path: &Path, migrate_older: bool) -> Result<Store> {
         let opts = SqliteConnectOptions::new()
             .filename(path)
             .create_if_missing(false)
@@ -307,6 +319,15 @@ impl Store {
             .busy_timeout(Duration::from_secs(60))
             .foreign_keys(false);
         let (ours, theirs) = check_schema(path, &opts).await?;
+        if theirs < ours && !migrate_older {
+            bail!(
+                "the run store {} is from an older harness (schema {theirs}, this one {ours}); \
+                 it is opened read-only here, so it is not migrated: run `harness runs --db {}` \
+                 once to migrate it",
+                path.display(),
+                path.display()
+            );
+        }
         if theirs < ours {
             return Store::open(path).await.with_context(|| {
                 format!(
@@ -582,11 +603,20 @@ impl Store {
         Ok(rows.iter().map(RunRow::from_row).collect())
     }
 
-    /// The last value of every metric of a run: key → (step, value).
+    /// The last value of every metric of a run: key → (step, value), the value the latest
+    /// record at the largest step holds. A skip-scan of the `(run_id, key, step)` index: one
+    /// seek per key to find the next key and one to its last step, so the cost grows with the
+    /// number of keys, not of records (a run browser lists hundreds of long runs).
     pub async fn final_metrics(&self, run: i64) -> Result<BTreeMap<String, (i64, f64)>> {
         let rows = sqlx::query(
-            "SELECT key, step, value FROM metrics m WHERE run_id = ?1 AND step = \
-             (SELECT MAX(step) FROM metrics WHERE run_id = ?1 AND key = m.key) ORDER BY key",
+            "WITH RECURSIVE k(key) AS ( \
+               SELECT (SELECT key FROM metrics WHERE run_id = ?1 ORDER BY key LIMIT 1) \
+               UNION ALL \
+               SELECT (SELECT key FROM metrics WHERE run_id = ?1 AND key > k.key \
+                       ORDER BY key LIMIT 1) FROM k WHERE k.key IS NOT NULL) \
+             SELECT m.key, m.step, m.value FROM k JOIN metrics m ON m.id = \
+               (SELECT id FROM metrics WHERE run_id = ?1 AND key = k.key \
+                ORDER BY step DESC, id DESC LIMIT 1)",
         )
         .bind(run)
         .fetch_all(&self.pool)
@@ -669,8 +699,20 @@ impl Store {
 
     /// One metric's history: (step, value), by step.
     pub async fn series(&self, run: i64, key: &str) -> Result<Vec<(i64, f64)>> {
+        Ok(self
+            .series_timed(run, key)
+            .await?
+            .into_iter()
+            .map(|(step, _, v)| (step, v))
+            .collect())
+    }
+
+    /// One metric's history with the wall-clock time of each record: (step, Unix seconds,
+    /// value), by step.
+    pub async fn series_timed(&self, run: i64, key: &str) -> Result<Vec<(i64, f64, f64)>> {
         let rows = sqlx::query(
-            "SELECT step, value FROM metrics WHERE run_id = ? AND key = ? ORDER BY step, id",
+            "SELECT step, wall_time, value FROM metrics WHERE run_id = ? AND key = ? \
+             ORDER BY step, id",
         )
         .bind(run)
         .bind(key)
@@ -680,8 +722,8 @@ impl Store {
         Ok(rows
             .iter()
             .map(|r| {
-                let v: Option<f64> = r.get(1);
-                (r.get(0), v.unwrap_or(f64::NAN))
+                let v: Option<f64> = r.get(2);
+                (r.get(0), r.get(1), v.unwrap_or(f64::NAN))
             })
             .collect())
     }
@@ -865,4 +907,68 @@ async fn migrate(path: &Path, opts: &SqliteConnectOptions) -> Result<()> {
     conn.close().await.ok();
     drop(lock);
     result.map_err(Into::into)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The skip-scan of `final_metrics` finds every key and, per key, the value of the latest
+    /// record at its largest step: a step recorded twice (a resume that rewinds) gives the later
+    /// record, a NaN stays NaN, and each run sees only its own records.
+    #[test]
+    fn final_metrics_takes_the_latest_record_at_each_keys_last_step() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        rt.block_on(async {
+            let store = Store::open(&dir.path().join("harness.db")).await.unwrap();
+            let mut runs = Vec::new();
+            for name in ["a", "b"] {
+                let id = store
+                    .write(move |c| {
+                        Box::pin(async move {
+                            Ok(sqlx::query_scalar(
+                                "INSERT INTO runs (name, project, status, config, host, seed, \
+                                 run_dir, created, heartbeat_s) \
+                                 VALUES (?, 'p', 'finished', '{}', 'h', 0, '', 0, 5) RETURNING id",
+                            )
+                            .bind(name)
+                            .fetch_one(&mut *c)
+                            .await?)
+                        })
+                    })
+                    .await
+                    .unwrap();
+                runs.push(id);
+            }
+            let log = |run: i64, step: u64, m: &[(&str, f64)]| {
+                let m: Vec<(String, f64)> = m.iter().map(|(k, v)| (k.to_string(), *v)).collect();
+                store
+                    .log_metrics(run, step, m.iter().map(|(k, v)| (k, v)))
+                    .unwrap();
+            };
+            log(runs[0], 0, &[("loss", 3.0), ("score", 0.1), ("x/y", 1.0)]);
+            log(runs[0], 1, &[("loss", 2.0), ("score", 0.2)]);
+            log(runs[0], 1, &[("loss", 1.5)]);
+            log(runs[0], 2, &[("score", f64::NAN)]);
+            log(runs[1], 5, &[("other", 7.0)]);
+            store.flush().await.unwrap();
+            let got = store.final_metrics(runs[0]).await.unwrap();
+            assert_eq!(got.keys().collect::<Vec<_>>(), ["loss", "score", "x/y"]);
+            assert_eq!(got["loss"], (1, 1.5));
+            assert_eq!(got["score"].0, 2);
+            assert!(got["score"].1.is_nan());
+            assert_eq!(got["x/y"], (0, 1.0));
+            let other = store.final_metrics(runs[1]).await.unwrap();
+            assert_eq!(
+                other.into_iter().collect::<Vec<_>>(),
+                [("other".to_string(), (5, 7.0))]
+            );
+            let none = store.final_metrics(99).await.unwrap();
+            assert!(none.is_empty());
+        });
+    }
 }
