@@ -1,6 +1,6 @@
 //! The accept loop of the HTTP/1.1 servers of the workspace (the retriever here, `harness
-//! serve` in rl-harness): every connection on a task of its own, served by `handle`, until
-//! `shutdown` fires.
+//! serve` and `harness ui` in rl-harness): every connection on a task of its own, served by
+//! `handle`, until `shutdown` completes (or the future is dropped).
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -10,12 +10,12 @@ use hyper::{Request, Response};
 use hyper_util::rt::TokioIo;
 use tokio::sync::oneshot;
 
-/// Serves `listener` (non-blocking, bound) with `handle` until `shutdown` fires or is dropped;
-/// `name` prefixes what it logs.
-pub async fn accept_loop<F, Fut, B>(
+/// [`accept_loop`] on a bound, non-blocking std listener (made a tokio one here, inside the
+/// runtime), until `shutdown` fires or its sender is dropped.
+pub async fn accept_std<F, Fut, B>(
     listener: std::net::TcpListener,
     name: &'static str,
-    mut shutdown: oneshot::Receiver<()>,
+    shutdown: oneshot::Receiver<()>,
     handle: F,
 ) where
     F: Fn(Request<Incoming>) -> Fut + Clone + Send + 'static,
@@ -24,16 +24,39 @@ pub async fn accept_loop<F, Fut, B>(
     B::Data: Send,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    let listener = match tokio::net::TcpListener::from_std(listener) {
-        Ok(l) => l,
-        Err(e) => {
-            tracing::error!("{name}: cannot listen: {e}");
-            return;
+    match tokio::net::TcpListener::from_std(listener) {
+        Ok(l) => {
+            accept_loop(
+                l,
+                name,
+                async {
+                    let _ = shutdown.await;
+                },
+                handle,
+            )
+            .await;
         }
-    };
+        Err(e) => tracing::error!("{name}: cannot listen: {e}"),
+    }
+}
+
+/// Serves `listener` with `handle` until `shutdown` completes; `name` prefixes what it logs.
+pub async fn accept_loop<F, Fut, B>(
+    listener: tokio::net::TcpListener,
+    name: &'static str,
+    shutdown: impl Future<Output = ()>,
+    handle: F,
+) where
+    F: Fn(Request<Incoming>) -> Fut + Clone + Send + 'static,
+    Fut: Future<Output = Result<Response<B>, Infallible>> + Send + 'static,
+    B: Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let mut shutdown = std::pin::pin!(shutdown);
     loop {
         tokio::select! {
-            _ = &mut shutdown => return,
+            () = &mut shutdown => return,
             accepted = listener.accept() => {
                 let stream = match accepted {
                     Ok((s, _)) => s,

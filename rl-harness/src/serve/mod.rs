@@ -198,7 +198,7 @@ pub fn start(dir: &Path, opts: &ServeOptions) -> Result<ServerHandle> {
     let http = std::thread::Builder::new()
         .name(format!("serve-{}", addr.port()))
         .spawn(move || {
-            rt.block_on(rl_tools::http::accept_loop(
+            rt.block_on(rl_tools::http::accept_std(
                 listener,
                 "serve",
                 rx,

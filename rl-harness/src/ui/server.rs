@@ -7,7 +7,6 @@ use http_body_util::Full;
 use hyper::body::{Bytes, Incoming};
 use hyper::header::{CACHE_CONTROL, CONTENT_TYPE, HeaderValue};
 use hyper::{Method, Request, Response, StatusCode};
-use hyper_util::rt::TokioIo;
 use serde_json::{Value, json};
 
 use super::api::{self, Fault};
@@ -20,29 +19,11 @@ type Reply = Response<Full<Bytes>>;
 /// Accepts connections on `listener` and serves each on its own task, until the future is
 /// dropped.
 pub(super) async fn accept_loop(listener: tokio::net::TcpListener, store: Arc<Store>) {
-    loop {
-        let stream = match listener.accept().await {
-            Ok((s, _)) => s,
-            Err(e) => {
-                tracing::warn!("ui: accept failed: {e}");
-                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-                continue;
-            }
-        };
+    rl_tools::http::accept_loop(listener, "ui", std::future::pending(), move |req| {
         let store = store.clone();
-        tokio::spawn(async move {
-            let service = hyper::service::service_fn(move |req| {
-                let store = store.clone();
-                async move { Ok::<_, std::convert::Infallible>(handle(req, &store).await) }
-            });
-            if let Err(e) = hyper::server::conn::http1::Builder::new()
-                .serve_connection(TokioIo::new(stream), service)
-                .await
-            {
-                tracing::debug!("ui: connection ended: {e}");
-            }
-        });
-    }
+        async move { Ok::<_, std::convert::Infallible>(handle(req, &store).await) }
+    })
+    .await;
 }
 
 fn reply(status: StatusCode, content_type: &'static str, body: Bytes) -> Reply {

@@ -162,7 +162,7 @@ pub fn start_server(dir: &Path, opts: &ServeOptions) -> Result<ServerHandle> {
     let thread = std::thread::Builder::new()
         .name(format!("retriever-{}", bound.port()))
         .spawn(move || {
-            rt.block_on(crate::http::accept_loop(
+            rt.block_on(crate::http::accept_std(
                 listener,
                 "retriever",
                 rx,
