@@ -4,9 +4,6 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
-use std::process::Stdio;
-
 use common::{Env, Tied};
 
 const CORPUS: &str = r#"{"id": "a", "contents": "\"Paris\"\nParis is the capital of France."}
@@ -23,22 +20,11 @@ struct Server {
 
 /// Starts `harness retriever serve DIR --port 0` and reads the URL it prints.
 fn serve(env: &Env, dir: &str) -> Server {
-    let mut process = Tied::spawn(
-        env.tied_cmd()
-            .args(["retriever", "serve", dir, "--port", "0"])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit()),
+    let (process, url) = common::spawn_server(
+        env,
+        &["retriever", "serve", dir, "--port", "0"],
+        "/retrieve",
     );
-    let mut line = String::new();
-    BufReader::new(process.child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let url = line
-        .split_whitespace()
-        .last()
-        .filter(|u| u.starts_with("http://127.0.0.1:") && u.ends_with("/retrieve"))
-        .unwrap_or_else(|| panic!("no URL in {line:?}"))
-        .to_string();
     Server {
         _process: process,
         url,

@@ -4,11 +4,10 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Command;
 
-use common::{Env, Tied, repo_root};
+use common::{Env, repo_root};
 use serde_json::{Value, json};
 use tch::{Device, Kind, Tensor};
 
@@ -50,21 +49,11 @@ fn the_openai_client_and_curl_get_generates_tokens() {
     );
     let env = Env::new();
     env.ok(&["model", "init-tiny", "tiny", "--seed", "7"]);
-    let mut server = Tied::spawn(
-        env.tied_cmd()
-            .args(["serve", "tiny", "--port", "0", "--max-batch", "8"])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit()),
+    let (_server, base) = common::spawn_server(
+        &env,
+        &["serve", "tiny", "--port", "0", "--max-batch", "8"],
+        "/v1",
     );
-    let mut line = String::new();
-    BufReader::new(server.child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let base = line
-        .split_whitespace()
-        .find(|w| w.starts_with("http://127.0.0.1:") && w.ends_with("/v1"))
-        .unwrap_or_else(|| panic!("no URL in {line:?}"))
-        .to_owned();
     let want = greedy_ids(&env.path().join("tiny"), 8);
 
     let out = Command::new(&python)

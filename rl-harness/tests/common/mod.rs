@@ -173,6 +173,30 @@ pub fn venv_bin(name: &str) -> PathBuf {
     bin
 }
 
+/// Starts `harness ARGS`, a server that prints its address on its first line of stdout, tied to
+/// the test (it dies with the test process); the process and the first word of that line that
+/// starts with `http://127.0.0.1:` and ends with `suffix`.
+pub fn spawn_server(env: &Env, args: &[&str], suffix: &str) -> (Tied, String) {
+    let mut process = Tied::spawn(
+        env.tied_cmd()
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit()),
+    );
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(process.child.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    let url = line
+        .split_whitespace()
+        .find(|w| w.starts_with("http://127.0.0.1:") && w.ends_with(suffix))
+        .unwrap_or_else(|| panic!("harness {args:?} printed no address: {line:?}"))
+        .to_string();
+    (process, url)
+}
+
 /// The repository's root (experiments/ lives there).
 pub fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")

@@ -13,7 +13,6 @@ mod cdp;
 #[path = "../common/mod.rs"]
 mod common;
 
-use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::Duration;
@@ -34,22 +33,7 @@ metric = "val/test_score"
 
 /// `harness ui --port 0` on `env`'s store, and the address it printed.
 fn serve(env: &Env) -> (Tied, String) {
-    let mut ui = Tied::spawn(
-        env.tied_cmd()
-            .args(["ui", "--port", "0"])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped()),
-    );
-    let mut line = String::new();
-    BufReader::new(ui.child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let url = line
-        .split_whitespace()
-        .find(|w| w.starts_with("http://"))
-        .unwrap_or_else(|| panic!("harness ui printed no address: {line:?}"))
-        .to_string();
-    (ui, url)
+    common::spawn_server(env, &["ui", "--port", "0"], "")
 }
 
 /// A store with a finished run (1), a failed one (2: its loss turns NaN at step 5) and one that
