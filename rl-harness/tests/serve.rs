@@ -124,3 +124,142 @@ fn the_openai_client_and_curl_get_generates_tokens() {
     let r: Value = serde_json::from_slice(&curl.stdout).unwrap();
     assert_eq!(ids(&r["choices"][0]["token_ids"]), want, "{r}");
 }
+
+/// Issue 23's loop in CI: GRPO generating on `harness serve` (`rollout.server_url`), the
+/// policy's weights synced into it before every step, equals GRPO on the in-process engine
+/// metric for metric (the server samples each row from the stream the in-process engine would;
+/// the trained log-probs are the actor's either way), so every step's samples came from the
+/// weights just trained; at the end the server holds the exported policy's weights.
+#[test]
+fn grpo_on_a_served_engine_syncs_every_step_and_equals_in_process_grpo() {
+    let env = Env::new();
+    common::tiny_llm(&env, 64, 16);
+    let (_server, base) =
+        common::spawn_server(&env, &["serve", "models/tiny-llama", "--port", "0"], "/v1");
+    let root = base.trim_end_matches("/v1").to_owned();
+    let grpo = repo_root().join("experiments/quickstart.toml");
+    let train = |name: &str, extra: &[String]| {
+        let mut args: Vec<String> = [
+            "train",
+            grpo.to_str().unwrap(),
+            "actor_rollout_ref.model.path=models/tiny-llama",
+            "trainer.total_training_steps=3",
+            "trainer.test_freq=3",
+            "data.train_batch_size=4",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "actor_rollout_ref.rollout.n=4",
+            // a random model scores 0, so its advantages are 0: the entropy bonus is what
+            // moves its weights every step, and so what a missed sync would show
+            "actor_rollout_ref.actor.entropy_coeff=0.1",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        args.push(format!("trainer.experiment_name={name}"));
+        args.extend(extra.iter().cloned());
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        env.ok(&args);
+    };
+    train("in-process", &[]);
+    train(
+        "served",
+        &[
+            format!("actor_rollout_ref.rollout.server_url=[\"{root}\"]"),
+            "actor_rollout_ref.rollout.weight_sync_dir=sync".to_owned(),
+        ],
+    );
+    let (rt, store) = env.store();
+    let metrics = |name: &str| {
+        let run = rt.block_on(store.resolve_run(name)).unwrap();
+        common::metrics_of(&rt, &store, run.id)
+    };
+    let (local, served) = (metrics("in-process"), metrics("served"));
+    assert_eq!(local.len(), served.len());
+    for ((s1, k1, v1), (s2, k2, v2)) in local.iter().zip(&served) {
+        assert_eq!((s1, k1), (s2, k2));
+        let (a, b) = (f64::from_bits(*v1), f64::from_bits(*v2));
+        assert!(
+            (a - b).abs() <= 1e-4 * (1.0 + a.abs()),
+            "step {s1} {k1}: in-process {a}, served {b}"
+        );
+    }
+    assert!(
+        local
+            .iter()
+            .any(|(s, k, _)| *s == 3 && k == "actor/kl_loss")
+    );
+    let initial = rl_workers::CausalLm::from_pretrained(
+        env.path().join("models/tiny-llama"),
+        Device::Cpu,
+        Kind::Float,
+    )
+    .unwrap();
+    // the last validation synced the final weights: the server holds the exported policy
+    let exported = rt.block_on(store.resolve_run("served")).unwrap();
+    let dir = env
+        .path()
+        .join(format!("runs/{}-served/model", exported.id));
+    let lm = rl_workers::CausalLm::from_pretrained(&dir, Device::Cpu, Kind::Float).unwrap();
+    let held: Value = reqwest::blocking::get(format!("{root}/weights_checksum"))
+        .unwrap()
+        .json()
+        .unwrap();
+    assert_eq!(held["sha256"], lm.weights_sha256());
+    assert_ne!(
+        lm.weights_sha256(),
+        initial.weights_sha256(),
+        "training moved the weights"
+    );
+}
+
+/// A rollout server that is not there fails the run at once, naming the setting and the
+/// address; one that refuses the request fails it with the server's own text.
+#[test]
+fn an_unreachable_or_refusing_rollout_server_is_named() {
+    let env = Env::new();
+    common::tiny_llm(&env, 16, 8);
+    let (_server, base) =
+        common::spawn_server(&env, &["serve", "models/tiny-llama", "--port", "0"], "/v1");
+    let grpo = repo_root().join("experiments/quickstart.toml");
+    let fails = |url: &str, extra: &[&str]| {
+        let server = format!("actor_rollout_ref.rollout.server_url=[\"{url}\"]");
+        let out = env
+            .cmd()
+            .args([
+                "train",
+                grpo.to_str().unwrap(),
+                "actor_rollout_ref.model.path=models/tiny-llama",
+                "trainer.total_training_steps=1",
+                "data.train_batch_size=4",
+                "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                "actor_rollout_ref.rollout.server_timeout_s=20",
+                &server,
+            ])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    // a port nobody listens on: the listener is dropped before the run
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let url = format!("http://127.0.0.1:{port}");
+    let err = fails(&url, &[]);
+    assert!(err.contains("server_url") && err.contains(&url), "{err}");
+    // responses longer than the served model's context: the server's 400, word for word
+    let err = fails(
+        base.trim_end_matches("/v1"),
+        &[
+            "actor_rollout_ref.rollout.response_length=300",
+            "data.max_response_length=300",
+        ],
+    );
+    assert!(
+        err.contains("/v1/completions") && err.contains("`max_tokens`: 300"),
+        "{err}"
+    );
+}

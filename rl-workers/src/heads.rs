@@ -285,6 +285,32 @@ impl CausalLm {
         Ok(())
     }
 
+    /// SHA-256 over the tensors [`CausalLm::save_pretrained`] writes (a LoRA model's merged),
+    /// in name order (each name, shape and float32 values): the same for the same weights
+    /// whatever dtype they are held in. A trainer compares it with what a rollout server
+    /// reports after loading the saved folder.
+    pub fn weights_sha256(&self) -> String {
+        use sha2::{Digest, Sha256};
+        let mut vars = export_tensors(&self.vs, self.lora.as_ref());
+        vars.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut h = Sha256::new();
+        for (name, t) in vars {
+            h.update(name.as_bytes());
+            for d in t.size() {
+                h.update(d.to_le_bytes());
+            }
+            let values = t
+                .to_kind(Kind::Float)
+                .to_device(Device::Cpu)
+                .contiguous()
+                .view([-1]);
+            for v in Vec::<f32>::try_from(&values).unwrap_or_default() {
+                h.update(v.to_le_bytes());
+            }
+        }
+        format!("{:x}", h.finalize())
+    }
+
     /// Logits for every position.
     ///
     /// # Shapes

@@ -25,6 +25,7 @@ mod hf;
 pub mod lora;
 mod model;
 mod multiturn;
+pub mod remote;
 pub mod roles;
 mod rollout;
 mod seed;

@@ -48,6 +48,18 @@ pub struct RolloutConfig {
     /// to the returned `rollout_log_probs` (on response tokens, seeded by the generation's
     /// seed), as if an engine computed them differently from the trainer; >= 0. Default 0.
     pub debug_logprob_noise: f64,
+    /// Generate on these OpenAI-compatible servers instead of the in-process engine (one
+    /// request a prompt, round-robin), syncing the policy's weights into them before each
+    /// step's generation through SGLang's `/update_weights_from_disk`, which `harness serve`
+    /// speaks (`http://HOST:PORT`, without `/v1`). Empty (the default): in-process.
+    pub server_url: Vec<String>,
+    /// Seconds a server may take over one call (a generation or a weight sync) before the step
+    /// fails naming it; > 0. Default 600.
+    pub server_timeout_s: f64,
+    /// Where the policy's weights are written for the servers to load (a folder they can
+    /// read: the same machine, or a shared file system). Default: a folder under the system's
+    /// temporary directory, one per process.
+    pub weight_sync_dir: Option<std::path::PathBuf>,
 }
 
 impl Default for RolloutConfig {
@@ -62,6 +74,9 @@ impl Default for RolloutConfig {
             seed: 0,
             calculate_log_probs: false,
             debug_logprob_noise: 0.0,
+            server_url: Vec::new(),
+            server_timeout_s: 600.0,
+            weight_sync_dir: None,
         }
     }
 }
@@ -92,6 +107,22 @@ impl RolloutConfig {
             return bad(
                 "debug_logprob_noise",
                 format!("must be finite and >= 0, got {}", self.debug_logprob_noise),
+            );
+        }
+        if !(self.server_timeout_s > 0.0 && self.server_timeout_s.is_finite()) {
+            return bad(
+                "server_timeout_s",
+                format!("must be > 0 seconds, got {}", self.server_timeout_s),
+            );
+        }
+        if let Some(u) = self
+            .server_url
+            .iter()
+            .find(|u| !(u.starts_with("http://") || u.starts_with("https://")))
+        {
+            return bad(
+                "server_url",
+                format!("{u:?} is not an http:// or https:// address"),
             );
         }
         if self.top_k < -1 {

@@ -78,8 +78,9 @@ const NO_FSDP: &str = "FSDP is set here by `zero_stage` alone \
                        (`actor_rollout_ref.actor.`, `critic.` or `reward_model.train.`), which \
                        shards the optimizer state (1), the gradients (2) and the weights (3, \
                        FSDP's FULL_SHARD) over the ranks (docs/distributed.md, \"Sharding\")";
-const NO_VLLM: &str = "rollout runs on the built-in engine inside the trainer's process, not \
-                       on vLLM or SGLang";
+const NO_VLLM: &str = "rollout runs on the built-in engine inside the trainer's process; to \
+                       generate on a server instead (harness serve, or SGLang) set \
+                       actor_rollout_ref.rollout.server_url";
 const NO_SP: &str = "there is no sequence parallelism here";
 const REF_MB: &str = "the reference computes log-probabilities in micro-batches of \
                       `actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu`";

@@ -597,7 +597,7 @@ pub fn build_on_policy_in(
         progress,
     );
     if let Some(env) = tool_env(cfg, tokenizer)? {
-        rollout = rollout.with_tools(env);
+        rollout = rollout.with_tools(env)?;
     }
     let policy_device = policy
         .lock()

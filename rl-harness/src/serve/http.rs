@@ -321,7 +321,7 @@ async fn generate(state: Arc<State>, endpoint: Endpoint, g: Generation) -> Reply
         for j in 0..g.n {
             let key = state.next_key.fetch_add(1, Ordering::SeqCst);
             let mut params = g.params.clone();
-            params.stream = j as u64;
+            params.stream = g.stream_offset + j as u64;
             let submitted = state.engine.send(Msg::Submit {
                 key,
                 tag: choices.len(),

@@ -28,6 +28,9 @@ pub(crate) struct Generation {
     pub return_token_ids: bool,
     /// vLLM's `return_tokens_as_token_ids`: log-prob tokens as `token_id:N`.
     pub tokens_as_ids: bool,
+    /// Ours: sample `j` draws from stream `stream_offset + j` of the seed (default 0), so a
+    /// trainer sending one request a prompt gets its in-process rollout's rows exactly.
+    pub stream_offset: u64,
 }
 
 /// Fields the body may carry: parsed below, or accepted with no effect on the output.
@@ -56,7 +59,7 @@ struct Body {
     #[serde(default)]
     stop_token_ids: Option<Vec<i64>>,
     #[serde(default)]
-    seed: Option<i64>,
+    seed: Option<serde_json::Number>,
     #[serde(default)]
     logprobs: Option<Value>,
     #[serde(default)]
@@ -69,6 +72,8 @@ struct Body {
     return_tokens_as_token_ids: Option<bool>,
     #[serde(default)]
     ignore_eos: Option<bool>,
+    #[serde(default)]
+    stream_offset: Option<u64>,
     #[serde(flatten)]
     rest: Map<String, Value>,
 }
@@ -189,8 +194,13 @@ pub(crate) fn parse(
     if !b.ignore_eos.unwrap_or(false) {
         stop_token_ids.extend(&model.eos);
     }
-    let seed = match b.seed {
-        Some(s) => s as u64,
+    // any 64-bit integer: a negative one is taken as its two's complement
+    let seed = match &b.seed {
+        Some(s) => match (s.as_u64(), s.as_i64()) {
+            (Some(u), _) => u,
+            (None, Some(i)) => i as u64,
+            _ => return Err(format!("`seed`: an integer, got {s}")),
+        },
         None => rand::random(),
     };
     let params = SamplingParams {
@@ -251,6 +261,7 @@ pub(crate) fn parse(
         stream: b.stream.unwrap_or(false),
         return_token_ids: b.return_token_ids.unwrap_or(false),
         tokens_as_ids: b.return_tokens_as_token_ids.unwrap_or(false),
+        stream_offset: b.stream_offset.unwrap_or(0),
     })
 }
 

@@ -345,10 +345,7 @@ fn weights_loaded_from_disk_are_what_the_next_requests_use() {
             .json()
             .unwrap()
     };
-    assert_eq!(
-        get("/weights_checksum")["sha256"],
-        worker::weights_sha256(&old)
-    );
+    assert_eq!(get("/weights_checksum")["sha256"], old.weights_sha256());
 
     let url = format!("http://{}/update_weights_from_disk", s.addr());
     let r: Value = Client::new()
@@ -359,9 +356,9 @@ fn weights_loaded_from_disk_are_what_the_next_requests_use() {
         .json()
         .unwrap();
     assert_eq!(r["success"], true, "{r}");
-    let sha = worker::weights_sha256(&new);
+    let sha = new.weights_sha256();
     assert_eq!(r["weights_sha256"], sha);
-    assert_ne!(sha, worker::weights_sha256(&old));
+    assert_ne!(sha, old.weights_sha256());
     assert_eq!(get("/weights_checksum")["sha256"], sha);
     let after = ask();
     assert_eq!(after, generate_ids(&new, &prompt, 10, 1.0, 5, 1)[0]);

@@ -11,8 +11,6 @@ use std::thread::JoinHandle;
 
 use rl_workers::CausalLm;
 use rl_workers::engine::{Emitted, Engine, SamplingParams};
-use sha2::{Digest, Sha256};
-use tch::Kind;
 use tokio::sync::mpsc::UnboundedSender;
 use tokio::sync::oneshot;
 
@@ -40,7 +38,7 @@ pub(crate) enum Msg {
     Cancel(u64),
     /// Load the weights of a Hugging Face folder once the running batch has drained (no
     /// sample mixes two policies; waiting requests wait), answering with the new weights'
-    /// checksum ([`weights_sha256`]) or the error.
+    /// checksum ([`CausalLm::weights_sha256`]) or the error.
     UpdateWeights {
         dir: PathBuf,
         reply: oneshot::Sender<Result<String, String>>,
@@ -95,7 +93,7 @@ fn run(lm: &CausalLm, max_rows: usize, rx: &mpsc::Receiver<Msg>) {
                 for (dir, reply) in updates.drain(..) {
                     let done = lm
                         .load_weights(&dir)
-                        .map(|()| weights_sha256(lm))
+                        .map(|()| lm.weights_sha256())
                         .map_err(|e| format!("loading the weights of {}: {e}", dir.display()));
                     let _ = reply.send(done);
                 }
@@ -154,7 +152,7 @@ fn accept(
     match m {
         Msg::UpdateWeights { dir, reply } => updates.push((dir, reply)),
         Msg::Checksum(reply) => {
-            let _ = reply.send(weights_sha256(lm));
+            let _ = reply.send(lm.weights_sha256());
         }
         Msg::Submit {
             key,
@@ -183,28 +181,4 @@ fn cancel(engine: &mut Engine<'_>, jobs: &mut HashMap<u64, Job>, id: u64) {
     if let Err(e) = engine.cancel(id) {
         tracing::warn!("serve: cancelling request {id}: {e}");
     }
-}
-
-/// SHA-256 over the model's tensors in name order (each name, shape and float32 values), the
-/// same whatever the dtype the weights were written in: what a trainer compares after a sync.
-pub(crate) fn weights_sha256(lm: &CausalLm) -> String {
-    let mut vars = lm.var_store().variables().into_iter().collect::<Vec<_>>();
-    vars.sort_by(|a, b| a.0.cmp(&b.0));
-    let mut h = Sha256::new();
-    for (name, t) in vars {
-        h.update(name.as_bytes());
-        for d in t.size() {
-            h.update(d.to_le_bytes());
-        }
-        let values = t
-            .to_kind(Kind::Float)
-            .to_device(tch::Device::Cpu)
-            .contiguous()
-            .view([-1]);
-        let values = Vec::<f32>::try_from(&values).unwrap_or_default();
-        for v in values {
-            h.update(v.to_le_bytes());
-        }
-    }
-    format!("{:x}", h.finalize())
 }

@@ -594,7 +594,8 @@ fn the_rollout_worker_writes_the_loss_mask_and_the_turn_columns() {
         0,
     )
     .unwrap()
-    .with_tools(env);
+    .with_tools(env)
+    .unwrap();
     let (ids, mask, pos) = prompts();
     let mut prompts = Batch::new();
     prompts.insert(keys::INPUT_IDS, ids).unwrap();
@@ -648,7 +649,8 @@ fn the_actor_recomputes_the_rollout_log_probs_of_generated_tokens() {
     };
     let mut worker = RolloutWorker::new(policy.clone(), cfg, ValKwargs::default(), vec![2], 0)
         .unwrap()
-        .with_tools(env(&tool, mixed, mt));
+        .with_tools(env(&tool, mixed, mt))
+        .unwrap();
     let (ids, mask, pos) = prompts();
     let mut prompts = Batch::new();
     prompts.insert(keys::INPUT_IDS, ids).unwrap();

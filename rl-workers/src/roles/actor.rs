@@ -13,9 +13,10 @@ use rl_core::{Batch, keys};
 use serde_json::Value;
 use tch::{Device, Kind};
 
-use crate::error::Error;
+use crate::error::{Error, Result};
 use crate::heads::CausalLm;
 use crate::multiturn::{MultiTurnOutput, ToolEnv, TurnStats, generate_multi_turn};
+use crate::remote::RemoteEngine;
 use crate::roles::config::{ActorConfig, ValKwargs};
 use crate::roles::micro::{self, Micro};
 use crate::roles::optim::AdamW;
@@ -617,6 +618,8 @@ pub struct RolloutWorker {
     pad_token_id: i64,
     progress: Option<ProgressHook>,
     tools: Option<ToolEnv>,
+    /// Generation on external servers (`server_url`), and the step whose weights they hold.
+    remote: Option<(RemoteEngine, Option<u64>)>,
 }
 
 /// Called after every decode step of a generation (a progress bar, a log line).
@@ -652,6 +655,11 @@ impl RolloutWorker {
                 "needs at least one stop token",
             )));
         }
+        let remote = if cfg.server_url.is_empty() {
+            None
+        } else {
+            Some((RemoteEngine::new(&cfg).map_err(role_err("rollout"))?, None))
+        };
         Ok(RolloutWorker {
             lm,
             cfg,
@@ -660,15 +668,23 @@ impl RolloutWorker {
             pad_token_id,
             progress: None,
             tools: None,
+            remote,
         })
     }
 
     /// Makes every generation (training and validation) multi-turn over `env`'s tools: the
     /// batch then also holds `loss_mask` (generated tokens only) and the `__num_turns__`,
     /// `tool_calls` and `valid_actions` columns (see [`generate_multi_turn`]).
-    pub fn with_tools(mut self, env: ToolEnv) -> Self {
+    pub fn with_tools(mut self, env: ToolEnv) -> rl_core::Result<Self> {
+        if self.remote.is_some() {
+            return Err(role_err("rollout")(Error::invalid(
+                "server_url",
+                "multi-turn tools run on the in-process engine only; leave server_url empty"
+                    .to_owned(),
+            )));
+        }
         self.tools = Some(env);
-        self
+        Ok(self)
     }
 
     /// Reports every decode step of every generation to `hook`.
@@ -733,6 +749,17 @@ impl Rollout for RolloutWorker {
         );
         let (out, multi): (RolloutOutput, Option<(tch::Tensor, Vec<TurnStats>)>) = match &self.tools
         {
+            None if self.remote.is_some() => {
+                let step = meta_u64(prompts, "global_step", 0);
+                let (engine, synced) = self.remote.as_mut().expect("checked above");
+                if *synced != Some(step) {
+                    engine.sync(&lm).map_err(role_err("rollout"))?;
+                    *synced = Some(step);
+                }
+                let out = remote_generate(engine, (ids, mask, pos), &cfg, seed, row_offset, &opts)
+                    .map_err(role_err("rollout"))?;
+                (out, None)
+            }
             None => (
                 generate(&lm, ids, mask, pos, &cfg, &mut opts).map_err(role_err("rollout"))?,
                 None,
@@ -790,6 +817,46 @@ impl Rollout for RolloutWorker {
         }
         Ok(batch)
     }
+}
+
+/// The rollout on external servers, in the in-process engine's layout: each prompt's real
+/// tokens (its left padding dropped) to the servers, the rows back assembled over the prompts
+/// repeated `n` times.
+fn remote_generate(
+    engine: &RemoteEngine,
+    (ids, mask, pos): (&tch::Tensor, &tch::Tensor, &tch::Tensor),
+    cfg: &RolloutConfig,
+    seed: u64,
+    row_offset: u64,
+    opts: &GenerateOptions<'_>,
+) -> Result<RolloutOutput> {
+    crate::rollout::check_prompts(ids, mask, pos, cfg)?;
+    let cpu = |t: &tch::Tensor| Vec::<Vec<i64>>::try_from(&t.to_device(tch::Device::Cpu));
+    let (id_rows, mask_rows) = (cpu(ids)?, cpu(mask)?);
+    let prompts: Vec<Vec<i64>> = id_rows
+        .iter()
+        .zip(&mask_rows)
+        .map(|(i, m)| {
+            i.iter()
+                .zip(m)
+                .filter(|(_, m)| **m != 0)
+                .map(|(t, _)| *t)
+                .collect()
+        })
+        .collect();
+    let rows = engine.generate(&prompts, cfg, seed, row_offset, &opts.eos_token_ids)?;
+    let (tokens, log_probs): (Vec<Vec<i64>>, Vec<Vec<f32>>) = rows.into_iter().unzip();
+    let n = cfg.n as i64;
+    let repeat = |t: &tch::Tensor| t.repeat_interleave_self_int(n, 0, None);
+    Ok(crate::rollout::assemble(
+        &tokens,
+        &log_probs,
+        &repeat(ids),
+        &repeat(mask),
+        &repeat(pos),
+        cfg.response_length,
+        opts.pad_token_id,
+    ))
 }
 
 /// The per-row multi-turn columns `__num_turns__`, `valid_actions` and `tool_calls` (every tool
