@@ -55,7 +55,7 @@ pub(crate) async fn handle(req: Request<Incoming>, state: Arc<State>) -> Result<
         (&Method::GET, "/get_model_info") => {
             return Ok(json_reply(
                 StatusCode::OK,
-                &json!({"model_path": state.model.name, "is_generation": true}),
+                &json!({"model_path": state.model.path, "is_generation": true}),
             ));
         }
         (&Method::GET, "/weights_checksum") => return Ok(checksum(&state).await),
@@ -192,6 +192,8 @@ struct Choice {
     text: String,
     /// Bytes of `text` already streamed.
     sent: usize,
+    /// Decode after every token (streaming, or stop strings to watch for).
+    eager: bool,
     finish: Option<&'static str>,
 }
 
@@ -215,6 +217,11 @@ impl Choice {
     fn push(&mut self, e: &Emitted, state: &State, stop: &[String]) -> (String, bool) {
         self.ids.push(e.token);
         self.log_probs.push(e.log_prob);
+        // nothing reads the text before the end unless it streams or watches for stop strings:
+        // decoding every prefix would make a long answer quadratic for nothing
+        if !self.eager && e.finish.is_none() {
+            return (String::new(), false);
+        }
         let ids: Vec<u32> = self.ids.iter().map(|&t| t as u32).collect();
         let full = state.tokenizer.decode(&ids, true).unwrap_or_default();
         let cut = stop.iter().filter_map(|s| full.find(s.as_str())).min();
@@ -339,6 +346,7 @@ async fn generate(state: Arc<State>, endpoint: Endpoint, g: Generation) -> Reply
                 log_probs: Vec::new(),
                 text: String::new(),
                 sent: 0,
+                eager: g.stream || !g.stop.is_empty(),
                 finish: None,
             });
         }

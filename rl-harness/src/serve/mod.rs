@@ -164,6 +164,7 @@ pub fn start(dir: &Path, opts: &ServeOptions) -> Result<ServerHandle> {
     };
     let model = ModelInfo {
         name: name.clone(),
+        path: dir.display().to_string(),
         vocab: cfg.vocab_size,
         max_len: cfg.max_position_embeddings,
         eos: cfg

@@ -98,6 +98,8 @@ pub(crate) enum Endpoint {
 #[derive(Debug, Clone)]
 pub(crate) struct ModelInfo {
     pub name: String,
+    /// The folder served (SGLang's `/get_model_info` `model_path`).
+    pub path: String,
     pub vocab: i64,
     pub max_len: i64,
     pub eos: Vec<i64>,

@@ -346,6 +346,10 @@ fn weights_loaded_from_disk_are_what_the_next_requests_use() {
             .unwrap()
     };
     assert_eq!(get("/weights_checksum")["sha256"], old.weights_sha256());
+    assert_eq!(
+        get("/get_model_info")["model_path"],
+        dir.path().join("old").display().to_string()
+    );
 
     let url = format!("http://{}/update_weights_from_disk", s.addr());
     let r: Value = Client::new()
