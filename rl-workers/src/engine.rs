@@ -336,17 +336,6 @@ impl<'a> Engine<'a> {
         let shape = [k, width];
         let tensor = |v: &[i64]| Tensor::from_slice(v).view(shape).to_device(device);
         let (ids, new_mask, pos) = (tensor(&ids), tensor(&mask), tensor(&pos));
-        let mut fresh = KvCache::new(self.lm.config(), k, width, self.lm.kind(), device);
-        let hidden = {
-            let _root = self.lm.model().hold_root()?;
-            self.lm
-                .model()
-                .forward(&ids, &new_mask, &pos, Some(&mut fresh))?
-        };
-        let logits = self
-            .lm
-            .logits(&hidden.narrow(1, width - 1, 1).squeeze_dim(1))
-            .to_kind(Kind::Float);
         let headroom = admitted
             .iter()
             .map(|w| w.params.max_tokens)
@@ -357,6 +346,23 @@ impl<'a> Engine<'a> {
             )
             .max()
             .unwrap_or(1);
+        // into an empty engine the prefill's own cache is the batch's: room for the decode too
+        let capacity = if self.cache.is_none() {
+            width + headroom
+        } else {
+            width
+        };
+        let mut fresh = KvCache::new(self.lm.config(), k, capacity, self.lm.kind(), device);
+        let hidden = {
+            let _root = self.lm.model().hold_root()?;
+            self.lm
+                .model()
+                .forward(&ids, &new_mask, &pos, Some(&mut fresh))?
+        };
+        let logits = self
+            .lm
+            .logits(&hidden.narrow(1, width - 1, 1).squeeze_dim(1))
+            .to_kind(Kind::Float);
         match (self.cache.as_mut(), self.mask.as_ref()) {
             (Some(cache), Some(mask)) => {
                 let len = cache.len().max(width);
@@ -365,7 +371,6 @@ impl<'a> Engine<'a> {
                 self.mask = Some(joined);
             }
             _ => {
-                grow(self.lm, &mut fresh, width + headroom)?;
                 self.cache = Some(fresh);
                 self.mask = Some(new_mask);
             }
