@@ -75,6 +75,28 @@ pub trait Rollout {
     fn generate(&mut self, prompts: &Batch) -> Result<Batch>;
 }
 
+/// Generation on a copy of the policy that runs beside the update (asynchronous training): the
+/// trainer hands it weight snapshots and prompt batches, and work runs in the order it was
+/// handed over, so each batch is generated with the weights of the last
+/// [`sync_weights`](Self::sync_weights) before its [`submit`](Self::submit), whatever the
+/// actor has done since.
+pub trait BackgroundRollout {
+    /// Snapshots the policy's weights as they are now; batches submitted after this call
+    /// generate with them.
+    fn sync_weights(&mut self) -> Result<()>;
+    /// Queues `prompts` (read as [`Rollout::generate`] reads them) for generation and returns
+    /// at once.
+    fn submit(&mut self, prompts: Batch) -> Result<()>;
+    /// The output of the oldest submitted batch not yet collected, waiting for it. Its
+    /// `meta_info` carries `generation_s`, the seconds its generation took.
+    fn collect(&mut self) -> Result<Batch>;
+    /// Batches submitted and not yet collected.
+    fn in_flight(&self) -> usize;
+}
+
+/// The `meta_info` key under which a [`BackgroundRollout`] reports a batch's generation time.
+pub const GENERATION_SECONDS: &str = "generation_s";
+
 /// What the actor computes with gradients for one micro-batch, handed to the objective.
 #[derive(Debug)]
 pub struct PolicyOutput {

@@ -285,6 +285,74 @@ impl CausalLm {
         Ok(())
     }
 
+    /// A copy of this model that shares no storage with it: the same config, device, LoRA
+    /// adapters, and every variable equal in value and dtype (mixed precision's casts
+    /// included), so it generates exactly what this model does. The asynchronous rollout's
+    /// own policy, which keeps generating while this one trains.
+    pub fn replica(&self) -> Result<CausalLm> {
+        let snapshot = self.snapshot(|_| true)?;
+        let mut lm = CausalLm::new(self.config(), self.device(), self.kind())?;
+        if let Some(cfg) = self.lora() {
+            lm.add_lora(&cfg.clone())?;
+        }
+        lm.load_snapshot(&snapshot)?;
+        Ok(lm)
+    }
+
+    /// The variables training changes (those that require a gradient: all of them in full
+    /// fine-tuning, a LoRA model's adapters) as detached copies, by name: what
+    /// [`load_snapshot`](Self::load_snapshot) of a [`replica`](Self::replica) takes to follow
+    /// this model (its frozen variables are the replica's own copies already).
+    pub fn trained_snapshot(&self) -> Result<Vec<(String, Tensor)>> {
+        self.snapshot(Tensor::requires_grad)
+    }
+
+    fn snapshot(&self, pick: impl Fn(&Tensor) -> bool) -> Result<Vec<(String, Tensor)>> {
+        self.model.check_whole()?;
+        let _no_grad = tch::no_grad_guard();
+        let mut vars: Vec<(String, Tensor)> = self
+            .vs
+            .variables()
+            .into_iter()
+            .filter(|(_, t)| pick(t))
+            .map(|(n, t)| (n, t.detach().copy()))
+            .collect();
+        vars.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok(vars)
+    }
+
+    /// Overwrites, in place, each variable the snapshot names with its tensor (and its dtype).
+    /// A name that is no variable of this model or a shape that differs is an error naming it,
+    /// and nothing is written then.
+    pub fn load_snapshot(&self, snapshot: &[(String, Tensor)]) -> Result<()> {
+        self.model.check_whole()?;
+        let vars = self.vs.variables();
+        let mismatch = |what: String| Error::invalid("weights snapshot", what);
+        for (name, t) in snapshot {
+            match vars.get(name) {
+                None => return Err(mismatch(format!("`{name}` is no variable of this model"))),
+                Some(v) if v.size() != t.size() => {
+                    return Err(mismatch(format!(
+                        "`{name}` is {:?} here and {:?} in the snapshot",
+                        v.size(),
+                        t.size()
+                    )));
+                }
+                Some(_) => {}
+            }
+        }
+        let _no_grad = tch::no_grad_guard();
+        for (name, t) in snapshot {
+            let mut v = vars[name].shallow_clone();
+            if v.kind() == t.kind() && v.device() == t.device() {
+                v.copy_(t);
+            } else {
+                v.set_data(&t.to_device(v.device()).copy());
+            }
+        }
+        Ok(())
+    }
+
     /// SHA-256 over the tensors [`CausalLm::save_pretrained`] writes (a LoRA model's merged),
     /// in name order (each name, shape and float32 values): the same for the same weights
     /// whatever dtype they are held in. A trainer compares it with what a rollout server

@@ -148,6 +148,33 @@ impl Default for TrainerSection {
     }
 }
 
+/// The `async_training` group: rollout beside the update (verl's one-step off-policy and
+/// bounded-staleness modes). A background thread generates the next steps' batches on its own
+/// copy of the policy while the actor trains; the batch of step `t` is generated with the
+/// weights after step `max(0, t - max_staleness)`, never older: the trainer waits for it rather
+/// than drop it, so the staleness of every sample is fixed by the step and a run repeats (and
+/// resumes) exactly.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AsyncTrainingConfig {
+    /// Generate in the background thread (false: generate in the step, the synchronous loop).
+    /// Default false.
+    pub enable: bool,
+    /// How many policy versions old a sample may be: 0 generates each step's batch with the
+    /// current weights (the synchronous run, through the background thread), 1 is verl's
+    /// one-step off-policy, K the bounded-staleness mode. Default 1.
+    pub max_staleness: u64,
+}
+
+impl Default for AsyncTrainingConfig {
+    fn default() -> Self {
+        AsyncTrainingConfig {
+            enable: false,
+            max_staleness: 1,
+        }
+    }
+}
+
 /// Everything [`OnPolicyTrainer`](super::OnPolicyTrainer) needs, composed from verl's groups:
 /// `algorithm`, the loss keys of `actor_rollout_ref.actor` and `critic`, the sizes that must
 /// agree across groups, and `trainer`. [`check`](Self::check) names the verl key at fault.
@@ -181,6 +208,8 @@ pub struct OnPolicyConfig {
     /// `actor_rollout_ref.rollout.calculate_log_probs`: log the `rollout_corr/*` diagnostics
     /// even when rollout correction is off.
     pub rollout_diagnostics: bool,
+    /// `async_training`: rollout in the background, samples up to `max_staleness` steps old.
+    pub async_training: AsyncTrainingConfig,
 }
 
 impl Default for OnPolicyConfig {
@@ -199,6 +228,7 @@ impl Default for OnPolicyConfig {
             overlong_buffer: OverlongBufferConfig::default(),
             batches_per_epoch: 1,
             rollout_diagnostics: false,
+            async_training: AsyncTrainingConfig::default(),
         }
     }
 }
@@ -344,6 +374,16 @@ impl OnPolicyConfig {
         }
         if self.actor.policy_loss.loss_mode == PolicyLossMode::Reinforce && self.actor.use_kl_loss {
             // allowed; nothing to check, kept explicit for readers
+        }
+        if self.async_training.enable
+            && let Some(fg) = &algo.filter_groups
+            && fg.enable
+        {
+            return Err(bad(
+                "async_training.enable",
+                "dynamic sampling (algorithm.filter_groups) generates as many batches as a step \
+                 needs, which a background rollout cannot know ahead; turn one of them off",
+            ));
         }
         if self.total_steps() == 0 {
             return Err(bad(

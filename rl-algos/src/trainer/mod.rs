@@ -4,6 +4,7 @@
 //! ([`RmTrainer`]) and reward composition ([`CombinedReward`]), the objectives they hand to the
 //! actor and critic, their config, and a small metrics-sink interface.
 
+mod async_rollout;
 mod config;
 mod dp;
 mod objective;
@@ -16,7 +17,9 @@ mod sft;
 mod source;
 mod spin;
 
-pub use config::{ActorLossConfig, CriticLossConfig, OnPolicyConfig, TrainerSection};
+pub use config::{
+    ActorLossConfig, AsyncTrainingConfig, CriticLossConfig, OnPolicyConfig, TrainerSection,
+};
 pub use objective::{PolicyLoss, RolloutLoss, SftLoss, ValueLoss};
 pub use on_policy::{ACC_COLUMN, OnPolicyTrainer, PROMPT_TEXT_COLUMN, RESPONSE_TEXT_COLUMN, Roles};
 pub use online_dpo::{OnlineDpoTrainer, best_worst_pairs};

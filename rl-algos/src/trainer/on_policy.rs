@@ -1,12 +1,15 @@
 //! [`OnPolicyTrainer`]: verl's `RayPPOTrainer.fit` step, parameterised by the advantage
 //! estimator and the policy loss (PPO, GRPO, Dr. GRPO, RLOO, REINFORCE++, GSPO, DAPO).
 
+use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Instant;
 
 use rl_core::dist::{self, SharedCollective};
-use rl_core::roles::{Actor, Critic, LogProbExtras, Reference, Reward, Rollout};
+use rl_core::roles::{
+    Actor, BackgroundRollout, Critic, GENERATION_SECONDS, LogProbExtras, Reference, Reward, Rollout,
+};
 use rl_core::{Batch, Sample, StepMetrics, Trainer, keys};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -17,6 +20,7 @@ use crate::config::AdvEstimator;
 use crate::dapo;
 use crate::kl::{self, KlController};
 use crate::rollout_corr;
+use crate::trainer::async_rollout::{self, AsyncRollout, SavedBatch};
 use crate::trainer::config::OnPolicyConfig;
 use crate::trainer::dp;
 use crate::trainer::objective::{PolicyLoss, RolloutLoss, ValueLoss};
@@ -70,6 +74,10 @@ struct TrainerState {
     global_step: u64,
     train_source: Value,
     kl_ctrl: KlController,
+    /// `async_training`: the batches generated ahead of their step (in the checkpoint's
+    /// `async_rollout/` folder).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    async_rollout: Vec<SavedBatch>,
 }
 
 fn role_err(role: &'static str, e: impl std::fmt::Display) -> rl_core::Error {
@@ -108,6 +116,9 @@ pub struct OnPolicyTrainer {
     group: Option<SharedCollective>,
     /// Whether this process has compared the ranks' weights (after its first step).
     replicas_checked: bool,
+    /// `async_training`: the rollout beside the update (in a cell: a checkpoint, taken through
+    /// `&self`, waits for its batches in flight).
+    background: Option<RefCell<AsyncRollout>>,
 }
 
 impl std::fmt::Debug for OnPolicyTrainer {
@@ -169,6 +180,28 @@ fn f64_column(batch: &Batch, key: &str) -> Option<Vec<f64>> {
         .map(|c| c.iter().map(|v| v.as_f64().unwrap_or(0.0)).collect())
 }
 
+/// The next prompt batch of `train`, with the rollout's `meta_info`: the sampler's
+/// `global_step` (`step * 1000 + generation batch`), the temperature, and a data-parallel
+/// rank's place in the global batch.
+fn prompt_batch(
+    train: &mut dyn BatchSource,
+    global_step: u64,
+    temperature: f64,
+    (rank, world): (usize, usize),
+) -> rl_core::Result<Batch> {
+    let mut prompts = train.next_batch()?;
+    // equal shards of the global batch: this rank's prompts start at rank * len
+    let offset = rank * prompts.len();
+    let meta = prompts.meta_info_mut();
+    meta.insert("global_step".into(), global_step.into());
+    meta.insert("temperature".into(), temperature.into());
+    if world > 1 {
+        meta.insert(dist::DP_RANK.into(), rank.into());
+        meta.insert(dist::DP_PROMPT_OFFSET.into(), offset.into());
+    }
+    Ok(prompts)
+}
+
 impl OnPolicyTrainer {
     /// A trainer at step 0. Checks `cfg` (naming the verl key at fault) and that the roles the
     /// algorithm needs are there; `val` holds the validation prompt batches.
@@ -201,7 +234,39 @@ impl OnPolicyTrainer {
             global_step: 0,
             group: None,
             replicas_checked: false,
+            background: None,
         })
+    }
+
+    /// Generates in the background while the actor updates (`async_training`): each step's
+    /// batch comes from `rollout`, generated with the weights of up to
+    /// `async_training.max_staleness` steps before (see the `async_rollout` module of this
+    /// crate), and validation generates there too, with the current weights. Each step then
+    /// logs `async/policy_version` (the step whose weights generated its batch),
+    /// `async/staleness`, `timing_s/gen` (the time it waited for its batch) and
+    /// `timing_s/gen_background` (the time the batch took to generate).
+    ///
+    /// Errors unless `async_training.enable` is set, and for a data-parallel trainer (not built
+    /// yet: each rank's batches ahead would have to be gathered into the checkpoint).
+    pub fn with_background_rollout(
+        mut self,
+        rollout: Box<dyn BackgroundRollout>,
+    ) -> rl_core::Result<Self> {
+        let cfg = self.cfg.async_training;
+        if !cfg.enable {
+            return Err(role_err(
+                "trainer",
+                "a background rollout needs async_training.enable = true",
+            ));
+        }
+        if self.group.is_some() {
+            return Err(role_err(
+                "trainer",
+                "async_training.enable: asynchronous training is not built for data-parallel runs yet",
+            ));
+        }
+        self.background = Some(RefCell::new(AsyncRollout::new(rollout, cfg.max_staleness)));
+        Ok(self)
     }
 
     /// Makes the trainer one rank of a data-parallel job over `group`. The roles must have been
@@ -230,6 +295,12 @@ impl OnPolicyTrainer {
     /// critic) was not given a group of the same size.
     pub fn with_group(mut self, group: SharedCollective) -> rl_core::Result<Self> {
         let world = dist::lock(&group)?.world_size();
+        if self.background.is_some() {
+            return Err(role_err(
+                "trainer",
+                "async_training.enable: asynchronous training is not built for data-parallel runs yet",
+            ));
+        }
         if !self.cfg.train_batch_size.is_multiple_of(world) {
             return Err(role_err(
                 "trainer",
@@ -312,24 +383,60 @@ impl OnPolicyTrainer {
         gen_batch: u64,
         timing: &mut BTreeMap<&'static str, f64>,
     ) -> rl_core::Result<Batch> {
-        let mut prompts = self.train.next_batch()?;
-        let meta = prompts.meta_info_mut();
-        meta.insert(
-            "global_step".into(),
-            (self.global_step * 1000 + gen_batch).into(),
-        );
-        meta.insert("temperature".into(), self.cfg.temperature.into());
         let (rank, world) = self.rank_and_world()?;
-        if world > 1 {
-            // equal shards of the global batch: this rank's prompts start at rank * len
-            let offset = rank * prompts.len();
-            let meta = prompts.meta_info_mut();
-            meta.insert(dist::DP_RANK.into(), rank.into());
-            meta.insert(dist::DP_PROMPT_OFFSET.into(), offset.into());
-        }
+        let prompts = prompt_batch(
+            self.train.as_mut(),
+            self.global_step * 1000 + gen_batch,
+            self.cfg.temperature,
+            (rank, world),
+        )?;
         let t = Instant::now();
-        let mut batch = self.roles.rollout.generate(&prompts)?;
+        let batch = self.roles.rollout.generate(&prompts)?;
         *timing.entry("gen").or_default() += t.elapsed().as_secs_f64();
+        self.score(batch, timing)
+    }
+
+    /// `async_training`: this step's batch from the background rollout (after handing it the
+    /// batches of the steps ahead), scored; logs its policy version and staleness.
+    fn generate_async(
+        &mut self,
+        timing: &mut BTreeMap<&'static str, f64>,
+        m: &mut StepMetrics,
+    ) -> rl_core::Result<Batch> {
+        let step = self.global_step;
+        let total = self.total_steps();
+        let ranks = self.rank_and_world()?;
+        let temperature = self.cfg.temperature;
+        let background = self
+            .background
+            .as_mut()
+            .ok_or_else(|| role_err("trainer", "no background rollout"))?
+            .get_mut();
+        let train = self.train.as_mut();
+        background.top_up(step, total, |t| {
+            prompt_batch(train, t * 1000, temperature, ranks)
+        })?;
+        let t = Instant::now();
+        let (mut batch, version) = background.take(step)?;
+        timing.insert("gen", t.elapsed().as_secs_f64());
+        if let Some(s) = batch
+            .meta_info_mut()
+            .remove(GENERATION_SECONDS)
+            .and_then(|v| v.as_f64())
+        {
+            timing.insert("gen_background", s);
+        }
+        m.insert("async/policy_version".into(), version as f64);
+        m.insert("async/staleness".into(), (step - version) as f64);
+        self.score(batch, timing)
+    }
+
+    /// Scores a generated batch (overlong shaping too, when enabled).
+    fn score(
+        &mut self,
+        mut batch: Batch,
+        timing: &mut BTreeMap<&'static str, f64>,
+    ) -> rl_core::Result<Batch> {
         batch
             .meta_info_mut()
             .insert("temperature".into(), self.cfg.temperature.into());
@@ -783,6 +890,8 @@ impl Trainer for OnPolicyTrainer {
             .is_some_and(|f| f.enable);
         let mut batch = if filter {
             self.generate_filtered(&mut timing, &mut m)?
+        } else if self.background.is_some() {
+            self.generate_async(&mut timing, &mut m)?
         } else {
             self.generate(0, &mut timing)?
         };
@@ -937,7 +1046,13 @@ impl Trainer for OnPolicyTrainer {
             // sampled validation draws each row's stream by its index in the whole val batch
             meta.insert(dist::DP_PROMPT_OFFSET.into(), offset.into());
             meta.insert("global_step".into(), (self.global_step * 1000 + 999).into());
-            let mut out = self.roles.rollout.generate(&prompts)?;
+            let mut out = match &mut self.background {
+                // the background holds the policy's copy (and a server's weights): validate
+                // there, with the current weights, after the batches in flight
+                Some(b) => b.get_mut().generate_now(self.global_step, prompts)?,
+                None => self.roles.rollout.generate(&prompts)?,
+            };
+            out.meta_info_mut().remove(GENERATION_SECONDS);
             out.union(self.roles.reward.score(&out)?)?;
             env.add(&out);
             let scores = match f64_column(&out, SCORE_COLUMN) {
@@ -1007,10 +1122,15 @@ impl Trainer for OnPolicyTrainer {
             std::fs::create_dir_all(&d).map_err(|e| io(&d, e))?;
             critic.save_state(&d)?;
         }
+        let async_rollout = match &self.background {
+            Some(b) => b.borrow_mut().save(&dir.join(async_rollout::FOLDER))?,
+            None => Vec::new(),
+        };
         let state = TrainerState {
             global_step: self.global_step,
             train_source: self.train.state(),
             kl_ctrl: self.kl_ctrl.clone(),
+            async_rollout,
         };
         let path = dir.join("trainer_state.json");
         let text = serde_json::to_string_pretty(&state).map_err(|e| role_err("trainer", e))?;
@@ -1031,6 +1151,25 @@ impl Trainer for OnPolicyTrainer {
         self.roles.actor.load_state(&dir.join("actor"))?;
         if let Some(critic) = self.roles.critic.as_mut() {
             critic.load_state(&dir.join("critic"))?;
+        }
+        match &mut self.background {
+            Some(b) => b.get_mut().load(
+                &dir.join(async_rollout::FOLDER),
+                state.global_step,
+                &state.async_rollout,
+            )?,
+            None if !state.async_rollout.is_empty() => {
+                return Err(rl_core::Error::Format {
+                    path: path.display().to_string(),
+                    reason: format!(
+                        "the checkpoint holds {} batches generated ahead by asynchronous training \
+                         (async_training.enable = true), which this trainer would skip; resume with \
+                         the run's own config",
+                        state.async_rollout.len()
+                    ),
+                });
+            }
+            None => {}
         }
         self.train.load_state(&state.train_source)?;
         self.kl_ctrl = state.kl_ctrl;

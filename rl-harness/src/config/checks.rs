@@ -36,6 +36,7 @@ pub fn on_policy_config(cfg: &ExperimentConfig, batches_per_epoch: usize) -> OnP
         overlong_buffer: cfg.reward_model.own.overlong_buffer,
         batches_per_epoch,
         rollout_diagnostics: arr.rollout.calculate_log_probs,
+        async_training: cfg.async_training,
     }
 }
 
@@ -59,6 +60,7 @@ pub fn check(cfg: &ExperimentConfig) -> Result<()> {
 /// builders below run them: they are also called directly, with a policy already loaded).
 pub fn check_groups(cfg: &ExperimentConfig, kind: TrainerKind) -> Result<()> {
     check_lora(cfg, kind)?;
+    check_async(cfg, kind)?;
     if kind == TrainerKind::RewardModel {
         return check_reward_model(cfg);
     }
@@ -129,6 +131,33 @@ pub fn check_groups(cfg: &ExperimentConfig, kind: TrainerKind) -> Result<()> {
     on_policy_config(cfg, 1)
         .check()
         .map_err(|e| anyhow!("{e}"))?;
+    Ok(())
+}
+
+/// `async_training`: the trainer and the rollouts it is built for.
+fn check_async(cfg: &ExperimentConfig, kind: TrainerKind) -> Result<()> {
+    if !cfg.async_training.enable {
+        return Ok(());
+    }
+    if kind != TrainerKind::OnPolicy {
+        bail!(
+            "config key `async_training.enable`: only the on-policy trainer (trainer.algorithm = \
+             \"on_policy\") generates in the background, not {kind:?}"
+        );
+    }
+    if cfg.actor_rollout_ref.multi_turn.enable {
+        bail!(
+            "config keys `async_training.enable` and `actor_rollout_ref.rollout.multi_turn.enable`: \
+             multi-turn rollouts with tools run in the step only (asynchronous multi-turn is not \
+             built yet); turn one of them off"
+        );
+    }
+    if cfg.actor_rollout_ref.actor.zero_stage == 3 {
+        bail!(
+            "config keys `async_training.enable` and `actor_rollout_ref.actor.zero_stage`: the \
+             background rollout copies the whole policy, which stage 3 shards; use stage 0-2"
+        );
+    }
     Ok(())
 }
 

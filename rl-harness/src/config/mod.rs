@@ -265,6 +265,10 @@ pub struct ExperimentConfig {
     pub reward: rl_data::reward::RewardConfig,
     /// verl's `custom_reward_function` group: a Python file whose function scores every row.
     pub custom_reward_function: rl_data::reward::CustomRewardFunction,
+    /// Rollout beside the update (verl's one-step off-policy and bounded staleness): the on-policy
+    /// trainer generates the next steps' batches in a background thread on its own copy of the
+    /// policy (or on `actor_rollout_ref.rollout.server_url`) while the actor trains.
+    pub async_training: rl_algos::trainer::AsyncTrainingConfig,
 }
 
 /// Keys that may change when a run is resumed (their change is recorded as an event);

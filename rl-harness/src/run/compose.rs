@@ -22,8 +22,8 @@ use rl_data::{
     DataLoader, LoaderOptions, LoaderState, PreferenceDataset, RlDataset, Sampler, Tokenizer,
 };
 use rl_workers::roles::{
-    ActorWorker, CriticWorker, ProgressHook, ReferenceWorker, RewardModelWorker, RmWorker,
-    RolloutWorker, SharedPolicy, reward_model_from_lm, share,
+    ActorWorker, BackgroundWorker, CriticWorker, ProgressHook, ReferenceWorker, RewardModelWorker,
+    RmWorker, RolloutWorker, SharedPolicy, reward_model_from_lm, share,
 };
 use rl_workers::{CausalLm, RewardModel, TextCodec, ToolEnv, ValueModel};
 use serde_json::Value;
@@ -603,6 +603,7 @@ pub fn build_on_policy_in(
         .lock()
         .map_err(|_| anyhow!("the policy's lock is poisoned"))?
         .device();
+    let background_policy = policy.clone();
     // the actor first: with mixed precision it casts the shared weights to their compute
     // dtype, which the reference's copy must have too
     let mut actor = ActorWorker::new(policy, actor_config(cfg), n)?;
@@ -642,16 +643,28 @@ pub fn build_on_policy_in(
         critic,
         reward,
     };
-    let trainer = OnPolicyTrainer::new(
+    let mut trainer = OnPolicyTrainer::new(
         on_policy_config(cfg, batches_per_epoch),
         roles,
         Box::new(train),
         val,
     )?;
-    Ok(match group {
-        Some(g) => trainer.with_group(g.clone())?,
-        None => trainer,
-    })
+    if let Some(g) = group {
+        trainer = trainer.with_group(g.clone())?;
+    }
+    if cfg.async_training.enable {
+        // built last: the replica's construction draws from torch's generator, which no model
+        // built after it may see moved
+        let background = BackgroundWorker::new(
+            &background_policy,
+            arr.rollout.clone(),
+            arr.val_kwargs.clone(),
+            vec![i64::from(eos)],
+            i64::from(pad),
+        )?;
+        trainer = trainer.with_background_rollout(Box::new(background))?;
+    }
+    Ok(trainer)
 }
 
 /// verl's `data_source` table of rule rewards with the experiment's `reward` group on top; or,

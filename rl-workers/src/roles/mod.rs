@@ -6,6 +6,7 @@
 //! [`rl_core::roles::PolicyObjective`] / [`rl_core::roles::ValueObjective`].
 
 mod actor;
+mod background;
 mod config;
 mod critic;
 mod micro;
@@ -14,6 +15,7 @@ mod reward_model;
 pub mod zero;
 
 pub use actor::{ActorWorker, ProgressHook, ReferenceWorker, RolloutWorker, SharedPolicy, share};
+pub use background::BackgroundWorker;
 pub use config::{
     ActorConfig, CriticConfig, LrSchedule, MixedPrecision, OptimConfig, ParamDtype, ValKwargs,
 };
