@@ -653,6 +653,17 @@ pub fn build_on_policy_in(
         trainer = trainer.with_group(g.clone())?;
     }
     if cfg.async_training.enable {
+        let rc = &cfg.algorithm.rollout_correction;
+        if cfg.async_training.max_staleness > 0 && !rc.bypass_mode && rc.rollout_is.is_none() {
+            crate::note!(
+                "harness: note: async_training.max_staleness = {}: samples up to that many policy \
+                 versions old are trained on as if the current policy drew them (no \
+                 algorithm.rollout_correction); on the quickstart this collapsed learning, and \
+                 algorithm.rollout_correction.bypass_mode = true (PPO's ratio against the policy \
+                 that drew them) learned as the synchronous run did (docs/async.md)",
+                cfg.async_training.max_staleness
+            );
+        }
         // built last: the replica's construction draws from torch's generator, which no model
         // built after it may see moved
         let background = BackgroundWorker::new(
