@@ -278,7 +278,11 @@ fn compare(reports: &[Map<String, Value>]) -> (bool, Vec<String>, Vec<String>) {
             Some(k[..end].to_owned())
         })
         .collect();
-    (mismatches.is_empty(), mismatches, ranks.into_iter().collect())
+    (
+        mismatches.is_empty(),
+        mismatches,
+        ranks.into_iter().collect(),
+    )
 }
 
 /// vLLM's `reset`: every checked tensor overwritten with uniform noise in place, so that a
@@ -547,9 +551,10 @@ mod unit {
 
     #[test]
     fn compare_holds_every_report_to_every_other() {
-        let a: Map<String, Value> =
-            serde_json::from_value(json!({"dp0:pp0:pcp0:tp0:ep0:w": "a", "dp0:pp0:pcp0:tp0:ep0:v": "b"}))
-                .unwrap();
+        let a: Map<String, Value> = serde_json::from_value(
+            json!({"dp0:pp0:pcp0:tp0:ep0:w": "a", "dp0:pp0:pcp0:tp0:ep0:v": "b"}),
+        )
+        .unwrap();
         let mut b = a.clone();
         assert_eq!(
             compare(&[a.clone(), b.clone()]),

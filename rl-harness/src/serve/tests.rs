@@ -512,10 +512,7 @@ fn vllms_weight_transfer_cycle_loads_a_folder_and_the_checker_sees_it() {
     );
     assert_eq!(r["match"], false, "{r}");
     assert_eq!(r["mismatches"].as_array().unwrap().len(), before.len());
-    assert_eq!(
-        ok("GET", "/get_world_size", None),
-        json!({"world_size": 1})
-    );
+    assert_eq!(ok("GET", "/get_world_size", None), json!({"world_size": 1}));
     assert_eq!(
         ok("GET", "/is_sleeping", None),
         json!({"is_sleeping": false})
