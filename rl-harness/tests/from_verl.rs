@@ -121,7 +121,7 @@ fn a_key_from_verl_that_does_not_exist_here_is_refused_and_the_exit_status_says_
     // verl's resolved YAML config (a few of its keys): nested tables, unset keys left out
     let yaml = env.file(
         "config.yaml",
-        "actor_rollout_ref:\n  actor:\n    optim:\n      lr: 1.0e-06\n  rollout:\n    name: vllm\n\
+        "actor_rollout_ref:\n  actor:\n    optim:\n      lr: 1.0e-06\n  rollout:\n    name: vllm\n    mode: async\n\
          trainer:\n  nnodes: 1\n  total_epochs: 2\n  resume_from_path: null\n  logger:\n  - console\n",
     );
     let out = env.run(&["config", "from-verl", yaml.to_str().unwrap()]);
@@ -135,7 +135,7 @@ fn a_key_from_verl_that_does_not_exist_here_is_refused_and_the_exit_status_says_
         "{stdout}"
     );
     assert!(
-        stderr.contains("no effect   actor_rollout_ref.rollout.name")
+        stderr.contains("no effect   actor_rollout_ref.rollout.mode")
             && stderr.contains("no effect   trainer.nnodes")
             && !stderr.contains("resume_from_path"),
         "{stderr}"

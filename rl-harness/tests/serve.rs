@@ -126,7 +126,9 @@ fn the_openai_client_and_curl_get_generates_tokens() {
 }
 
 /// Issue 23's loop in CI: GRPO generating on `harness serve` (`rollout.server_url`), the
-/// policy's weights synced into it before every step, equals GRPO on the in-process engine
+/// policy's weights synced into it before every step (through SGLang's route, and through
+/// vLLM's pause/start/update/finish/resume sequence with the weight checker's digests
+/// compared), equals GRPO on the in-process engine
 /// metric for metric (the server samples each row from the stream the in-process engine would;
 /// the trained log-probs are the actor's either way), so every step's samples came from the
 /// weights just trained; at the end the server holds the exported policy's weights.
@@ -161,28 +163,43 @@ fn grpo_on_a_served_engine_syncs_every_step_and_equals_in_process_grpo() {
         env.ok(&args);
     };
     train("in-process", &[]);
-    train(
-        "served",
-        &[
-            format!("actor_rollout_ref.rollout.server_url=[\"{root}\"]"),
-            "actor_rollout_ref.rollout.weight_sync_dir=sync".to_owned(),
-        ],
-    );
+    // SGLang's route first, then vLLM's sequence (rollout.name's default, as verl's), which
+    // leaves its weight version on the server
+    for name in ["sglang", "vllm"] {
+        train(
+            &format!("served-{name}"),
+            &[
+                format!("actor_rollout_ref.rollout.server_url=[\"{root}\"]"),
+                format!("actor_rollout_ref.rollout.name={name}"),
+                "actor_rollout_ref.rollout.weight_sync_dir=sync".to_owned(),
+            ],
+        );
+    }
     let (rt, store) = env.store();
     let metrics = |name: &str| {
         let run = rt.block_on(store.resolve_run(name)).unwrap();
         common::metrics_of(&rt, &store, run.id)
     };
-    let (local, served) = (metrics("in-process"), metrics("served"));
-    assert_eq!(local.len(), served.len());
-    for ((s1, k1, v1), (s2, k2, v2)) in local.iter().zip(&served) {
-        assert_eq!((s1, k1), (s2, k2));
-        let (a, b) = (f64::from_bits(*v1), f64::from_bits(*v2));
-        assert!(
-            (a - b).abs() <= 1e-4 * (1.0 + a.abs()),
-            "step {s1} {k1}: in-process {a}, served {b}"
-        );
+    let local = metrics("in-process");
+    for name in ["served-sglang", "served-vllm"] {
+        let served = metrics(name);
+        assert_eq!(local.len(), served.len());
+        for ((s1, k1, v1), (s2, k2, v2)) in local.iter().zip(&served) {
+            assert_eq!((s1, k1), (s2, k2));
+            let (a, b) = (f64::from_bits(*v1), f64::from_bits(*v2));
+            assert!(
+                (a - b).abs() <= 1e-4 * (1.0 + a.abs()),
+                "step {s1} {k1}: in-process {a}, {name} {b}"
+            );
+        }
     }
+    // the vLLM run synced through vLLM's routes: its finish_weight_update calls left a weight
+    // version (the generation's global_step meta), which SGLang's route never sets
+    let info: Value = reqwest::blocking::get(format!("{root}/weight_info"))
+        .unwrap()
+        .json()
+        .unwrap();
+    assert!(info["weight_version"].is_string(), "{info}");
     assert!(
         local
             .iter()
@@ -195,10 +212,10 @@ fn grpo_on_a_served_engine_syncs_every_step_and_equals_in_process_grpo() {
     )
     .unwrap();
     // the last validation synced the final weights: the server holds the exported policy
-    let exported = rt.block_on(store.resolve_run("served")).unwrap();
+    let exported = rt.block_on(store.resolve_run("served-vllm")).unwrap();
     let dir = env
         .path()
-        .join(format!("runs/{}-served/model", exported.id));
+        .join(format!("runs/{}-served-vllm/model", exported.id));
     let lm = rl_workers::CausalLm::from_pretrained(&dir, Device::Cpu, Kind::Float).unwrap();
     let held: Value = reqwest::blocking::get(format!("{root}/weights_checksum"))
         .unwrap()

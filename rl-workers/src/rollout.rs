@@ -21,6 +21,10 @@ use crate::error::{Error, Result, expect_dims, expect_kind};
 use crate::heads::CausalLm;
 use crate::model::KvCache;
 
+/// The values of `actor_rollout_ref.rollout.name`: the server API of `server_url` (`vllm`,
+/// `sglang`), or `hf` (verl's in-process Hugging Face rollout; here the built-in engine).
+pub(crate) const ROLLOUT_NAMES: &[&str] = &["vllm", "sglang", "hf"];
+
 /// Sampling settings of the rollout, with verl's names and defaults
 /// (`actor_rollout_ref.rollout`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -48,10 +52,17 @@ pub struct RolloutConfig {
     /// to the returned `rollout_log_probs` (on response tokens, seeded by the generation's
     /// seed), as if an engine computed them differently from the trainer; >= 0. Default 0.
     pub debug_logprob_noise: f64,
+    /// Which engine's API the servers of `server_url` speak (verl's key and default): `vllm`
+    /// (weights synced through vLLM's RL control plane: `/pause`, `/start_weight_update`,
+    /// `/update_weights` from a safetensors folder, `/finish_weight_update`, `/resume`, then
+    /// `/weight_checker`'s digests compared with the folder's), `sglang` (SGLang's
+    /// `/update_weights_from_disk`), or `hf`; `harness serve` speaks both. Without
+    /// `server_url` the rollout runs in-process whatever the name.
+    pub name: String,
     /// Generate on these OpenAI-compatible servers instead of the in-process engine (one
     /// request a prompt, round-robin), syncing the policy's weights into them before each
-    /// step's generation through SGLang's `/update_weights_from_disk`, which `harness serve`
-    /// speaks (`http://HOST:PORT`, without `/v1`). Empty (the default): in-process.
+    /// step's generation through the API `name` says (`http://HOST:PORT`, without `/v1`).
+    /// Empty (the default): in-process.
     pub server_url: Vec<String>,
     /// Seconds a server may take over one call (a generation or a weight sync) before the step
     /// fails naming it; > 0. Default 600.
@@ -74,6 +85,7 @@ impl Default for RolloutConfig {
             seed: 0,
             calculate_log_probs: false,
             debug_logprob_noise: 0.0,
+            name: "vllm".to_owned(),
             server_url: Vec::new(),
             server_timeout_s: 600.0,
             weight_sync_dir: None,
@@ -113,6 +125,23 @@ impl RolloutConfig {
             return bad(
                 "server_timeout_s",
                 format!("must be > 0 seconds, got {}", self.server_timeout_s),
+            );
+        }
+        if !ROLLOUT_NAMES.contains(&self.name.as_str()) {
+            return bad(
+                "name",
+                format!(
+                    "{:?} is not a rollout engine here: expected one of {}",
+                    self.name,
+                    ROLLOUT_NAMES.join(", ")
+                ),
+            );
+        }
+        if self.name == "hf" && !self.server_url.is_empty() {
+            return bad(
+                "name",
+                "\"hf\" generates in-process; the servers of server_url speak \"vllm\" or \"sglang\""
+                    .to_owned(),
             );
         }
         if let Some(u) = self

@@ -79,7 +79,8 @@ const NO_FSDP: &str = "FSDP is set here by `zero_stage` alone \
                        shards the optimizer state (1), the gradients (2) and the weights (3, \
                        FSDP's FULL_SHARD) over the ranks (docs/distributed.md, \"Sharding\")";
 const NO_VLLM: &str = "rollout runs on the built-in engine inside the trainer's process; to \
-                       generate on a server instead (harness serve, or SGLang) set \
+                       generate on a server instead (harness serve, vLLM or SGLang, the API \
+                       chosen by actor_rollout_ref.rollout.name) set \
                        actor_rollout_ref.rollout.server_url";
 const NO_SP: &str = "there is no sequence parallelism here";
 const REF_MB: &str = "the reference computes log-probabilities in micro-batches of \
@@ -200,7 +201,6 @@ const FOREIGN: &[(&str, Foreign)] = &[
         Foreign::NoEffect(NO_VLLM),
     ),
     ("actor_rollout_ref.rollout.mode", Foreign::NoEffect(NO_VLLM)),
-    ("actor_rollout_ref.rollout.name", Foreign::NoEffect(NO_VLLM)),
     (
         "actor_rollout_ref.rollout.tensor_model_parallel_size",
         Foreign::NoEffect("there is no tensor parallelism here: each rank holds the whole model"),

@@ -19,12 +19,12 @@ use super::State;
 use super::openai::{Endpoint, Generation, parse};
 use super::worker::{Event, Msg};
 
-type Reply = Response<BoxBody<Bytes, Infallible>>;
+pub(crate) type Reply = Response<BoxBody<Bytes, Infallible>>;
 
 /// The largest request body accepted (bytes).
 const MAX_BODY: usize = 16 << 20;
 
-fn json_reply(status: StatusCode, body: &Value) -> Reply {
+pub(crate) fn json_reply(status: StatusCode, body: &Value) -> Reply {
     let mut r = Response::new(Full::new(Bytes::from(body.to_string())).boxed());
     *r.status_mut() = status;
     r.headers_mut().insert(
@@ -49,6 +49,9 @@ fn error(status: StatusCode, message: impl Into<String>) -> Reply {
 }
 
 pub(crate) async fn handle(req: Request<Incoming>, state: Arc<State>) -> Result<Reply, Infallible> {
+    if let Some(route) = super::rlhf::route(req.method(), req.uri().path()) {
+        return Ok(super::rlhf::handle(route, req, state).await);
+    }
     let endpoint = match (req.method(), req.uri().path()) {
         (&Method::GET, "/v1/models") => return Ok(models(&state)),
         (&Method::GET, "/health") => return Ok(json_reply(StatusCode::OK, &json!({}))),
@@ -72,7 +75,7 @@ pub(crate) async fn handle(req: Request<Incoming>, state: Arc<State>) -> Result<
             return Ok(error(
                 StatusCode::NOT_FOUND,
                 format!(
-                    "no route {m} {p} (this server has GET /v1/models, POST /v1/completions, POST /v1/chat/completions)"
+                    "no route {m} {p} (this server has GET /v1/models, POST /v1/completions, POST /v1/chat/completions, SGLang's POST /update_weights_from_disk and vLLM's RL control plane: docs/serving.md)"
                 ),
             ));
         }
@@ -198,6 +201,20 @@ struct Choice {
 }
 
 impl Choice {
+    /// Ends the choice where it is (vLLM's pause in abort mode): `finish_reason: "abort"` with
+    /// the tokens it had. The text not yet streamed.
+    fn abort(&mut self, state: &State) -> String {
+        if self.finish.is_some() {
+            return String::new();
+        }
+        let ids: Vec<u32> = self.ids.iter().map(|&t| t as u32).collect();
+        self.text = state.tokenizer.decode(&ids, true).unwrap_or_default();
+        self.finish = Some("abort");
+        let delta = self.text.get(self.sent..).unwrap_or_default().to_owned();
+        self.sent = self.text.len();
+        delta
+    }
+
     /// Takes a token unless the choice has ended already (its job may still emit one or two
     /// after a stop string ended it); cancels the job when a stop string ends it here. The
     /// streamable text it adds.
@@ -391,6 +408,9 @@ async fn collect(
             Event::Token(e) => {
                 choices[tag].take(&e, &state, &g.stop);
             }
+            Event::Aborted => {
+                choices[tag].abort(&state);
+            }
         }
     }
     let (_, object, _) = object_names(endpoint);
@@ -478,6 +498,25 @@ async fn stream(
                 return;
             }
             Event::Token(e) => e,
+            Event::Aborted => {
+                let c = &mut choices[tag];
+                if c.finish.is_some() {
+                    continue;
+                }
+                let delta = c.abort(&state);
+                let choice = match endpoint {
+                    Endpoint::Completions => {
+                        json!({"index": tag, "text": delta, "logprobs": null, "finish_reason": "abort"})
+                    }
+                    Endpoint::Chat => {
+                        json!({"index": tag, "delta": {"content": delta}, "logprobs": null, "finish_reason": "abort"})
+                    }
+                };
+                if !send(choice) {
+                    return;
+                }
+                continue;
+            }
         };
         let c = &mut choices[tag];
         let Some(delta) = c.take(&e, &state, &g.stop) else {

@@ -11,6 +11,7 @@
 
 mod http;
 mod openai;
+mod rlhf;
 mod worker;
 
 use std::net::SocketAddr;

@@ -380,3 +380,338 @@ fn weights_loaded_from_disk_are_what_the_next_requests_use() {
     assert!(r["message"].as_str().unwrap().contains("nowhere"), "{r}");
     assert_eq!(ask(), after, "a failed load changes nothing");
 }
+
+/// A call to one of vLLM's control-plane routes: the status and the JSON answer.
+fn call(s: &ServerHandle, method: &str, path: &str, body: Option<&Value>) -> (u16, Value) {
+    let url = format!("http://{}{path}", s.addr());
+    let c = Client::new();
+    let req = match method {
+        "GET" => c.get(url),
+        _ => c.post(url),
+    };
+    let req = match body {
+        Some(b) => req.json(b),
+        None => req,
+    };
+    let r = req.send().unwrap();
+    let status = r.status().as_u16();
+    (status, r.json().unwrap())
+}
+
+/// The weight checker's digests without the rank prefix.
+fn checker_digests(s: &ServerHandle) -> std::collections::BTreeMap<String, String> {
+    let (status, r) = call(
+        s,
+        "POST",
+        "/weight_checker",
+        Some(&json!({"action": "checksum"})),
+    );
+    assert_eq!(status, 200, "{r}");
+    r["checksums"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .map(|(k, v)| {
+            let name = k
+                .strip_prefix(super::rlhf::RANK_PREFIX)
+                .unwrap_or_else(|| panic!("{k} lacks the rank prefix"));
+            (name.to_owned(), v.as_str().unwrap().to_owned())
+        })
+        .collect()
+}
+
+/// What a folder's tensors digest to, as the trainer computes it (the bytes as written).
+fn folder(dir: &Path) -> std::collections::BTreeMap<String, String> {
+    rl_workers::remote::folder_digests(dir)
+        .unwrap()
+        .into_iter()
+        .map(|(k, d)| (k, d.written))
+        .collect()
+}
+
+/// vLLM's weight-update cycle over HTTP (pause, init, start, update from a safetensors folder,
+/// finish with a version, resume), then the weight checker: every tensor's digest is the new
+/// folder's, and the next request samples what the in-process engine samples with the new
+/// weights. Compare and reset do what vLLM's checker does.
+#[test]
+fn vllms_weight_transfer_cycle_loads_a_folder_and_the_checker_sees_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let old = tiny(&dir.path().join("old"));
+    crate::run::compose::init_tiny(&dir.path().join("new"), 8, 0.0).unwrap();
+    let new = CausalLm::from_pretrained(dir.path().join("new"), Device::Cpu, Kind::Float).unwrap();
+    let s = server(&dir.path().join("old"), 4, 64);
+    let prompt: [i64; 4] = [22, 23, 16, 24];
+    let seeded = json!({"prompt": prompt, "max_tokens": 10, "seed": 5, "return_token_ids": true, "ignore_eos": true});
+    let ask = || token_ids(&post(&s, "/completions", &seeded).1["choices"][0]);
+    assert_eq!(ask(), generate_ids(&old, &prompt, 10, 1.0, 5, 1)[0]);
+    let before = checker_digests(&s);
+    assert_eq!(before, folder(&dir.path().join("old")));
+
+    let ok = |method: &str, path: &str, body: Option<Value>| {
+        let (status, r) = call(&s, method, path, body.as_ref());
+        assert_eq!(status, 200, "{path}: {r}");
+        r
+    };
+    assert_eq!(ok("GET", "/is_paused", None), json!({"is_paused": false}));
+    assert_eq!(
+        ok("POST", "/pause?mode=wait", None),
+        json!({"status": "paused"})
+    );
+    assert_eq!(ok("GET", "/is_paused", None), json!({"is_paused": true}));
+    ok(
+        "POST",
+        "/init_weight_transfer_engine",
+        Some(json!({"init_info": {}})),
+    );
+    ok("POST", "/start_weight_update", Some(json!({})));
+    let path = std::path::absolute(dir.path().join("new")).unwrap();
+    assert_eq!(
+        ok(
+            "POST",
+            "/update_weights",
+            Some(json!({"update_info": {"path": path}}))
+        ),
+        json!({"message": "Weights updated"})
+    );
+    ok(
+        "POST",
+        "/finish_weight_update",
+        Some(json!({"weight_version": "step-1"})),
+    );
+    assert_eq!(ok("POST", "/resume", None), json!({"status": "resumed"}));
+    assert_eq!(
+        ok("GET", "/weight_info", None),
+        json!({"weight_version": "step-1"})
+    );
+    let after = checker_digests(&s);
+    assert_eq!(after, folder(&dir.path().join("new")));
+    assert_ne!(after, before);
+    assert_eq!(ask(), generate_ids(&new, &prompt, 10, 1.0, 5, 1)[0]);
+
+    let baseline = ok(
+        "POST",
+        "/weight_checker",
+        Some(json!({"action": "checksum"})),
+    )["checksums"]
+        .clone();
+    let r = ok(
+        "POST",
+        "/weight_checker",
+        Some(json!({"action": "compare", "baseline": baseline})),
+    );
+    assert_eq!(r["match"], true, "{r}");
+    assert_eq!(r["ranks"], json!([super::rlhf::RANK_PREFIX]));
+    assert_eq!(
+        ok("POST", "/weight_checker", Some(json!({"action": "reset"}))),
+        json!({"status": "reset"})
+    );
+    let r = ok(
+        "POST",
+        "/weight_checker",
+        Some(json!({"action": "compare", "baseline": baseline})),
+    );
+    assert_eq!(r["match"], false, "{r}");
+    assert_eq!(r["mismatches"].as_array().unwrap().len(), before.len());
+    assert_eq!(ok("GET", "/get_world_size", None), json!({"world_size": 1}));
+    assert_eq!(
+        ok("GET", "/is_sleeping", None),
+        json!({"is_sleeping": false})
+    );
+}
+
+/// Out-of-order calls are 409s with vLLM's messages (a failed update ends its session, as
+/// vLLM's disk backend's does); bad bodies are 400s naming the field; both in vLLM's error
+/// body, and none changes the served weights.
+#[test]
+fn vllm_routes_refuse_bad_bodies_and_calls_out_of_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let _old = tiny(&dir.path().join("old"));
+    let s = server(&dir.path().join("old"), 4, 64);
+    let before = checker_digests(&s);
+    let refused = |path: &str, body: Value, status: u16, needle: &str| {
+        let (got, r) = call(&s, "POST", path, Some(&body));
+        assert_eq!(got, status, "{path} {body}: {r}");
+        if status != 200 {
+            let m = r["error"]["message"].as_str().unwrap_or_default();
+            assert!(m.contains(needle), "{path} {body}: {r}");
+            assert_eq!(r["error"]["code"], status, "{r}");
+        }
+    };
+    let abs = std::path::absolute(dir.path().join("old")).unwrap();
+    let update = json!({"update_info": {"path": abs}});
+    refused(
+        "/update_weights",
+        update.clone(),
+        409,
+        "start_weight_update must be called",
+    );
+    refused(
+        "/finish_weight_update",
+        json!({}),
+        409,
+        "No shared-disk weight update is active",
+    );
+    refused("/start_weight_update", json!({}), 200, "");
+    refused("/start_weight_update", json!({}), 409, "already active");
+    refused(
+        "/finish_weight_update",
+        json!({}),
+        409,
+        "No checkpoint was loaded",
+    );
+    // that ended the session
+    refused(
+        "/finish_weight_update",
+        json!({}),
+        409,
+        "No shared-disk weight update is active",
+    );
+    refused("/start_weight_update", json!({}), 200, "");
+    refused("/update_weights", update.clone(), 200, "");
+    refused(
+        "/update_weights",
+        update.clone(),
+        409,
+        "exactly one checkpoint",
+    );
+    refused(
+        "/finish_weight_update",
+        json!({}),
+        409,
+        "No shared-disk weight update is active",
+    );
+
+    // bad bodies
+    refused(
+        "/init_weight_transfer_engine",
+        json!({}),
+        400,
+        "'init_info'",
+    );
+    refused(
+        "/init_weight_transfer_engine",
+        json!({"init_info": {"master_port": 1}}),
+        400,
+        "init_info.master_port",
+    );
+    refused("/update_weights", json!({}), 400, "'update_info'");
+    refused(
+        "/start_weight_update",
+        json!({"is_checkpoint_format": false}),
+        400,
+        "is_checkpoint_format",
+    );
+    refused("/start_weight_update", json!({}), 200, "");
+    refused(
+        "/update_weights",
+        json!({"update_info": {"path": "relative/dir"}}),
+        400,
+        "absolute",
+    );
+    // a failed update ends the session, as vLLM's disk backend's does
+    refused(
+        "/finish_weight_update",
+        json!({}),
+        409,
+        "No shared-disk weight update is active",
+    );
+    refused("/start_weight_update", json!({}), 200, "");
+    let empty = std::path::absolute(dir.path()).unwrap();
+    refused(
+        "/update_weights",
+        json!({"update_info": {"path": empty}}),
+        400,
+        "no safetensors",
+    );
+    refused("/start_weight_update", json!({}), 200, "");
+    refused(
+        "/update_weights",
+        json!({"update_info": {"path": abs, "names": []}}),
+        400,
+        "update_info.names",
+    );
+    refused(
+        "/finish_weight_update",
+        json!({"weight_version": 3}),
+        400,
+        "weight_version",
+    );
+    refused("/pause?mode=later", json!({}), 400, "`mode`");
+    refused("/weight_checker", json!({"action": "sum"}), 400, "action");
+    refused(
+        "/weight_checker",
+        json!({"action": "compare"}),
+        400,
+        "'baseline'",
+    );
+    refused("/update_weight_version", json!({}), 400, "'new_version'");
+    assert_eq!(checker_digests(&s), before);
+}
+
+/// vLLM's pause: requests sent while paused wait in the queue and run after `/resume` exactly
+/// as they would have; `mode=abort` ends every request in flight with `finish_reason: "abort"`;
+/// a sample frozen by `mode=keep` mid-way goes on after `/resume` to exactly its tokens.
+#[test]
+fn pause_holds_aborts_or_freezes_requests_as_vllm_does() {
+    let dir = tempfile::tempdir().unwrap();
+    let lm = tiny(&dir.path().join("m"));
+    let s = server(&dir.path().join("m"), 4, 64);
+    let prompt: [i64; 4] = [22, 23, 16, 24];
+    let want = generate_ids(&lm, &prompt, 12, 1.0, 3, 1)[0].clone();
+    let body = json!({"prompt": prompt, "max_tokens": 12, "seed": 3, "return_token_ids": true, "ignore_eos": true});
+    let wait_a_little = || std::thread::sleep(std::time::Duration::from_millis(400));
+    std::thread::scope(|sc| {
+        // held while paused, then run
+        assert_eq!(call(&s, "POST", "/pause?mode=keep", None).0, 200);
+        let held = sc.spawn(|| post(&s, "/completions", &body));
+        wait_a_little();
+        assert!(!held.is_finished(), "a paused server runs nothing");
+        assert_eq!(call(&s, "POST", "/resume", None).0, 200);
+        let (status, r) = held.join().unwrap();
+        assert_eq!(status, 200, "{r}");
+        assert_eq!(token_ids(&r["choices"][0]), want);
+
+        // aborted
+        assert_eq!(call(&s, "POST", "/pause?mode=keep", None).0, 200);
+        let aborted = sc.spawn(|| post(&s, "/completions", &body));
+        wait_a_little();
+        let (status, r) = call(&s, "POST", "/pause?mode=abort", None);
+        assert_eq!((status, r), (200, json!({"status": "paused"})));
+        let (status, r) = aborted.join().unwrap();
+        assert_eq!(status, 200, "{r}");
+        assert_eq!(r["choices"][0]["finish_reason"], "abort", "{r}");
+        assert_eq!(call(&s, "POST", "/resume", None).0, 200);
+    });
+
+    // frozen mid-way by keep: a streamed greedy request read up to its first token
+    use std::io::BufRead;
+    let streamed = json!({"prompt": prompt, "max_tokens": 12, "seed": 3, "return_token_ids": true, "ignore_eos": true, "stream": true});
+    let r = Client::new()
+        .post(format!("{}/completions", s.base_url()))
+        .json(&streamed)
+        .send()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(r).lines();
+    let mut ids = Vec::new();
+    let next_token = |lines: &mut std::io::Lines<_>| -> Option<Value> {
+        for l in lines.by_ref() {
+            let l: String = l.unwrap();
+            if let Some(d) = l.strip_prefix("data: ") {
+                if d == "[DONE]" {
+                    return None;
+                }
+                return Some(serde_json::from_str(d).unwrap());
+            }
+        }
+        None
+    };
+    let first = next_token(&mut lines).unwrap();
+    ids.extend(token_ids(&first["choices"][0]));
+    assert_eq!(call(&s, "POST", "/pause?mode=keep", None).0, 200);
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    assert_eq!(call(&s, "POST", "/resume", None).0, 200);
+    while let Some(c) = next_token(&mut lines) {
+        ids.extend(token_ids(&c["choices"][0]));
+    }
+    assert_eq!(ids, want);
+}

@@ -753,7 +753,7 @@ impl Rollout for RolloutWorker {
                 let step = meta_u64(prompts, "global_step", 0);
                 let (engine, synced) = self.remote.as_mut().expect("checked above");
                 if *synced != Some(step) {
-                    engine.sync(&lm).map_err(role_err("rollout"))?;
+                    engine.sync(&lm, step).map_err(role_err("rollout"))?;
                     *synced = Some(step);
                 }
                 let out = remote_generate(engine, (ids, mask, pos), &cfg, seed, row_offset, &opts)
