@@ -97,6 +97,11 @@ pub trait BackgroundRollout {
 /// The `meta_info` key under which a [`BackgroundRollout`] reports a batch's generation time.
 pub const GENERATION_SECONDS: &str = "generation_s";
 
+/// The `meta_info` key of a prompt batch naming the policy version (the trainer step whose
+/// weights) it is generated with: a rollout on external servers syncs their weights when it
+/// changes, and reports it to them (vLLM's `weight_version`).
+pub const POLICY_VERSION: &str = "policy_version";
+
 /// What the actor computes with gradients for one micro-batch, handed to the objective.
 #[derive(Debug)]
 pub struct PolicyOutput {

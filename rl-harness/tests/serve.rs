@@ -131,7 +131,9 @@ fn the_openai_client_and_curl_get_generates_tokens() {
 /// compared), equals GRPO on the in-process engine
 /// metric for metric (the server samples each row from the stream the in-process engine would;
 /// the trained log-probs are the actor's either way), so every step's samples came from the
-/// weights just trained; at the end the server holds the exported policy's weights.
+/// weights just trained; at the end the server holds the exported policy's weights. And one
+/// step off-policy (`async_training`), the background rollout generating on the server while
+/// the actor trains, equals the same asynchronous run on the in-process engine.
 #[test]
 fn grpo_on_a_served_engine_syncs_every_step_and_equals_in_process_grpo() {
     let env = Env::new();
@@ -180,9 +182,8 @@ fn grpo_on_a_served_engine_syncs_every_step_and_equals_in_process_grpo() {
         let run = rt.block_on(store.resolve_run(name)).unwrap();
         common::metrics_of(&rt, &store, run.id)
     };
-    let local = metrics("in-process");
-    for name in ["served-sglang", "served-vllm"] {
-        let served = metrics(name);
+    let same = |local: &str, name: &str| {
+        let (local, served) = (metrics(local), metrics(name));
         assert_eq!(local.len(), served.len());
         for ((s1, k1, v1), (s2, k2, v2)) in local.iter().zip(&served) {
             assert_eq!((s1, k1), (s2, k2));
@@ -192,14 +193,19 @@ fn grpo_on_a_served_engine_syncs_every_step_and_equals_in_process_grpo() {
                 "step {s1} {k1}: in-process {a}, {name} {b}"
             );
         }
+    };
+    let local = metrics("in-process");
+    for name in ["served-sglang", "served-vllm"] {
+        same("in-process", name);
     }
-    // the vLLM run synced through vLLM's routes: its finish_weight_update calls left a weight
-    // version (the generation's global_step meta), which SGLang's route never sets
+    // the vLLM run synced through vLLM's routes: its finish_weight_update calls left the
+    // policy version, the trainer's step (the final validation's: 3), which SGLang's route
+    // never sets
     let info: Value = reqwest::blocking::get(format!("{root}/weight_info"))
         .unwrap()
         .json()
         .unwrap();
-    assert!(info["weight_version"].is_string(), "{info}");
+    assert_eq!(info["weight_version"], "3", "{info}");
     assert!(
         local
             .iter()
@@ -227,6 +233,28 @@ fn grpo_on_a_served_engine_syncs_every_step_and_equals_in_process_grpo() {
         initial.weights_sha256(),
         "training moved the weights"
     );
+
+    let off_policy = [
+        "async_training.enable=true".to_owned(),
+        "async_training.max_staleness=1".to_owned(),
+        "algorithm.rollout_correction.bypass_mode=true".to_owned(),
+    ];
+    train("in-process-async", &off_policy);
+    let mut served = off_policy.to_vec();
+    served.extend([
+        format!("actor_rollout_ref.rollout.server_url=[\"{root}\"]"),
+        "actor_rollout_ref.rollout.weight_sync_dir=sync-async".to_owned(),
+    ]);
+    train("served-async", &served);
+    // the background rollout synced the server from its own folder
+    assert!(env.path().join("sync-async/model.safetensors").is_file());
+    same("in-process-async", "served-async");
+    let staleness: Vec<f64> = metrics("served-async")
+        .iter()
+        .filter(|(_, k, _)| k == "async/staleness")
+        .map(|(_, _, v)| f64::from_bits(*v))
+        .collect();
+    assert_eq!(staleness, vec![0.0, 1.0, 1.0]);
 }
 
 /// A rollout server that is not there fails the run at once, naming the setting and the

@@ -164,6 +164,11 @@ pub struct AsyncTrainingConfig {
     /// current weights (the synchronous run, through the background thread), 1 is verl's
     /// one-step off-policy, K the bounded-staleness mode. Default 1.
     pub max_staleness: u64,
+    /// Intra-op CPU threads of the background rollout; 0 = as many as the trainer's, so it
+    /// generates exactly what the synchronous rollout would (another count may round
+    /// differently). On a CPU with few cores, 1 keeps the two threads' OpenMP teams from
+    /// slowing each other (docs/async.md). Default 0.
+    pub rollout_threads: u32,
 }
 
 impl Default for AsyncTrainingConfig {
@@ -171,6 +176,7 @@ impl Default for AsyncTrainingConfig {
         AsyncTrainingConfig {
             enable: false,
             max_staleness: 1,
+            rollout_threads: 0,
         }
     }
 }

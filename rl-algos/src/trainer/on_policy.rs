@@ -8,7 +8,8 @@ use std::time::Instant;
 
 use rl_core::dist::{self, SharedCollective};
 use rl_core::roles::{
-    Actor, BackgroundRollout, Critic, GENERATION_SECONDS, LogProbExtras, Reference, Reward, Rollout,
+    Actor, BackgroundRollout, Critic, GENERATION_SECONDS, LogProbExtras, POLICY_VERSION, Reference,
+    Reward, Rollout,
 };
 use rl_core::{Batch, Sample, StepMetrics, Trainer, keys};
 use serde::{Deserialize, Serialize};
@@ -181,11 +182,11 @@ fn f64_column(batch: &Batch, key: &str) -> Option<Vec<f64>> {
 }
 
 /// The next prompt batch of `train`, with the rollout's `meta_info`: the sampler's
-/// `global_step` (`step * 1000 + generation batch`), the temperature, and a data-parallel
-/// rank's place in the global batch.
+/// `global_step` (`step * 1000 + generation batch`), the policy version that generates it, the
+/// temperature, and a data-parallel rank's place in the global batch.
 fn prompt_batch(
     train: &mut dyn BatchSource,
-    global_step: u64,
+    (global_step, version): (u64, u64),
     temperature: f64,
     (rank, world): (usize, usize),
 ) -> rl_core::Result<Batch> {
@@ -194,6 +195,7 @@ fn prompt_batch(
     let offset = rank * prompts.len();
     let meta = prompts.meta_info_mut();
     meta.insert("global_step".into(), global_step.into());
+    meta.insert(POLICY_VERSION.into(), version.into());
     meta.insert("temperature".into(), temperature.into());
     if world > 1 {
         meta.insert(dist::DP_RANK.into(), rank.into());
@@ -386,7 +388,7 @@ impl OnPolicyTrainer {
         let (rank, world) = self.rank_and_world()?;
         let prompts = prompt_batch(
             self.train.as_mut(),
-            self.global_step * 1000 + gen_batch,
+            (self.global_step * 1000 + gen_batch, self.global_step),
             self.cfg.temperature,
             (rank, world),
         )?;
@@ -414,7 +416,7 @@ impl OnPolicyTrainer {
             .get_mut();
         let train = self.train.as_mut();
         background.top_up(step, total, |t| {
-            prompt_batch(train, t * 1000, temperature, ranks)
+            prompt_batch(train, (t * 1000, step), temperature, ranks)
         })?;
         let t = Instant::now();
         let (mut batch, version) = background.take(step)?;
@@ -1046,6 +1048,7 @@ impl Trainer for OnPolicyTrainer {
             // sampled validation draws each row's stream by its index in the whole val batch
             meta.insert(dist::DP_PROMPT_OFFSET.into(), offset.into());
             meta.insert("global_step".into(), (self.global_step * 1000 + 999).into());
+            meta.insert(POLICY_VERSION.into(), self.global_step.into());
             let mut out = match &mut self.background {
                 // the background holds the policy's copy (and a server's weights): validate
                 // there, with the current weights, after the batches in flight

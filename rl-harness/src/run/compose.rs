@@ -672,6 +672,12 @@ pub fn build_on_policy_in(
             arr.val_kwargs.clone(),
             vec![i64::from(eos)],
             i64::from(pad),
+            match cfg.async_training.rollout_threads {
+                0 => None,
+                n => Some(i32::try_from(n).map_err(|_| {
+                    anyhow!("config key `async_training.rollout_threads`: {n} is too many threads")
+                })?),
+            },
         )?;
         trainer = trainer.with_background_rollout(Box::new(background))?;
     }

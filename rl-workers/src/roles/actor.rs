@@ -618,8 +618,17 @@ pub struct RolloutWorker {
     pad_token_id: i64,
     progress: Option<ProgressHook>,
     tools: Option<ToolEnv>,
-    /// Generation on external servers (`server_url`), and the step whose weights they hold.
-    remote: Option<(RemoteEngine, Option<u64>)>,
+    /// Generation on external servers (`server_url`), and whose weights they hold.
+    remote: Option<(RemoteEngine, Option<SyncKey>)>,
+}
+
+/// Which weights a rollout server holds: the trainer's policy version (`meta_info`'s
+/// `policy_version`), or, for a caller that names none, the generation step they were synced
+/// for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SyncKey {
+    Version(u64),
+    Step(u64),
 }
 
 /// Called after every decode step of a generation (a progress bar, a log line).
@@ -750,11 +759,23 @@ impl Rollout for RolloutWorker {
         let (out, multi): (RolloutOutput, Option<(tch::Tensor, Vec<TurnStats>)>) = match &self.tools
         {
             None if self.remote.is_some() => {
-                let step = meta_u64(prompts, "global_step", 0);
+                // the servers load the weights again when the trainer's policy version
+                // changes (without one, at every new generation step)
+                let key = match prompts
+                    .meta_info()
+                    .get(rl_core::roles::POLICY_VERSION)
+                    .and_then(Value::as_u64)
+                {
+                    Some(v) => SyncKey::Version(v),
+                    None => SyncKey::Step(meta_u64(prompts, "global_step", 0)),
+                };
                 let (engine, synced) = self.remote.as_mut().expect("checked above");
-                if *synced != Some(step) {
-                    engine.sync(&lm, step).map_err(role_err("rollout"))?;
-                    *synced = Some(step);
+                if *synced != Some(key) {
+                    let version = match key {
+                        SyncKey::Version(v) | SyncKey::Step(v) => v,
+                    };
+                    engine.sync(&lm, version).map_err(role_err("rollout"))?;
+                    *synced = Some(key);
                 }
                 let out = remote_generate(engine, (ids, mask, pos), &cfg, seed, row_offset, &opts)
                     .map_err(role_err("rollout"))?;

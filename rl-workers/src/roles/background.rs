@@ -64,13 +64,16 @@ fn stopped() -> rl_core::Error {
 impl BackgroundWorker {
     /// A rollout thread generating on a replica of `policy` as it is now, with the training
     /// and validation sampling of `cfg` and `val` (as [`RolloutWorker::new`] takes them). The
-    /// thread computes with as many intra-op threads as the caller's.
+    /// thread computes with `threads` intra-op threads, or as many as the caller's when `None`
+    /// (then it generates exactly what the caller's own rollout would: another thread count may
+    /// round differently).
     pub fn new(
         policy: &SharedPolicy,
         cfg: RolloutConfig,
         val: ValKwargs,
         eos_token_ids: Vec<i64>,
         pad_token_id: i64,
+        threads: Option<i32>,
     ) -> rl_core::Result<Self> {
         let replica = lock(policy, "rollout")?
             .replica()
@@ -78,7 +81,7 @@ impl BackgroundWorker {
         let replica = share(replica);
         let mut rollout =
             RolloutWorker::new(replica.clone(), cfg, val, eos_token_ids, pad_token_id)?;
-        let threads = tch::get_num_threads();
+        let threads = threads.unwrap_or_else(tch::get_num_threads);
         let (orders, inbox) = channel::<Order>();
         let (outbox, answers) = channel::<Answer>();
         let thread = std::thread::Builder::new()
