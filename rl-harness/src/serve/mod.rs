@@ -78,6 +78,7 @@ pub struct ServerHandle {
     shutdown: Option<oneshot::Sender<()>>,
     http: Option<std::thread::JoinHandle<()>>,
     engine: Option<std::thread::JoinHandle<()>>,
+    state: Arc<State>,
 }
 
 impl std::fmt::Debug for ServerHandle {
@@ -103,6 +104,11 @@ impl ServerHandle {
     /// The name clients send as `model`.
     pub fn model(&self) -> &str {
         &self.model
+    }
+
+    /// Samples admitted and not finished (running or queued).
+    pub fn in_flight(&self) -> usize {
+        self.state.in_flight.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// Serves until the process ends.
@@ -191,6 +197,7 @@ pub fn start(dir: &Path, opts: &ServeOptions) -> Result<ServerHandle> {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs()),
     });
+    let served = state.clone();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -213,6 +220,7 @@ pub fn start(dir: &Path, opts: &ServeOptions) -> Result<ServerHandle> {
         model: name,
         shutdown: Some(tx),
         http: Some(http),
+        state: served,
         engine: Some(engine),
     })
 }

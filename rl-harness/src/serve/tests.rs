@@ -659,12 +659,21 @@ fn pause_holds_aborts_or_freezes_requests_as_vllm_does() {
     let prompt: [i64; 4] = [22, 23, 16, 24];
     let want = generate_ids(&lm, &prompt, 12, 1.0, 3, 1)[0].clone();
     let body = json!({"prompt": prompt, "max_tokens": 12, "seed": 3, "return_token_ids": true, "ignore_eos": true});
-    let wait_a_little = || std::thread::sleep(std::time::Duration::from_millis(400));
+    // until the request sent is admitted (a fixed sleep could end before it arrives on a
+    // loaded machine, and an abort before it would leave it waiting for a resume forever)
+    let admitted = || {
+        let t = std::time::Instant::now();
+        while s.in_flight() == 0 {
+            assert!(t.elapsed().as_secs() < 120, "the request never reached the server");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    };
     std::thread::scope(|sc| {
         // held while paused, then run
         assert_eq!(call(&s, "POST", "/pause?mode=keep", None).0, 200);
         let held = sc.spawn(|| post(&s, "/completions", &body));
-        wait_a_little();
+        admitted();
+        std::thread::sleep(std::time::Duration::from_millis(100));
         assert!(!held.is_finished(), "a paused server runs nothing");
         assert_eq!(call(&s, "POST", "/resume", None).0, 200);
         let (status, r) = held.join().unwrap();
@@ -674,7 +683,7 @@ fn pause_holds_aborts_or_freezes_requests_as_vllm_does() {
         // aborted
         assert_eq!(call(&s, "POST", "/pause?mode=keep", None).0, 200);
         let aborted = sc.spawn(|| post(&s, "/completions", &body));
-        wait_a_little();
+        admitted();
         let (status, r) = call(&s, "POST", "/pause?mode=abort", None);
         assert_eq!((status, r), (200, json!({"status": "paused"})));
         let (status, r) = aborted.join().unwrap();
