@@ -108,7 +108,9 @@ impl ServerHandle {
 
     /// Samples admitted and not finished (running or queued).
     pub fn in_flight(&self) -> usize {
-        self.state.in_flight.load(std::sync::atomic::Ordering::SeqCst)
+        self.state
+            .in_flight
+            .load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// Serves until the process ends.

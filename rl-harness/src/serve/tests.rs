@@ -664,7 +664,10 @@ fn pause_holds_aborts_or_freezes_requests_as_vllm_does() {
     let admitted = || {
         let t = std::time::Instant::now();
         while s.in_flight() == 0 {
-            assert!(t.elapsed().as_secs() < 120, "the request never reached the server");
+            assert!(
+                t.elapsed().as_secs() < 120,
+                "the request never reached the server"
+            );
             std::thread::sleep(std::time::Duration::from_millis(5));
         }
     };
