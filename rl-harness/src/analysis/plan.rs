@@ -664,15 +664,31 @@ pub fn estimate(exp: &ExperimentConfig, m: &Models) -> Result<Plan> {
     let hd = cfg.head_dim() as u64;
     let kv = 2 * layers * kv_heads * hd * rows * seq * c;
     let sampling = rows * v * 28;
-    let mut phases = vec![line(
-        "rollout",
-        kv + sampling,
-        format!(
-            "KV cache 2 x {layers} layers x {kv_heads} kv heads x {hd} x {rows} rows x {seq} tokens x {c} B = {}; \
-             sampling {rows} rows x {v} vocab x 28 B (float32 logits, log-softmax, probabilities, float64 cumulative sum)",
-            bytes(kv)
-        ),
-    )];
+    let rollout_how = format!(
+        "KV cache 2 x {layers} layers x {kv_heads} kv heads x {hd} x {rows} rows x {seq} tokens x {c} B = {}; \
+         sampling {rows} rows x {v} vocab x 28 B (float32 logits, log-softmax, probabilities, float64 cumulative sum)",
+        bytes(kv)
+    );
+    let mut phases = if exp.async_training.enable {
+        // the background rollout generates beside every phase of the step: held, not a phase
+        held.push(line(
+            "background rollout",
+            policy.weights() + policy.trainable as u64 * c + kv + sampling,
+            format!(
+                "async_training: a replica of the policy ({} x {c} B), a snapshot of the trained \
+                 variables in flight ({} x {c} B), and its generation beside the update: {rollout_how}",
+                short(policy.params()),
+                short(policy.trainable)
+            ),
+        ));
+        vec![line(
+            "rollout",
+            0,
+            "in the background thread (async_training): counted as held",
+        )]
+    } else {
+        vec![line("rollout", kv + sampling, rollout_how)]
+    };
     // a forward without a graph holds about one layer's temporaries (the MLP's four
     // [rows, seq, intermediate] tensors) and the float32 logits, log-softmax and entropy terms
     let one_layer = |r: u64| r * seq * (4 * cfg.intermediate_size as u64 + 4 * h) * c;
@@ -1055,6 +1071,38 @@ mod tests {
 
     fn held(plan: &Plan, what: &str) -> u64 {
         plan.held.iter().find(|l| l.what == what).unwrap().bytes
+    }
+
+    /// Asynchronous training holds a replica of the policy, a snapshot of what trains, and the
+    /// rollout's cache beside every phase: its bytes move from the rollout phase to held.
+    #[test]
+    fn async_training_holds_the_replica_and_the_rollout() {
+        let cfg = ModelSize::Qwen05b.config();
+        let p = base_params(&cfg, Head::Lm) as u64;
+        for (lora, mixed) in [(0, false), (16, true)] {
+            let sync_cfg = grpo(lora, mixed);
+            let mut async_cfg = sync_cfg.clone();
+            async_cfg.async_training.enable = true;
+            let sync = estimate(&sync_cfg, &models(cfg.clone())).unwrap();
+            let asynchronous = estimate(&async_cfg, &models(cfg.clone())).unwrap();
+            let rollout = |plan: &Plan| {
+                plan.phases
+                    .iter()
+                    .find(|l| l.what == "rollout")
+                    .unwrap()
+                    .bytes
+            };
+            let c = if mixed { 2 } else { 4 };
+            // LoRA: the base and the adapters (what trains); full: the base, all of it trained
+            let replica = c * (p + if lora > 0 { sync.trainable as u64 } else { 0 });
+            assert_eq!(
+                held(&asynchronous, "background rollout"),
+                replica + c * sync.trainable as u64 + rollout(&sync),
+                "lora {lora}, mixed {mixed}"
+            );
+            assert_eq!(rollout(&asynchronous), 0);
+            assert!(asynchronous.peak > sync.peak);
+        }
     }
 
     fn models(cfg: Config) -> Models {

@@ -78,7 +78,8 @@ pub struct ServerHandle {
     shutdown: Option<oneshot::Sender<()>>,
     http: Option<std::thread::JoinHandle<()>>,
     engine: Option<std::thread::JoinHandle<()>>,
-    state: Arc<State>,
+    /// Weak: the state holds the engine's channel, which must close for the engine to end.
+    state: std::sync::Weak<State>,
 }
 
 impl std::fmt::Debug for ServerHandle {
@@ -106,11 +107,11 @@ impl ServerHandle {
         &self.model
     }
 
-    /// Samples admitted and not finished (running or queued).
+    /// Samples admitted and not finished (running or queued); 0 once the server has stopped.
     pub fn in_flight(&self) -> usize {
         self.state
-            .in_flight
-            .load(std::sync::atomic::Ordering::SeqCst)
+            .upgrade()
+            .map_or(0, |s| s.in_flight.load(std::sync::atomic::Ordering::SeqCst))
     }
 
     /// Serves until the process ends.
@@ -199,7 +200,7 @@ pub fn start(dir: &Path, opts: &ServeOptions) -> Result<ServerHandle> {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs()),
     });
-    let served = state.clone();
+    let served = Arc::downgrade(&state);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
