@@ -94,6 +94,37 @@ pub fn tiny_task_with(
     })
 }
 
+/// GRPO with a KL loss on the tiny task, small enough for a few seconds a run: 4 prompts x 4
+/// samples of 4 tokens a step, two shuffled mini-batches of 2 prompts for 2 epochs, lr 1e-3
+/// after 2 warm-up steps, `steps` steps.
+pub fn tiny_grpo_config(task: &TinyTask, steps: u64) -> ExperimentConfig {
+    let mut cfg = ExperimentConfig {
+        data: tiny_data_config(task, 4, 3),
+        ..ExperimentConfig::default()
+    };
+    cfg.actor_rollout_ref.rollout = rl_workers::RolloutConfig {
+        n: 4,
+        response_length: 4,
+        seed: 3,
+        ..rl_workers::RolloutConfig::default()
+    };
+    cfg.actor_rollout_ref.actor = ActorConfig {
+        ppo_mini_batch_size: 2,
+        ppo_epochs: 2,
+        shuffle: true,
+        optim: rl_workers::roles::OptimConfig {
+            lr: 1e-3,
+            lr_warmup_steps: 2,
+            ..rl_workers::roles::OptimConfig::default()
+        },
+        ..ActorConfig::default()
+    };
+    cfg.actor_rollout_ref.actor_loss.use_kl_loss = true;
+    cfg.algorithm.adv_estimator = rl_algos::AdvEstimator::Grpo;
+    cfg.trainer.total_training_steps = Some(steps);
+    cfg
+}
+
 /// The data config of the tiny task (prompts padded to the longest in a batch).
 pub fn tiny_data_config(task: &TinyTask, train_batch_size: usize, seed: u64) -> DataConfig {
     DataConfig {

@@ -7,39 +7,16 @@
 //! - a checkpoint keeps the batches generated ahead, so a resumed run equals the uninterrupted
 //!   one; a sync trainer refuses such a checkpoint; the combinations not built are named.
 
-use rl_algos::AdvEstimator;
 use rl_core::{StepMetrics, Trainer};
 use rl_e2e::*;
 use rl_harness::config::TrainerKind;
 use rl_harness::config::checks::check_groups;
-use rl_workers::RolloutConfig;
-use rl_workers::roles::{ActorConfig, OptimConfig};
 
 fn config(task: &TinyTask) -> ExperimentConfig {
-    let mut cfg = ExperimentConfig {
-        data: tiny_data_config(task, 4, 3),
-        ..ExperimentConfig::default()
-    };
-    cfg.actor_rollout_ref.rollout = RolloutConfig {
-        n: 4,
-        response_length: 4,
-        seed: 3,
-        calculate_log_probs: true,
-        ..RolloutConfig::default()
-    };
-    cfg.actor_rollout_ref.actor = ActorConfig {
-        ppo_mini_batch_size: 2,
-        ppo_epochs: 2,
-        shuffle: true,
-        optim: OptimConfig {
-            lr: 3e-3,
-            ..OptimConfig::default()
-        },
-        ..ActorConfig::default()
-    };
-    cfg.actor_rollout_ref.actor_loss.use_kl_loss = true;
-    cfg.algorithm.adv_estimator = AdvEstimator::Grpo;
-    cfg.trainer.total_training_steps = Some(5);
+    let mut cfg = tiny_grpo_config(task, 5);
+    cfg.actor_rollout_ref.rollout.calculate_log_probs = true;
+    cfg.actor_rollout_ref.actor.optim.lr = 3e-3;
+    cfg.actor_rollout_ref.actor.optim.lr_warmup_steps = -1;
     cfg
 }
 

@@ -465,31 +465,7 @@ fn two_ranks_with_half_the_batch_each_update_like_one_rank_with_all_of_it() {
 const STEPS: u64 = 3;
 
 fn grpo_config(task: &TinyTask) -> ExperimentConfig {
-    let mut cfg = ExperimentConfig {
-        data: tiny_data_config(task, 4, 3),
-        ..ExperimentConfig::default()
-    };
-    cfg.actor_rollout_ref.rollout = RolloutConfig {
-        n: 4,
-        response_length: 4,
-        seed: 3,
-        ..RolloutConfig::default()
-    };
-    cfg.actor_rollout_ref.actor = ActorConfig {
-        ppo_mini_batch_size: 2,
-        ppo_epochs: 2,
-        shuffle: true,
-        optim: OptimConfig {
-            lr: 1e-3,
-            lr_warmup_steps: 2,
-            ..OptimConfig::default()
-        },
-        ..ActorConfig::default()
-    };
-    cfg.actor_rollout_ref.actor_loss.use_kl_loss = true;
-    cfg.algorithm.adv_estimator = AdvEstimator::Grpo;
-    cfg.trainer.total_training_steps = Some(STEPS);
-    cfg
+    tiny_grpo_config(task, STEPS)
 }
 
 fn grpo_task() -> TinyTask {

@@ -1,38 +1,11 @@
 //! Resume is exact: a GRPO run checkpointed after step 1 and resumed in a fresh trainer
 //! returns the same metrics at steps 2 and 3 (timings aside) as the uninterrupted run.
 
-use rl_algos::AdvEstimator;
 use rl_core::{StepMetrics, Trainer};
 use rl_e2e::*;
-use rl_workers::RolloutConfig;
-use rl_workers::roles::{ActorConfig, OptimConfig};
 
 fn config(task: &TinyTask) -> ExperimentConfig {
-    let mut cfg = ExperimentConfig {
-        data: tiny_data_config(task, 4, 3),
-        ..ExperimentConfig::default()
-    };
-    cfg.actor_rollout_ref.rollout = RolloutConfig {
-        n: 4,
-        response_length: 4,
-        seed: 3,
-        ..RolloutConfig::default()
-    };
-    cfg.actor_rollout_ref.actor = ActorConfig {
-        ppo_mini_batch_size: 2,
-        ppo_epochs: 2,
-        shuffle: true,
-        optim: OptimConfig {
-            lr: 1e-3,
-            lr_warmup_steps: 2,
-            ..OptimConfig::default()
-        },
-        ..ActorConfig::default()
-    };
-    cfg.actor_rollout_ref.actor_loss.use_kl_loss = true;
-    cfg.algorithm.adv_estimator = AdvEstimator::Grpo;
-    cfg.trainer.total_training_steps = Some(3);
-    cfg
+    tiny_grpo_config(task, 3)
 }
 
 fn comparable(m: &StepMetrics) -> Vec<(String, f64)> {
