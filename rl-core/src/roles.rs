@@ -90,8 +90,6 @@ pub trait BackgroundRollout {
     /// The output of the oldest submitted batch not yet collected, waiting for it. Its
     /// `meta_info` carries `generation_s`, the seconds its generation took.
     fn collect(&mut self) -> Result<Batch>;
-    /// Batches submitted and not yet collected.
-    fn in_flight(&self) -> usize;
 }
 
 /// The `meta_info` key under which a [`BackgroundRollout`] reports a batch's generation time.

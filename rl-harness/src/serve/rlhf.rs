@@ -288,6 +288,9 @@ fn compare(reports: &[Map<String, Value>]) -> (bool, Vec<String>, Vec<String>) {
 /// vLLM's `reset`: every checked tensor overwritten with uniform noise in place, so that a
 /// later compare proves a transfer really wrote them.
 fn reset(lm: &CausalLm) {
+    // the noise comes from torch's global generator: draw it under the lock every seeded
+    // model construction of the process holds (rl_workers::seed)
+    let _generator = rl_workers::hold_generator();
     tch::no_grad(|| {
         for (_, mut t) in lm.var_store().variables() {
             let noise = t.rand_like();

@@ -168,10 +168,6 @@ impl BackgroundRollout for BackgroundWorker {
         self.in_flight -= 1;
         self.answers.recv().map_err(|_| stopped())?
     }
-
-    fn in_flight(&self) -> usize {
-        self.in_flight
-    }
 }
 
 impl Drop for BackgroundWorker {
