@@ -18,8 +18,12 @@ rows on both sides), sampled asks for 8 samples a prompt (transformers' `num_ret
 our `n`, which prefills each prompt once for its samples); no forward+backward.
 `--fused` runs our forward+backward through the fused head (verl's `use_fused_kernels`: the
 LM head and its log-softmax in row chunks, recomputed in the backward).
+`--cpu-gemm blas` computes our projections with libtorch's `linear` (MKL's sgemm, as transformers
+does) instead of the default oneDNN (`trainer.cpu_gemm`, rl-workers/src/gemm.rs).
 
-The generation floor: the greedy rows' prefill at the 2048-row matmul rate, plus every decode
+The matmul rates are the faster of MKL's and oneDNN's at each size (the two f32 GEMM libraries
+libtorch carries; on AMD CPUs oneDNN's AVX-512 kernels are the faster). The generation floor: the
+greedy rows' prefill at the 2048-row matmul rate, plus every decode
 step computing every row at the 32-row (64 for the GRPO shape) rate, or streaming the weights
 once at the copy bandwidth, whichever is slower.
 
@@ -155,15 +159,21 @@ def floor(threads):
 
     torch.set_num_threads(threads)
     out = {}
+    # the faster of libtorch's two f32 GEMM libraries at each size: MKL (`a @ b`) and oneDNN
+    # (`mkldnn_linear` on a weight already in oneDNN's layout), so the floor is the machine's and
+    # not one library's
     for m in (32, 64, 2048):
-        a, b = torch.randn(m, 576), torch.randn(576, 1536)
-        for _ in range(3):
-            a @ b
+        a, w = torch.randn(m, 576), torch.randn(1536, 576)
+        wt, am, wm = w.t().contiguous(), a.to_mkldnn(), w.to_mkldnn()
         reps = max(3, int(2e10 / (2 * m * 576 * 1536)))
-        start = time.perf_counter()
-        for _ in range(reps):
-            a @ b
-        out[f"matmul_gflops_m{m}"] = 2 * m * 576 * 1536 * reps / (time.perf_counter() - start) / 1e9
+        for lib, f in (("mkl", lambda: a @ wt), ("onednn", lambda: torch._C._nn.mkldnn_linear(am, wm))):
+            for _ in range(3):
+                f()
+            start = time.perf_counter()
+            for _ in range(reps):
+                f()
+            out[f"matmul_gflops_m{m}_{lib}"] = 2 * m * 576 * 1536 * reps / (time.perf_counter() - start) / 1e9
+        out[f"matmul_gflops_m{m}"] = max(out[f"matmul_gflops_m{m}_mkl"], out[f"matmul_gflops_m{m}_onednn"])
     x = torch.empty(64 * 1024 * 1024 // 4 * 8)  # 512 MiB, well past the caches
     y = torch.empty_like(x)
     y.copy_(x)
@@ -222,6 +232,8 @@ def main():
     p.add_argument("--shape", choices=["batch", "grpo"], default="batch")
     p.add_argument("--fused", action="store_true",
                    help="our forward+backward through the fused head (verl's use_fused_kernels)")
+    p.add_argument("--cpu-gemm", choices=["onednn", "blas"], default="onednn",
+                   help="the library of our f32 projections (trainer.cpu_gemm)")
     p.add_argument("--samples", type=int, default=1, help=argparse.SUPPRESS)  # set by --shape, for --hf-side
     p.add_argument("--fwd-bwd", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--rounds", type=int, default=3)
@@ -254,7 +266,8 @@ def main():
               "--threads", str(args.threads), "--new-tokens", str(args.new_tokens),
               "--samples", str(args.samples), "--fwd-bwd", str(args.fwd_bwd)]
     rust_env = dict(os.environ, BENCH_N=str(args.samples), BENCH_FWD_BWD=str(args.fwd_bwd),
-                    BENCH_FUSED="1" if args.fused else "0")
+                    BENCH_FUSED="1" if args.fused else "0",
+                    BENCH_ONEDNN="1" if args.cpu_gemm == "onednn" else "0")
     eos = json.load(open(os.path.join(args.model, "config.json")))["eos_token_id"]
     from safetensors import safe_open
 
@@ -316,6 +329,7 @@ def main():
         "params": params, "rounds": rounds, "threads": args.threads, "new_tokens": args.new_tokens,
         "shape": args.shape, "prompts": len(questions), "samples_per_prompt": args.samples,
         "fused_head": args.fused,
+        "cpu_gemm": args.cpu_gemm,
         "greedy_tokens_identical": all(r["greedy_tokens_identical"] for r in rounds),
         "load_avg": [r["load_avg_before_rust"][0] for r in rounds] + [r["load_avg_before_transformers"][0] for r in rounds],
         "ratios": {}, "sides": {},

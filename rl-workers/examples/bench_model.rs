@@ -66,6 +66,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
     };
     let fwd_bwd = flag("BENCH_FWD_BWD", true)?;
+    rl_workers::gemm::set_cpu_gemm(if flag("BENCH_ONEDNN", true)? {
+        rl_workers::gemm::CpuGemm::OneDnn
+    } else {
+        rl_workers::gemm::CpuGemm::Blas
+    });
     let fused = flag("BENCH_FUSED", false)?;
     let mut report = serde_json::Map::new();
     let mut greedy_out = None;

@@ -427,7 +427,7 @@ impl CausalLm {
     pub fn logits(&self, hidden: &Tensor) -> Tensor {
         match &self.lm_head {
             Some(head) => head.forward(hidden),
-            None => hidden.linear::<Tensor>(self.model.embed_tokens(), None),
+            None => crate::gemm::linear(hidden, self.model.embed_tokens(), None),
         }
     }
 

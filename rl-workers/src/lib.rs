@@ -19,6 +19,7 @@ pub mod engine;
 mod error;
 mod fsdp;
 pub mod fused_head;
+pub mod gemm;
 pub mod gguf;
 mod heads;
 mod hf;

@@ -424,7 +424,7 @@ impl Linear {
     }
 
     pub(crate) fn forward(&self, xs: &Tensor) -> Tensor {
-        let ys = xs.linear(&self.weight, self.bias.as_ref());
+        let ys = crate::gemm::linear(xs, &self.weight, self.bias.as_ref());
         match self.lora.as_ref().and_then(|l| l.delta(xs)) {
             Some(delta) => ys + delta,
             None => ys,

@@ -164,6 +164,11 @@ pub struct HarnessConfig {
     pub max_ckpt_to_keep: Option<u64>,
     /// `cpu`, `cuda` or `cuda:N`. Default `cpu`.
     pub device: String,
+    /// The library that computes the models' f32 projections on the CPU: `onednn` (oneDNN's
+    /// kernels, AVX-512 wherever the CPU has it; on AMD CPUs about 1.6x MKL's speed) or `blas`
+    /// (libtorch's `linear`, MKL's `sgemm`). The two round differently (about 1e-6
+    /// relative). Process-wide: every model of the run uses it. Default `onednn`.
+    pub cpu_gemm: rl_workers::gemm::CpuGemm,
     /// The run's seed (the trainer derives every RNG stream from it). Default 1.
     pub seed: u64,
     /// Folder of run directories. Default `runs`.
@@ -212,6 +217,7 @@ impl Default for HarnessConfig {
             export_dir: None,
             max_ckpt_to_keep: None,
             device: "cpu".into(),
+            cpu_gemm: rl_workers::gemm::CpuGemm::OneDnn,
             seed: 1,
             runs_dir: PathBuf::from("runs"),
             db: None,

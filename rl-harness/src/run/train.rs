@@ -144,6 +144,7 @@ pub fn build_trainer_in(
         }
         _ => crate::device::open(&cfg.trainer.device)?,
     };
+    rl_workers::gemm::set_cpu_gemm(cfg.trainer.cpu_gemm);
     match cfg.trainer.algorithm {
         TrainerKind::Bandit if group.is_some() => {
             bail!("{}", TrainerKind::Bandit.not_data_parallel())

@@ -474,8 +474,11 @@ fn packed_forwards_equal_padded_ones_on_skewed_lengths() {
     println!(
         "packed vs padded: log-probs {lp:.1e}, actor after an update {da:.1e}, critic {dc:.1e}"
     );
+    // Adam's first step moves each weight by about lr * g / |g|, so two roundings of a gradient
+    // near zero (packed and padded rows are different GEMM shapes) can differ by a small
+    // fraction of lr; a token packed into the wrong row moves weights by about lr (1e-2)
     assert!(
-        da < 1e-6 && dc < 1e-6,
+        da < 1e-5 && dc < 1e-5,
         "updates differ: actor {da}, critic {dc}"
     );
     assert!(

@@ -1,0 +1,35 @@
+//! Compiles the oneDNN linear layer (`csrc/onednn_linear.cpp`, see `src/gemm.rs`) against the
+//! libtorch headers that tch builds with (`LIBTORCH`, which `.cargo/config.toml` sets).
+
+use std::env;
+use std::path::PathBuf;
+
+fn main() {
+    println!("cargo:rerun-if-changed=build.rs");
+    println!("cargo:rerun-if-changed=csrc");
+    for var in ["LIBTORCH", "LIBTORCH_CXX11_ABI"] {
+        println!("cargo:rerun-if-env-changed={var}");
+    }
+    if env::var_os("DOCS_RS").is_some() {
+        return;
+    }
+    let Some(libtorch) = env::var_os("LIBTORCH").map(PathBuf::from) else {
+        // A build-time misconfiguration: torch-sys fails the same way without it.
+        println!(
+            "cargo:warning=LIBTORCH is not set; run scripts/setup, which .cargo/config.toml points at"
+        );
+        std::process::exit(1);
+    };
+    let cxx11_abi = env::var("LIBTORCH_CXX11_ABI").unwrap_or_else(|_| "1".to_owned());
+    cc::Build::new()
+        .cpp(true)
+        .pic(true)
+        .warnings(false)
+        .include(libtorch.join("include"))
+        .include(libtorch.join("include/torch/csrc/api/include"))
+        .flag("-std=c++17")
+        .flag(format!("-D_GLIBCXX_USE_CXX11_ABI={cxx11_abi}"))
+        .flag("-DGLOG_USE_GLOG_EXPORT")
+        .file("csrc/onednn_linear.cpp")
+        .compile("rl_workers_onednn");
+}
