@@ -6,8 +6,10 @@
 //! same libtorch carries, runs its AVX-512 kernels: on the Zen 5 dev machine SmolLM2-135M's
 //! projections at 32 rows take 45 ms through oneDNN against 75 ms through MKL, and at 1,312
 //! rows 1.22 s against 1.73 s (docs/perf.md). [`CpuGemm::OneDnn`], the default, sends f32 CPU
-//! projections to oneDNN (`mkldnn_linear`, with autograd); [`CpuGemm::Blas`] keeps libtorch's
-//! own `linear`. Both compute the same products; they round differently (about 1e-6 relative),
+//! projections to oneDNN through one C++ autograd node (`csrc/onednn_linear.cpp`, bound in
+//! `ffi`) that saves the dense input and the weight, as `linear` does (libtorch's own oneDNN
+//! route would keep two more copies of every projection's activations for the backward);
+//! [`CpuGemm::Blas`] keeps libtorch's own `linear`. Both compute the same products; they round differently (about 1e-6 relative),
 //! as two BLAS libraries do. Other dtypes and devices always take libtorch's `linear` (bf16 on
 //! the CPU already goes to oneDNN inside libtorch; CUDA to cuBLAS).
 
@@ -29,16 +31,6 @@ pub enum CpuGemm {
     /// libtorch's `linear` (MKL's `sgemm` in PyTorch's wheels).
     #[serde(rename = "blas")]
     Blas,
-}
-
-impl CpuGemm {
-    /// The name used in configs.
-    pub fn name(self) -> &'static str {
-        match self {
-            CpuGemm::OneDnn => "onednn",
-            CpuGemm::Blas => "blas",
-        }
-    }
 }
 
 static CHOICE: AtomicU8 = AtomicU8::new(0);
