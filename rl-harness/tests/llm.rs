@@ -403,3 +403,47 @@ fn a_grpo_run_scores_through_a_verl_reward_file_and_the_scores_land_in_the_store
         "{e}"
     );
 }
+
+/// `trainer.cpu_gemm` picks the library of the f32 projections: oneDNN (the default) and libtorch's
+/// own `linear` (MKL) train the same SFT run to the same figures up to rounding, and the key has an
+/// effect (the two round differently somewhere in 3 steps and their validations), while the same
+/// library twice repeats the run to the bit.
+#[test]
+fn the_cpu_gemm_key_picks_the_library_and_both_train_alike() {
+    let env = Env::new();
+    tiny_llm(&env, 64, 64);
+    let sft = repo_root().join("experiments/quickstart_sft.toml");
+    let run = |name: &str, gemm: &str| {
+        env.ok(&[
+            "train",
+            sft.to_str().unwrap(),
+            &format!("trainer.experiment_name={name}"),
+            &format!("trainer.cpu_gemm={gemm}"),
+            "trainer.total_training_steps=3",
+            "trainer.test_freq=3",
+            "trainer.save_freq=-1",
+        ]);
+        let (rt, store) = env.store();
+        let id = rt.block_on(store.resolve_run(name)).unwrap().id;
+        metrics_of(&rt, &store, id)
+    };
+    let (onednn, again, blas) = (
+        run("onednn", "onednn"),
+        run("onednn-again", "onednn"),
+        run("blas", "blas"),
+    );
+    assert!(!onednn.is_empty());
+    assert_eq!(onednn, again, "the same library twice");
+    let keys = |m: &[(i64, String, u64)]| -> Vec<(i64, String)> {
+        m.iter().map(|(s, k, _)| (*s, k.clone())).collect()
+    };
+    assert_eq!(keys(&onednn), keys(&blas));
+    assert_ne!(onednn, blas, "trainer.cpu_gemm changed nothing");
+    for ((s, k, a), (_, _, b)) in onednn.iter().zip(&blas) {
+        let (a, b) = (f64::from_bits(*a), f64::from_bits(*b));
+        assert!(
+            (a - b).abs() <= 1e-4 * (1.0 + a.abs()),
+            "step {s} {k}: oneDNN {a} against BLAS {b}"
+        );
+    }
+}
