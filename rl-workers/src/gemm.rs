@@ -1,5 +1,6 @@
-//! Every dense projection of the models (the decoder's linear layers and the LM head) goes
-//! through [`linear`], which picks the f32 GEMM library on the CPU.
+//! The models' weight projections (the decoder's linear layers, the value and score heads, and
+//! the LM head) go through [`linear`], which picks the f32 GEMM library on the CPU. LoRA's
+//! low-rank adapter products (`lora::Adapter::delta`) still call libtorch's `linear`.
 //!
 //! libtorch's `linear` calls MKL's `sgemm` for f32 on the CPU. On AMD CPUs MKL runs its generic
 //! path without AVX-512 (`mkl_blas_def_sgemm_kernel_0_zen` in a profile), while oneDNN, which the
