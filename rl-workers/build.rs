@@ -1,5 +1,9 @@
-//! Compiles the oneDNN linear layer (`csrc/onednn_linear.cpp`, see `src/gemm.rs`) against the
-//! libtorch headers that tch builds with (`LIBTORCH`, which `.cargo/config.toml` sets).
+//! Compiles the C++ shim (`csrc/`: the oneDNN linear layer of `src/gemm.rs` and the decode
+//! step's attention of `src/model.rs`) against the libtorch headers that tch builds with
+//! (`LIBTORCH`, which `.cargo/config.toml` sets). The attention splits its work with
+//! `at::parallel_for`, which libtorch's headers implement with OpenMP: hence `-fopenmp` and
+//! libgomp, the OpenMP runtime libtorch itself loads (the same `libgomp.so.1`, so one thread
+//! pool).
 
 use std::env;
 use std::path::PathBuf;
@@ -30,6 +34,9 @@ fn main() {
         .flag("-std=c++17")
         .flag(format!("-D_GLIBCXX_USE_CXX11_ABI={cxx11_abi}"))
         .flag("-DGLOG_USE_GLOG_EXPORT")
+        .flag("-fopenmp")
         .file("csrc/onednn_linear.cpp")
-        .compile("rl_workers_onednn");
+        .file("csrc/decode_attention.cpp")
+        .compile("rl_workers_shim");
+    println!("cargo:rustc-link-lib=dylib=gomp");
 }

@@ -6,12 +6,13 @@
 // 45%. This node saves the dense input and the weight, as `torch.nn.functional.linear` does, and
 // converts to oneDNN's layout only inside the forward and the backward.
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <torch/csrc/autograd/custom_function.h>
 
-#include <cstdlib>
-#include <cstring>
-#include <exception>
 #include <optional>
+
+#include "shim.h"
 
 namespace {
 
@@ -68,11 +69,16 @@ struct OneDnnLinearBias : public Function<OneDnnLinearBias> {
   }
 };
 
-char* error_text(const char* what) {
-  const size_t n = std::strlen(what) + 1;
-  char* out = static_cast<char*>(std::malloc(n));
-  if (out != nullptr) std::memcpy(out, what, n);
-  return out;
+// The two operators PyTorch's inference compiler uses for frozen weights (registered by
+// libtorch under `mkldnn::`, not in the generated C++ API): a weight reordered once into
+// oneDNN's blocked layout, and a product with such a weight.
+c10::OperatorHandle mkldnn_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+}
+
+at::Tensor call_boxed(const c10::OperatorHandle& op, torch::jit::Stack stack) {
+  op.callBoxed(&stack);
+  return stack.at(0).toTensor();
 }
 
 }  // namespace
@@ -81,15 +87,43 @@ char* error_text(const char* what) {
 // error text the caller frees with `rl_onednn_free`.
 extern "C" char* rl_onednn_linear(at::Tensor** out, const at::Tensor* x, const at::Tensor* w,
                                   const at::Tensor* b) {
-  try {
+  return rl_shim::guarded([&] {
     *out = new at::Tensor(b != nullptr ? OneDnnLinearBias::apply(*x, *w, *b)
                                        : OneDnnLinear::apply(*x, *w));
-    return nullptr;
-  } catch (const std::exception& e) {
-    return error_text(e.what());
-  } catch (...) {
-    return error_text("unknown C++ exception");
-  }
+  });
 }
 
 extern "C" void rl_onednn_free(char* text) { std::free(text); }
+
+// `w` copied into oneDNN's blocked layout for products without gradients (`*out`, a new tensor
+// the caller owns). Returns null or an error text, as `rl_onednn_linear`.
+extern "C" char* rl_onednn_pack(at::Tensor** out, const at::Tensor* w) {
+  return rl_shim::guarded([&] {
+    static const c10::OperatorHandle reorder = mkldnn_op("mkldnn::_reorder_linear_weight");
+    *out = new at::Tensor(call_boxed(reorder, {w->detach().contiguous(), c10::IValue()}));
+  });
+}
+
+// `x · wᵀ + b` with `packed` from `rl_onednn_pack`; `b` may be null. Refused while autograd is
+// recording: the packed copy is not the weight autograd would differentiate.
+extern "C" char* rl_onednn_linear_packed(at::Tensor** out, const at::Tensor* x,
+                                         const at::Tensor* packed, const at::Tensor* b) {
+  return rl_shim::guarded([&] {
+    TORCH_CHECK(!at::GradMode::is_enabled(),
+                "a packed weight is for products without gradients");
+    static const c10::OperatorHandle pointwise = mkldnn_op("mkldnn::_linear_pointwise");
+    c10::IValue bias = b != nullptr ? c10::IValue(*b) : c10::IValue();
+    *out = new at::Tensor(call_boxed(
+        pointwise, {x->contiguous(), *packed, bias, std::string("none"),
+                    c10::List<std::optional<at::Scalar>>(), c10::IValue()}));
+  });
+}
+
+// How many times `x` was changed in place (autograd's version counter: a packed copy made at
+// one version is stale at another), or -1 where `x` is not a contiguous tensor that owns all of
+// its memory (a view, e.g. ZeRO-3's gathered parameters, which live for one use).
+extern "C" int64_t rl_packable_version(const at::Tensor* x) {
+  const bool owns = x->is_contiguous() && x->storage_offset() == 0 && x->has_storage() &&
+                    x->storage().nbytes() == x->nbytes();
+  return owns ? static_cast<int64_t>(x->_version()) : -1;
+}

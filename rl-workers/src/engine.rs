@@ -19,6 +19,7 @@ use rand_chacha::ChaCha8Rng;
 use tch::{Device, Kind, Tensor};
 
 use crate::error::{Error, Result};
+use crate::gemm::PackedWeights;
 use crate::heads::CausalLm;
 use crate::model::KvCache;
 use crate::rollout::{RolloutConfig, pick};
@@ -139,6 +140,8 @@ pub struct Engine<'a> {
     next_request: u64,
     /// No request joins the batch while paused (a weight update waits for it to drain).
     paused: bool,
+    /// The weights packed for oneDNN, kept across steps (repacked when changed in place).
+    packed: PackedWeights,
 }
 
 impl std::fmt::Debug for Engine<'_> {
@@ -167,6 +170,7 @@ impl<'a> Engine<'a> {
             mask: None,
             next_request: 0,
             paused: false,
+            packed: PackedWeights::default(),
         })
     }
 
@@ -234,7 +238,10 @@ impl<'a> Engine<'a> {
 
     /// One token for every running request and the first for every request admitted now.
     pub fn step(&mut self) -> Result<Vec<Emitted>> {
-        tch::no_grad(|| self.step_inner())
+        let mut packed = std::mem::take(&mut self.packed);
+        let out = packed.scope(|| self.step_inner());
+        self.packed = packed;
+        out
     }
 
     fn step_inner(&mut self) -> Result<Vec<Emitted>> {

@@ -15,8 +15,10 @@
 //! - [`roles`]: actor, rollout (sharing the actor's weights), reference and critic workers.
 //! - [`seeded`], [`hold_generator`]: seeded initialisations that other threads cannot disturb.
 
+mod attention;
 pub mod engine;
 mod error;
+mod ffi;
 mod fsdp;
 pub mod fused_head;
 pub mod gemm;

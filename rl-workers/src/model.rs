@@ -425,9 +425,29 @@ impl Linear {
 
     pub(crate) fn forward(&self, xs: &Tensor) -> Tensor {
         let ys = crate::gemm::linear(xs, &self.weight, self.bias.as_ref());
+        self.with_adapter(xs, ys)
+    }
+
+    /// `ys` (this layer's base product of `xs`) plus its LoRA adapter's, if any.
+    fn with_adapter(&self, xs: &Tensor, ys: Tensor) -> Tensor {
         match self.lora.as_ref().and_then(|l| l.delta(xs)) {
             Some(delta) => ys + delta,
             None => ys,
+        }
+    }
+
+    /// `xs` through several layers that share it as input (q, k and v; gate and up): one
+    /// product with their weights concatenated where a packed scope allows it
+    /// ([`crate::gemm::linear_fused`]: a rollout's decode steps), else each on its own. Each
+    /// layer's LoRA adapter applies to its own part either way.
+    fn forward_shared<const N: usize>(layers: [&Linear; N], xs: &Tensor) -> [Tensor; N] {
+        let parts = layers.map(|l| (&l.weight, l.bias.as_ref()));
+        match crate::gemm::linear_fused(xs, &parts) {
+            Some(ys) => {
+                let mut ys = ys.into_iter();
+                layers.map(|l| l.with_adapter(xs, ys.next().expect("one output a layer")))
+            }
+            None => layers.map(|l| l.forward(xs)),
         }
     }
 }
@@ -480,8 +500,8 @@ impl Mlp {
     }
 
     fn forward(&self, xs: &Tensor) -> Tensor {
-        self.down_proj
-            .forward(&(self.gate_proj.forward(xs).silu() * self.up_proj.forward(xs)))
+        let [gate, up] = Linear::forward_shared([&self.gate_proj, &self.up_proj], xs);
+        self.down_proj.forward(&(gate.silu() * up))
     }
 }
 
@@ -543,21 +563,10 @@ impl Attention {
         let (b, s, _) = xs.size3().unwrap();
         let hd = self.head_dim;
         // [batch, seq_len, n_heads * head_dim] -> [batch, n_heads, seq_len, head_dim]
-        let q = self
-            .q_proj
-            .forward(xs)
-            .view([b, s, self.n_heads, hd])
-            .transpose(1, 2);
-        let k = self
-            .k_proj
-            .forward(xs)
-            .view([b, s, self.n_kv_heads, hd])
-            .transpose(1, 2);
-        let v = self
-            .v_proj
-            .forward(xs)
-            .view([b, s, self.n_kv_heads, hd])
-            .transpose(1, 2);
+        let [q, k, v] = Linear::forward_shared([&self.q_proj, &self.k_proj, &self.v_proj], xs);
+        let q = q.view([b, s, self.n_heads, hd]).transpose(1, 2);
+        let k = k.view([b, s, self.n_kv_heads, hd]).transpose(1, 2);
+        let v = v.view([b, s, self.n_kv_heads, hd]).transpose(1, 2);
         let (q, k) = (rope.apply(&q), rope.apply(&k));
         let (k, v) = match cache {
             Some((k_cache, v_cache, past)) => {
@@ -571,9 +580,11 @@ impl Attention {
             }
             None => (k, v),
         };
-        let gqa = self.n_kv_heads != self.n_heads;
-        let ys =
-            Tensor::scaled_dot_product_attention(&q, &k, &v, Some(mask), 0.0, false, None, gqa);
+        let scale = (hd as f64).powf(-0.5);
+        let ys = crate::attention::one_query(&q, &k, &v, mask, scale).unwrap_or_else(|| {
+            let gqa = self.n_kv_heads != self.n_heads;
+            Tensor::scaled_dot_product_attention(&q, &k, &v, Some(mask), 0.0, false, None, gqa)
+        });
         // [batch, n_heads, seq_len, head_dim] -> [batch, seq_len, n_heads * head_dim]
         let ys = ys.transpose(1, 2).reshape([b, s, self.n_heads * hd]);
         self.o_proj.forward(&ys)

@@ -38,6 +38,7 @@ use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
 
 use crate::error::{Error, Result};
+use crate::gemm::PackedWeights;
 use crate::heads::CausalLm;
 use crate::model::KvCache;
 use crate::rollout::{
@@ -351,7 +352,7 @@ pub fn generate_multi_turn(
             "multi-turn rollouts with tools are not built for ZeRO stage 3 yet: use 0, 1 or 2",
         ));
     }
-    tch::no_grad(|| {
+    PackedWeights::default().scope(|| {
         Rollout::start(lm, input_ids, attention_mask, position_ids, cfg, env, opts)?.run()
     })
 }

@@ -18,6 +18,7 @@ use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
 
 use crate::error::{Error, Result, expect_dims, expect_kind};
+use crate::gemm::PackedWeights;
 use crate::heads::CausalLm;
 use crate::model::KvCache;
 
@@ -450,7 +451,9 @@ pub fn generate(
     opts: &mut GenerateOptions<'_>,
 ) -> Result<RolloutOutput> {
     check_prompts(input_ids, attention_mask, position_ids, cfg)?;
-    tch::no_grad(|| generate_inner(lm, input_ids, attention_mask, position_ids, cfg, opts))
+    // every decode step runs every projection: packed once, read at each step
+    PackedWeights::default()
+        .scope(|| generate_inner(lm, input_ids, attention_mask, position_ids, cfg, opts))
 }
 
 /// The input checks of [`generate`] (and the multi-turn rollout): shapes, dtypes, a valid

@@ -1,0 +1,118 @@
+//! The only unsafe code in the crate: the binding to the C++ shim in `csrc/` (the oneDNN linear
+//! layer and its packed weights for [`crate::gemm`], the decode step's attention for the model).
+#![allow(unsafe_code)]
+
+use std::ffi::{CStr, c_char, c_void};
+
+use tch::Tensor;
+
+unsafe extern "C" {
+    /// `x · wᵀ + b` as one autograd node; NULL or an error text.
+    fn rl_onednn_linear(
+        out: *mut *mut c_void,
+        x: *const c_void,
+        w: *const c_void,
+        b: *const c_void,
+    ) -> *mut c_char;
+    /// `w` in oneDNN's blocked layout; NULL or an error text.
+    fn rl_onednn_pack(out: *mut *mut c_void, w: *const c_void) -> *mut c_char;
+    /// `x · wᵀ + b` with a packed `w`, without gradients; NULL or an error text.
+    fn rl_onednn_linear_packed(
+        out: *mut *mut c_void,
+        x: *const c_void,
+        packed: *const c_void,
+        b: *const c_void,
+    ) -> *mut c_char;
+    fn rl_packable_version(x: *const c_void) -> i64;
+    /// `csrc/decode_attention.cpp`: one query per row; NULL or an error text.
+    fn rl_one_query_attention(
+        out: *mut *mut c_void,
+        q: *const c_void,
+        k: *const c_void,
+        v: *const c_void,
+        mask: *const c_void,
+        scale: f64,
+    ) -> *mut c_char;
+    fn rl_onednn_free(text: *mut c_char);
+}
+
+fn raw(t: &Tensor) -> *const c_void {
+    t.as_ptr() as *const c_void
+}
+
+fn raw_opt(t: Option<&Tensor>) -> *const c_void {
+    t.map_or(std::ptr::null(), raw)
+}
+
+/// Runs one shim function that writes a new tensor into its first argument or returns an
+/// error text.
+///
+/// # Safety
+/// `call` must pass only live `at::Tensor`s (owned by tch for the whole call; the shim keeps its
+/// own references) and return the shim's status: NULL with `out` set to a fresh `at::Tensor*`
+/// allocated with `new`, or a NUL-terminated text malloc'd by the shim.
+unsafe fn new_tensor(call: impl FnOnce(*mut *mut c_void) -> *mut c_char) -> Result<Tensor, String> {
+    let mut out: *mut c_void = std::ptr::null_mut();
+    let err = call(&mut out);
+    if !err.is_null() {
+        // SAFETY: a non-NULL status is the shim's malloc'd text, read once and freed by the
+        // shim's allocator.
+        let text = unsafe { CStr::from_ptr(err) }
+            .to_string_lossy()
+            .into_owned();
+        unsafe { rl_onednn_free(err) };
+        return Err(text);
+    }
+    // SAFETY: on success `out` is a fresh `at::Tensor*`, which `Tensor::from_ptr` takes over
+    // and tch frees with `delete`.
+    Ok(unsafe { Tensor::from_ptr(out as *mut _) })
+}
+
+/// The product through the shim's autograd node, or the C++ exception's text.
+pub(crate) fn onednn_linear(
+    xs: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+) -> Result<Tensor, String> {
+    // SAFETY: the three inputs are live tensors borrowed for the call (see `new_tensor`).
+    unsafe { new_tensor(|out| rl_onednn_linear(out, raw(xs), raw(weight), raw_opt(bias))) }
+}
+
+/// `weight` reordered into oneDNN's blocked layout (a copy; gradients do not flow to it).
+pub(crate) fn onednn_pack(weight: &Tensor) -> Result<Tensor, String> {
+    // SAFETY: as above.
+    unsafe { new_tensor(|out| rl_onednn_pack(out, raw(weight))) }
+}
+
+/// `xs · weightᵀ + bias` with `packed` from [`onednn_pack`]; refused while gradients are on.
+pub(crate) fn onednn_linear_packed(
+    xs: &Tensor,
+    packed: &Tensor,
+    bias: Option<&Tensor>,
+) -> Result<Tensor, String> {
+    // SAFETY: as above.
+    unsafe { new_tensor(|out| rl_onednn_linear_packed(out, raw(xs), raw(packed), raw_opt(bias))) }
+}
+
+/// Autograd's version counter of `t` (it moves with every in-place change), or `None` where `t`
+/// is not a contiguous tensor owning all of its memory (a view).
+pub(crate) fn packable_version(t: &Tensor) -> Option<i64> {
+    // SAFETY: reads the metadata of a live tensor.
+    let v = unsafe { rl_packable_version(raw(t)) };
+    (v >= 0).then_some(v)
+}
+
+/// A decode step's attention, one query per row (see `csrc/decode_attention.cpp` for the
+/// shapes), or the C++ exception's text.
+pub(crate) fn one_query_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &Tensor,
+    scale: f64,
+) -> Result<Tensor, String> {
+    // SAFETY: as above.
+    unsafe {
+        new_tensor(|out| rl_one_query_attention(out, raw(q), raw(k), raw(v), raw(mask), scale))
+    }
+}
