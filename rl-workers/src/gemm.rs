@@ -224,7 +224,10 @@ fn packed_product(
 /// Copies of the weights in oneDNN's blocked layout, kept for passes without gradients that
 /// reuse them (see the module docs). Owned by whoever runs such passes: a rollout makes one for
 /// its duration; the serving engine keeps one across its steps (a weight changed in place since
-/// it was packed, e.g. by an optimiser step or a weight sync, is packed again on its next use).
+/// it was packed, e.g. by an optimiser step or a weight sync, is packed again on its next use:
+/// every in-place tensor operation moves autograd's version counter; a write that bypasses
+/// libtorch's operators, such as a collective's, would not, which is why only the engine, whose
+/// weights change through `copy_`, keeps a cache across calls).
 #[derive(Default)]
 pub struct PackedWeights {
     map: HashMap<Key, Packed>,
