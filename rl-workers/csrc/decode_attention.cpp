@@ -11,6 +11,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -38,6 +40,54 @@ RL_INLINE void axpy(float a, const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
+#if defined(__GNUC__) && !defined(__clang__)
+#define RL_VECTOR 1
+// 16 floats (one AVX-512 register; two AVX2 ones, four SSE ones: GCC splits it where needed).
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+typedef int32_t i16v __attribute__((vector_size(64)));
+
+// Folds two vectors of partial sums into one holding half as many partials of each, in order:
+// lanes that were [a: n partials of each of its k sums] and [b: likewise] become [a's k sums,
+// b's k sums] with n / 2 partials each.
+RL_INLINE v16 fold(v16 a, v16 b, i16v lo, i16v hi) {
+  return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
+}
+
+// The 16 dot products of `q` (D floats) with rows t..t+15 of `key` (row stride `stride`), one
+// vector of partial sums a row, folded into one vector of 16 sums (15 folds instead of 16
+// horizontal reductions).
+template <int D>
+RL_INLINE v16 dot16(const float* q, const float* key, int64_t stride) {
+  static_assert(D % 16 == 0, "D must be a multiple of 16");
+  v16 qv[D / 16];
+  for (int c = 0; c < D / 16; ++c) std::memcpy(&qv[c], q + 16 * c, sizeof(v16));
+  v16 acc[16];
+  for (int j = 0; j < 16; ++j) {
+    const float* row = key + j * stride;
+    v16 sum = {};
+    for (int c = 0; c < D / 16; ++c) {
+      v16 kv;
+      std::memcpy(&kv, row + 16 * c, sizeof(v16));
+      sum += qv[c] * kv;
+    }
+    acc[j] = sum;
+  }
+  const i16v lo1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const i16v hi1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+  const i16v lo2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+  const i16v hi2 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+  const i16v lo3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+  const i16v hi3 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+  const i16v lo4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  const i16v hi4 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+  v16 l1[8], l2[4], l3[2];
+  for (int j = 0; j < 8; ++j) l1[j] = fold(acc[2 * j], acc[2 * j + 1], lo1, hi1);
+  for (int j = 0; j < 4; ++j) l2[j] = fold(l1[2 * j], l1[2 * j + 1], lo2, hi2);
+  for (int j = 0; j < 2; ++j) l3[j] = fold(l2[2 * j], l2[2 * j + 1], lo3, hi3);
+  return fold(l3[0], l3[1], lo4, hi4);
+}
+#endif
+
 // The operands of one call, as raw pointers and strides.
 struct Operands {
   const float* q;  // [b, heads, d] contiguous
@@ -50,11 +100,13 @@ struct Operands {
   float scale;
 };
 
-// Tasks [begin, end) of `b * kv_heads`: one row's key head and its group of query heads. One
-// function compiled for each instruction set (the helpers inline into it), picked at load.
-RL_CLONES void attend(const Operands& x, int64_t begin, int64_t end, float* p) {
+// Tasks [begin, end) of `b * kv_heads`: one row's key head and its group of query heads.
+// `D` is the head width when known at compile time (64 and 128: the loops then unroll into
+// registers), 0 for any other (`x.d`).
+template <int D>
+RL_INLINE void attend_tasks(const Operands& x, int64_t begin, int64_t end, float* p) {
   const float minus_inf = -std::numeric_limits<float>::infinity();
-  const int64_t group = x.group, len = x.len, d = x.d;
+  const int64_t group = x.group, len = x.len, d = D > 0 ? D : x.d;
   for (int64_t i = begin; i < end; ++i) {
     const int64_t row = i / x.kv_heads, kv = i % x.kv_heads;
     const float* key = x.k + row * x.ks0 + kv * x.ks1;
@@ -62,7 +114,19 @@ RL_CLONES void attend(const Operands& x, int64_t begin, int64_t end, float* p) {
     const bool* m = x.mask + row * len;
     const float* query = x.q + (row * x.heads + kv * group) * d;
     float* o = x.out + (row * x.heads + kv * group) * d;
-    for (int64_t t = 0; t < len; ++t) {
+    int64_t t = 0;
+#ifdef RL_VECTOR
+    if constexpr (D > 0 && D % 16 == 0) {
+      for (; t + 16 <= len; t += 16) {
+        for (int64_t g = 0; g < group; ++g) {
+          const v16 scores = dot16<D>(query + g * d, key + t * x.ks2, x.ks2);
+          float* pg = p + g * len + t;
+          for (int j = 0; j < 16; ++j) pg[j] = m[t + j] ? scores[j] * x.scale : minus_inf;
+        }
+      }
+    }
+#endif
+    for (; t < len; ++t) {
       for (int64_t g = 0; g < group; ++g) {
         p[g * len + t] = m[t] ? dot(query + g * d, key + t * x.ks2, d) * x.scale : minus_inf;
       }
@@ -81,11 +145,43 @@ RL_CLONES void attend(const Operands& x, int64_t begin, int64_t end, float* p) {
         sum += pg[t];
       }
       const float inv = 1.0f / sum;
+#ifdef RL_VECTOR
+      if constexpr (D > 0 && D % 16 == 0) {
+        // the output row stays in registers across the keys
+        v16 acc[D / 16] = {};
+        for (int64_t t = 0; t < len; ++t) {
+          if (!m[t]) continue;
+          const float w = pg[t] * inv;
+          const float* row = value + t * x.vs2;
+          for (int c = 0; c < D / 16; ++c) {
+            v16 vv;
+            std::memcpy(&vv, row + 16 * c, sizeof(v16));
+            acc[c] += w * vv;
+          }
+        }
+        std::memcpy(og, acc, sizeof(acc));
+        continue;
+      }
+#endif
       std::fill(og, og + d, 0.0f);
       for (int64_t t = 0; t < len; ++t) {
         if (m[t]) axpy(pg[t] * inv, value + t * x.vs2, og, d);
       }
     }
+  }
+}
+
+// One function compiled for each instruction set (the helpers inline into it), picked at load.
+RL_CLONES void attend(const Operands& x, int64_t begin, int64_t end, float* p) {
+  switch (x.d) {
+    case 64:
+      attend_tasks<64>(x, begin, end, p);
+      break;
+    case 128:
+      attend_tasks<128>(x, begin, end, p);
+      break;
+    default:
+      attend_tasks<0>(x, begin, end, p);
   }
 }
 

@@ -62,15 +62,23 @@ mod tests {
     }
 
     /// Against libtorch's attention: grouped heads (3 query heads a key head, as SmolLM2) and
-    /// plain ones, keys and values as views of a longer cache (the decode step's layout), rows
-    /// with left padding of different lengths; a row with nothing to attend to is NaN and
-    /// leaves the others alone.
+    /// plain ones, head widths of both of the kernel's paths, keys and values as views of a
+    /// longer cache (the decode step's layout), rows with left padding of different lengths; a
+    /// row with nothing to attend to is NaN and leaves the others alone.
     #[test]
     fn one_query_attention_equals_libtorch() {
         tch::manual_seed(11);
         let opts = (Kind::Float, Device::Cpu);
-        for (heads, kv_heads, len) in [(9, 3, 37), (4, 4, 5), (2, 1, 1)] {
-            let (b, d, capacity) = (5, 16, 48);
+        // head widths 64 and 128 take the kernel's unrolled path (rows in blocks of 16, then
+        // the rest one by one), 16 its general one
+        for (heads, kv_heads, len, d) in [
+            (9, 3, 37, 64),
+            (4, 4, 5, 16),
+            (2, 1, 1, 128),
+            (3, 1, 40, 128),
+            (2, 2, 16, 64),
+        ] {
+            let (b, capacity) = (5, 48);
             let q = Tensor::randn([b, 1, heads, d], opts).transpose(1, 2);
             let k_cache = Tensor::randn([b, kv_heads, capacity, d], opts);
             let v_cache = Tensor::randn([b, kv_heads, capacity, d], opts);
