@@ -453,11 +453,17 @@ fn answers_lost_after_the_server_acted_never_double_a_run_a_param_or_a_metric() 
     );
     let env = Env::new();
     let cfg = tracked_config(&env, proxy.port, "");
+    // The background push runs once at the start only (its interval outlasts the run), so
+    // every metric batch goes out in the end-of-run flush, half of them with lost answers: the
+    // flush must keep going while it makes progress (it gave up after three failures, and the
+    // run stayed RUNNING remotely, whenever training was fast enough to leave several batches
+    // to the flush).
     env.ok(&[
         "train",
         &cfg,
         "trainer.total_training_steps=150",
         "trainer.experiment_name=lossy",
+        "trainer.tracker.interval_s=3600",
     ]);
     // At least the first create, the first params chunk (log-batch 1) and a metrics batch
     // (log-batch 3: the params' second chunk is 2) were lost.

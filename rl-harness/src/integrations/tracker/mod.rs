@@ -780,8 +780,15 @@ async fn pump(store: Store, run_id: i64, cfg: TrackerConfig, mut stopped: watch:
     }
 }
 
-/// How many failed pushes the end-of-run flush tries before it leaves the rest pending.
+/// How many failed pushes in a row without progress the end-of-run flush tries before it
+/// leaves the rest pending.
 const FLUSH_TRIES: usize = 3;
+
+impl Pending {
+    fn total(&self) -> i64 {
+        self.records + self.metrics
+    }
+}
 
 /// At the end of a run: keep pushing for at most `budget`, then leave the rest to `harness sync`.
 pub async fn flush_run(store: &Store, run_id: i64, cfg: &TrackerConfig, budget: Duration) {
@@ -791,21 +798,27 @@ pub async fn flush_run(store: &Store, run_id: i64, cfg: &TrackerConfig, budget: 
     if let Err(e) = store.flush().await {
         tracing::warn!("flushing run {run_id}: {e:#}");
     }
-    // A lost answer is worth another try; a server that is down fails fast three times and
-    // the rest waits for `harness sync`.
+    // A lost answer is worth another try, and a push that failed after moving records out made
+    // progress (a lossy link, not a dead server): only failures in a row that move nothing
+    // count. A server that is down fails fast three times and the rest waits for `harness sync`;
+    // the budget bounds the whole flush either way.
     let mut failures = 0;
+    let mut left = pending(store, run_id).await.ok();
     while Instant::now() < deadline {
         match sync_run(store, run_id, None, timeout, deadline).await {
             Ok(p) if p.is_empty() => return,
-            Ok(_) => {}
+            Ok(p) => left = Some(p),
             Err(e) => {
-                failures += 1;
+                let now_left = pending(store, run_id).await.ok();
+                let moved = matches!((left, now_left), (Some(a), Some(b)) if b.total() < a.total());
+                left = now_left;
+                failures = if moved { 0 } else { failures + 1 };
                 if failures >= FLUSH_TRIES {
                     tracing::warn!("tracker: run {run_id} left pending for `harness sync`: {e:#}");
                     return;
                 }
-                let left = deadline.saturating_duration_since(Instant::now());
-                tokio::time::sleep(Duration::from_millis(500).min(left)).await;
+                let wait = deadline.saturating_duration_since(Instant::now());
+                tokio::time::sleep(Duration::from_millis(500).min(wait)).await;
             }
         }
     }
