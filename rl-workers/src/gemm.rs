@@ -90,7 +90,7 @@ fn linear_via(choice: CpuGemm, xs: &Tensor, weight: &Tensor, bias: Option<&Tenso
         let packed = ACTIVE.with_borrow_mut(|active| {
             active
                 .as_mut()
-                .and_then(|map| packed_product(map, xs, &[weight], bias))
+                .and_then(|map| packed_product(map, xs, &[(weight, bias)]))
         });
         match packed.unwrap_or_else(|| ffi::onednn_linear(xs, weight, bias)) {
             Ok(ys) => return ys,
@@ -110,33 +110,23 @@ pub(crate) fn linear_fused(
     parts: &[(&Tensor, Option<&Tensor>)],
 ) -> Option<Vec<Tensor>> {
     let choice = cpu_gemm();
+    let width = parts.first()?.0.size()[1];
     let fits = parts
         .iter()
-        .all(|(w, b)| takes_onednn(choice, xs, w, *b) && w.size()[1] == parts[0].0.size()[1]);
-    if !fits || parts.is_empty() || !ACTIVE.with_borrow(Option::is_some) {
+        .all(|(w, b)| takes_onednn(choice, xs, w, *b) && w.size()[1] == width);
+    if !fits {
         return None;
     }
-    let weights: Vec<&Tensor> = parts.iter().map(|(w, _)| *w).collect();
-    let outs: Vec<i64> = weights.iter().map(|w| w.size()[0]).collect();
-    let bias = parts.iter().any(|(_, b)| b.is_some()).then(|| {
-        let each: Vec<Tensor> = parts
-            .iter()
-            .map(|(w, b)| {
-                b.map_or_else(
-                    || w.new_zeros([w.size()[0]], (w.kind(), w.device())),
-                    Tensor::shallow_clone,
-                )
-            })
-            .collect();
-        Tensor::cat(&each, 0)
-    });
     let product = ACTIVE.with_borrow_mut(|active| {
         active
             .as_mut()
-            .and_then(|map| packed_product(map, xs, &weights, bias.as_ref()))
+            .and_then(|map| packed_product(map, xs, parts))
     })?;
     match product {
-        Ok(ys) => Some(ys.split_with_sizes(&outs, -1)),
+        Ok(ys) => {
+            let outs: Vec<i64> = parts.iter().map(|(w, _)| w.size()[0]).collect();
+            Some(ys.split_with_sizes(&outs, -1))
+        }
         Err(e) => {
             warn_refused(&e);
             None
@@ -158,16 +148,20 @@ fn warn_refused(e: &str) {
 }
 
 /// The identity of a packed entry in a [`PackedWeights`] cache: the memory and shape of each
-/// weight it concatenates (one, or several fused). The entry holds the weights themselves, so
-/// no other tensor can take that memory while it lives.
+/// tensor it was made from (one weight; or several fused weights and their biases). The entry
+/// holds those tensors, so no other tensor can take their memory while it lives.
 type Key = Vec<(usize, Vec<i64>)>;
 
 struct Packed {
-    /// The weights (shallow copies: their memory stays allocated while the entry lives).
-    _weights: Vec<Tensor>,
-    /// The weights' version counters when packed.
+    /// The tensors it was made from (shallow copies: their memory stays allocated while the
+    /// entry lives).
+    _sources: Vec<Tensor>,
+    /// Their version counters when packed.
     versions: Vec<i64>,
     packed: Tensor,
+    /// A fused entry's biases concatenated (zeros for a part without one); `None` for a single
+    /// weight, whose bias is passed as it is.
+    bias: Option<Tensor>,
     /// Read in the scope under way (entries unread in a scope are dropped at its end).
     used: bool,
 }
@@ -177,27 +171,34 @@ thread_local! {
     static ACTIVE: RefCell<Option<HashMap<Key, Packed>>> = const { RefCell::new(None) };
 }
 
-/// The product with the packed copy of `weights` (concatenated when several) from `map`, made
-/// now if missing or stale, or `None` where a weight is a view (ZeRO-3's gathered parameters
-/// live for one product: packing them would only copy them once more).
+/// The product of `xs` with the packed copy of `parts`' weights (concatenated when several,
+/// with their biases) from `map`, made now if missing or stale, or `None` where a weight or a
+/// fused bias is a view (ZeRO-3's gathered parameters live for one product: packing them
+/// would only copy them once more).
 fn packed_product(
     map: &mut HashMap<Key, Packed>,
     xs: &Tensor,
-    weights: &[&Tensor],
-    bias: Option<&Tensor>,
+    parts: &[(&Tensor, Option<&Tensor>)],
 ) -> Option<Result<Tensor, String>> {
-    let versions = weights
+    let fused = parts.len() > 1;
+    // a fused entry keeps its parts' biases concatenated, so it depends on them too
+    let sources: Vec<&Tensor> = parts
         .iter()
-        .map(|w| ffi::packable_version(w))
+        .flat_map(|(w, b)| std::iter::once(*w).chain(b.filter(|_| fused)))
+        .collect();
+    let versions = sources
+        .iter()
+        .map(|t| ffi::packable_version(t))
         .collect::<Option<Vec<i64>>>()?;
-    let key: Key = weights
+    let key: Key = sources
         .iter()
-        .map(|w| (w.data_ptr() as usize, w.size()))
+        .map(|t| (t.data_ptr() as usize, t.size()))
         .collect();
     let entry = match map.get_mut(&key) {
         Some(entry) if entry.versions == versions => entry,
         _ => {
-            let whole = match weights {
+            let weights: Vec<&Tensor> = parts.iter().map(|(w, _)| *w).collect();
+            let whole = match weights.as_slice() {
                 [one] => one.shallow_clone(),
                 many => Tensor::cat(many, 0),
             };
@@ -205,12 +206,25 @@ fn packed_product(
                 Ok(packed) => packed,
                 Err(e) => return Some(Err(e)),
             };
+            let bias = (fused && parts.iter().any(|(_, b)| b.is_some())).then(|| {
+                let each: Vec<Tensor> = parts
+                    .iter()
+                    .map(|(w, b)| {
+                        b.map_or_else(
+                            || w.new_zeros([w.size()[0]], (w.kind(), w.device())),
+                            Tensor::copy,
+                        )
+                    })
+                    .collect();
+                Tensor::cat(&each, 0)
+            });
             map.insert(
                 key.clone(),
                 Packed {
-                    _weights: weights.iter().map(|w| w.shallow_clone()).collect(),
+                    _sources: sources.iter().map(|t| t.shallow_clone()).collect(),
                     versions,
                     packed,
+                    bias,
                     used: false,
                 },
             );
@@ -218,6 +232,11 @@ fn packed_product(
         }
     };
     entry.used = true;
+    let bias = if fused {
+        entry.bias.as_ref()
+    } else {
+        parts[0].1
+    };
     Some(ffi::onednn_linear_packed(xs, &entry.packed, bias))
 }
 
@@ -400,6 +419,12 @@ mod tests {
         assert_eq!(cache.len(), 1, "one packed copy of the three");
         tch::no_grad(|| {
             let _ = wv.shallow_clone().g_add_scalar_(1.0);
+        });
+        check(&mut cache);
+        assert_eq!(cache.len(), 1);
+        // the fused entry keeps the biases concatenated: a changed bias is taken up too
+        tch::no_grad(|| {
+            let _ = bk.shallow_clone().g_add_scalar_(1.0);
         });
         check(&mut cache);
         assert_eq!(cache.len(), 1);

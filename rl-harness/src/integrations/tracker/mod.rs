@@ -223,7 +223,12 @@ pub struct Pending {
 impl Pending {
     /// Nothing left.
     pub fn is_empty(&self) -> bool {
-        self.records == 0 && self.metrics == 0
+        self.total() == 0
+    }
+
+    /// Records and metric rows left, together.
+    fn total(&self) -> i64 {
+        self.records + self.metrics
     }
 }
 
@@ -783,12 +788,6 @@ async fn pump(store: Store, run_id: i64, cfg: TrackerConfig, mut stopped: watch:
 /// How many failed pushes in a row without progress the end-of-run flush tries before it
 /// leaves the rest pending.
 const FLUSH_TRIES: usize = 3;
-
-impl Pending {
-    fn total(&self) -> i64 {
-        self.records + self.metrics
-    }
-}
 
 /// At the end of a run: keep pushing for at most `budget`, then leave the rest to `harness sync`.
 pub async fn flush_run(store: &Store, run_id: i64, cfg: &TrackerConfig, budget: Duration) {
