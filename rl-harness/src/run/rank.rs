@@ -216,10 +216,23 @@ static LAUNCHER: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
 
 /// `the launcher (pid P) died` when this process is a rank whose launcher is gone (it was
 /// reparented): the cause to record for a rank 0 whose group broke because of it.
-pub fn launcher_gone() -> Option<String> {
+///
+/// A rank that fails while its launcher lives waits up to `grace` for the launcher to go
+/// before answering `None`: when the launcher is killed, a peer rank can see its pipe end,
+/// exit, and break this rank's collective before the kernel has reparented this rank or its
+/// own watcher thread has run (two cores, busy threads), and the cause to record is still
+/// the launcher's death, not the peer's closed socket.
+pub fn launcher_gone(grace: Duration) -> Option<String> {
     let launcher = *LAUNCHER.get()?;
-    (std::os::unix::process::parent_id() != launcher)
-        .then(|| format!("the launcher (pid {launcher}) died"))
+    let gone = || std::os::unix::process::parent_id() != launcher;
+    let start = std::time::Instant::now();
+    while !gone() {
+        if start.elapsed() >= grace {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Some(format!("the launcher (pid {launcher}) died"))
 }
 
 /// Watches standard input, the launcher's pipe: at its end (the launcher is gone, however it

@@ -980,7 +980,7 @@ fn finish(
         Ok(Outcome::Killed) => ("killed", None),
         Err(e) => {
             let e = crate::console::one_line(e);
-            match rank::launcher_gone() {
+            match rank::launcher_gone(Duration::from_secs(2)) {
                 Some(why) => ("failed", Some(format!("{why}, so its ranks stopped ({e})"))),
                 None => ("failed", Some(e)),
             }
