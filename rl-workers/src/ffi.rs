@@ -1,5 +1,6 @@
 //! The only unsafe code in the crate: the binding to the C++ shim in `csrc/` (the oneDNN linear
-//! layer and its packed weights for [`crate::gemm`], the decode step's attention for the model).
+//! layer and its packed weights for [`crate::gemm`], the decode step's attention for
+//! [`crate::attention`], the fused element-wise kernels for [`crate::fused`]).
 #![allow(unsafe_code)]
 
 use std::ffi::{CStr, c_char, c_void};
@@ -33,6 +34,33 @@ unsafe extern "C" {
         mask: *const c_void,
         scale: f64,
     ) -> *mut c_char;
+    /// `csrc/fused_ops.cpp`: RMSNorm, after a residual add when `residual` is not NULL (the
+    /// sum into `sum`, else `sum` is set to NULL); NULL or an error text.
+    fn rl_rms_norm(
+        sum: *mut *mut c_void,
+        out: *mut *mut c_void,
+        x: *const c_void,
+        residual: *const c_void,
+        weight: *const c_void,
+        eps: f64,
+    ) -> *mut c_char;
+    /// Rotary embedding of q (returned) and k (into `k_dst`), v copied into `v_dst` when both
+    /// are not NULL; NULL or an error text.
+    fn rl_rope_qkv(
+        out: *mut *mut c_void,
+        q: *const c_void,
+        k: *const c_void,
+        v: *const c_void,
+        cos: *const c_void,
+        sin: *const c_void,
+        k_dst: *const c_void,
+        v_dst: *const c_void,
+        heads: i64,
+        kv_heads: i64,
+    ) -> *mut c_char;
+    /// `silu(gate) * up`; NULL or an error text.
+    fn rl_silu_mul(out: *mut *mut c_void, gate: *const c_void, up: *const c_void) -> *mut c_char;
+    fn rl_grad_mode_enabled() -> bool;
     fn rl_onednn_free(text: *mut c_char);
 }
 
@@ -53,19 +81,28 @@ fn raw_opt(t: Option<&Tensor>) -> *const c_void {
 /// allocated with `new`, or a NUL-terminated text malloc'd by the shim.
 unsafe fn new_tensor(call: impl FnOnce(*mut *mut c_void) -> *mut c_char) -> Result<Tensor, String> {
     let mut out: *mut c_void = std::ptr::null_mut();
-    let err = call(&mut out);
-    if !err.is_null() {
-        // SAFETY: a non-NULL status is the shim's malloc'd text, read once and freed by the
-        // shim's allocator.
-        let text = unsafe { CStr::from_ptr(err) }
-            .to_string_lossy()
-            .into_owned();
-        unsafe { rl_onednn_free(err) };
-        return Err(text);
-    }
+    // SAFETY: as this function's contract.
+    unsafe { status(call(&mut out))? };
     // SAFETY: on success `out` is a fresh `at::Tensor*`, which `Tensor::from_ptr` takes over
     // and tch frees with `delete`.
     Ok(unsafe { Tensor::from_ptr(out as *mut _) })
+}
+
+/// The shim's status: `Ok` for NULL, else its error text (freed here).
+///
+/// # Safety
+/// `err` is NULL or a NUL-terminated text malloc'd by the shim, not used after this call.
+unsafe fn status(err: *mut c_char) -> Result<(), String> {
+    if err.is_null() {
+        return Ok(());
+    }
+    // SAFETY: a non-NULL status is the shim's malloc'd text, read once and freed by the shim's
+    // allocator.
+    let text = unsafe { CStr::from_ptr(err) }
+        .to_string_lossy()
+        .into_owned();
+    unsafe { rl_onednn_free(err) };
+    Err(text)
 }
 
 /// The product through the shim's autograd node, or the C++ exception's text.
@@ -115,4 +152,77 @@ pub(crate) fn one_query_attention(
     unsafe {
         new_tensor(|out| rl_one_query_attention(out, raw(q), raw(k), raw(v), raw(mask), scale))
     }
+}
+
+/// RMSNorm of `x` (see `csrc/fused_ops.cpp`), after adding `residual` when given: `(the sum
+/// when a residual was given, the normalised rows)`, or the C++ exception's text.
+pub(crate) fn rms_norm(
+    x: &Tensor,
+    residual: Option<&Tensor>,
+    weight: &Tensor,
+    eps: f64,
+) -> Result<(Option<Tensor>, Tensor), String> {
+    let (mut sum, mut out): (*mut c_void, *mut c_void) =
+        (std::ptr::null_mut(), std::ptr::null_mut());
+    // SAFETY: live tensors borrowed for the call (see `new_tensor`); on success `out` is a
+    // fresh `at::Tensor*` and `sum` one or NULL (NULL exactly when no residual was given),
+    // each taken over by `Tensor::from_ptr`.
+    unsafe {
+        status(rl_rms_norm(
+            &mut sum,
+            &mut out,
+            raw(x),
+            raw_opt(residual),
+            raw(weight),
+            eps,
+        ))?;
+        let sum = (!sum.is_null()).then(|| Tensor::from_ptr(sum as *mut _));
+        Ok((sum, Tensor::from_ptr(out as *mut _)))
+    }
+}
+
+/// Rotary embedding of `q` (returned as `[batch, heads, seq_len, head_dim]`) and of `k` into
+/// `k_dst`, and `v` copied into `v_dst` (see `csrc/fused_ops.cpp` for the shapes), or the C++
+/// exception's text.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn rope_qkv(
+    q: &Tensor,
+    k: &Tensor,
+    v: Option<(&Tensor, &Tensor)>,
+    cos: &Tensor,
+    sin: &Tensor,
+    k_dst: &Tensor,
+    heads: i64,
+    kv_heads: i64,
+) -> Result<Tensor, String> {
+    let (v, v_dst) = (raw_opt(v.map(|p| p.0)), raw_opt(v.map(|p| p.1)));
+    // SAFETY: as above.
+    unsafe {
+        new_tensor(|out| {
+            rl_rope_qkv(
+                out,
+                raw(q),
+                raw(k),
+                v,
+                raw(cos),
+                raw(sin),
+                raw(k_dst),
+                v_dst,
+                heads,
+                kv_heads,
+            )
+        })
+    }
+}
+
+/// `silu(gate) * up`, or the C++ exception's text.
+pub(crate) fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor, String> {
+    // SAFETY: as above.
+    unsafe { new_tensor(|out| rl_silu_mul(out, raw(gate), raw(up))) }
+}
+
+/// Whether autograd records operations on this thread now (libtorch's `GradMode`).
+pub(crate) fn grad_mode_enabled() -> bool {
+    // SAFETY: reads a thread-local flag.
+    unsafe { rl_grad_mode_enabled() }
 }

@@ -20,6 +20,7 @@ pub mod engine;
 mod error;
 mod ffi;
 mod fsdp;
+mod fused;
 pub mod fused_head;
 pub mod gemm;
 pub mod gguf;

@@ -468,11 +468,24 @@ impl RmsNorm {
     }
 
     fn forward(&self, xs: &Tensor) -> Tensor {
+        if let Some(ys) = crate::fused::rms_norm(xs, &self.weight, self.eps) {
+            return ys;
+        }
         let kind = xs.kind();
         let xs = xs.to_kind(Kind::Float);
         let variance = xs.square().mean_dim(-1, true, Kind::Float);
         let xs = (xs * (variance + self.eps).rsqrt()).to_kind(kind);
         &self.weight * xs
+    }
+
+    /// `(xs + residual, the norm of that sum)`: one kernel where [`crate::fused`] applies.
+    fn forward_added(&self, xs: &Tensor, residual: &Tensor) -> (Tensor, Tensor) {
+        if let Some(both) = crate::fused::add_rms_norm(xs, residual, &self.weight, self.eps) {
+            return both;
+        }
+        let sum = xs + residual;
+        let normed = self.forward(&sum);
+        (sum, normed)
     }
 }
 
@@ -501,7 +514,8 @@ impl Mlp {
 
     fn forward(&self, xs: &Tensor) -> Tensor {
         let [gate, up] = Linear::forward_shared([&self.gate_proj, &self.up_proj], xs);
-        self.down_proj.forward(&(gate.silu() * up))
+        let act = crate::fused::silu_mul(&gate, &up).unwrap_or_else(|| gate.silu() * up);
+        self.down_proj.forward(&act)
     }
 }
 
@@ -564,21 +578,36 @@ impl Attention {
         let hd = self.head_dim;
         // [batch, seq_len, n_heads * head_dim] -> [batch, n_heads, seq_len, head_dim]
         let [q, k, v] = Linear::forward_shared([&self.q_proj, &self.k_proj, &self.v_proj], xs);
-        let q = q.view([b, s, self.n_heads, hd]).transpose(1, 2);
-        let k = k.view([b, s, self.n_kv_heads, hd]).transpose(1, 2);
-        let v = v.view([b, s, self.n_kv_heads, hd]).transpose(1, 2);
-        let (q, k) = (rope.apply(&q), rope.apply(&k));
+        let heads = |t: &Tensor, n: i64| t.view([b, s, n, hd]).transpose(1, 2);
+        // the rotary embedding and the cache writes as one kernel where it applies
+        let slots = cache.map(|(k_cache, v_cache, past)| {
+            (k_cache.narrow(2, past, s), v_cache.narrow(2, past, s))
+        });
+        let kv_slots = match &slots {
+            Some((keys, values)) => crate::fused::KvSlots::Cache { keys, values },
+            None => crate::fused::KvSlots::Fresh,
+        };
+        let (nh, nkv) = (self.n_heads, self.n_kv_heads);
+        let (q, k, v) =
+            match crate::fused::rope_qkv(&q, &k, &v, &rope.cos, &rope.sin, kv_slots, nh, nkv) {
+                Some((q, fresh_k)) => (q, fresh_k, heads(&v, nkv)),
+                None => {
+                    let (q, k) = (rope.apply(&heads(&q, nh)), rope.apply(&heads(&k, nkv)));
+                    let v = heads(&v, nkv);
+                    if let Some((keys, values)) = &slots {
+                        keys.shallow_clone().copy_(&k);
+                        values.shallow_clone().copy_(&v);
+                    }
+                    (q, Some(k), v)
+                }
+            };
         let (k, v) = match cache {
-            Some((k_cache, v_cache, past)) => {
-                // write this step's keys/values in place; attend over [0, past + seq_len)
-                k_cache.narrow(2, past, s).copy_(&k);
-                v_cache.narrow(2, past, s).copy_(&v);
-                (
-                    k_cache.narrow(2, 0, past + s),
-                    v_cache.narrow(2, 0, past + s),
-                )
-            }
-            None => (k, v),
+            // this step's keys/values are in place; attend over [0, past + seq_len)
+            Some((k_cache, v_cache, past)) => (
+                k_cache.narrow(2, 0, past + s),
+                v_cache.narrow(2, 0, past + s),
+            ),
+            None => (k.expect("keys computed without a cache"), v),
         };
         let scale = (hd as f64).powf(-0.5);
         let ys = crate::attention::one_query(&q, &k, &v, mask, scale).unwrap_or_else(|| {
@@ -638,13 +667,11 @@ impl DecoderLayer {
         mask: &Tensor,
         cache: Option<(&Tensor, &Tensor, i64)>,
     ) -> Tensor {
-        let xs = xs
-            + self
-                .self_attn
-                .forward(&self.input_layernorm.forward(xs), rope, mask, cache);
-        &xs + self
-            .mlp
-            .forward(&self.post_attention_layernorm.forward(&xs))
+        let attn = self
+            .self_attn
+            .forward(&self.input_layernorm.forward(xs), rope, mask, cache);
+        let (xs, normed) = self.post_attention_layernorm.forward_added(xs, &attn);
+        &xs + self.mlp.forward(&normed)
     }
 }
 
@@ -1282,14 +1309,17 @@ impl Model {
         let rope = self.rope(position_ids, kind);
         let mask = attention_mask_4d(attention_mask, size[1], 0);
         let mut inputs = Vec::with_capacity(self.layers.len());
-        let last = tch::no_grad(|| -> Result<Tensor> {
-            self.check_inputs(input_ids, attention_mask, position_ids, 0)?;
-            let mut xs = Tensor::embedding(&self.embed_tokens, input_ids, -1, false, false);
-            for layer in &self.layers {
-                inputs.push(xs.shallow_clone());
-                xs = layer.forward(&xs, &rope, &mask, None);
-            }
-            Ok(xs)
+        // each layer is recomputed with a graph below: rounded as that will be
+        let last = crate::fused::off(|| {
+            tch::no_grad(|| -> Result<Tensor> {
+                self.check_inputs(input_ids, attention_mask, position_ids, 0)?;
+                let mut xs = Tensor::embedding(&self.embed_tokens, input_ids, -1, false, false);
+                for layer in &self.layers {
+                    inputs.push(xs.shallow_clone());
+                    xs = layer.forward(&xs, &rope, &mask, None);
+                }
+                Ok(xs)
+            })
         })?;
         let last = last.detach().set_requires_grad(true);
         let loss = head(&self.norm.forward(&last))?;
@@ -1392,15 +1422,18 @@ impl Model {
             && grad_enabled()
         {
             self.hold_train_root(shards)?;
-            let (inputs, last) = tch::no_grad(|| -> Result<(Vec<Tensor>, Tensor)> {
-                let mut xs = Tensor::embedding(&self.embed_tokens, input_ids, -1, false, false);
-                let mut inputs = Vec::with_capacity(self.layers.len());
-                for (i, layer) in self.layers.iter().enumerate() {
-                    let _layer = self.hold_layer(shards, i, Pass::Forward)?;
-                    inputs.push(xs.shallow_clone());
-                    xs = layer.forward(&xs, &rope, mask, None);
-                }
-                Ok((inputs, xs))
+            // recomputed with a graph by `finish_backward`: rounded as that will be
+            let (inputs, last) = crate::fused::off(|| {
+                tch::no_grad(|| -> Result<(Vec<Tensor>, Tensor)> {
+                    let mut xs = Tensor::embedding(&self.embed_tokens, input_ids, -1, false, false);
+                    let mut inputs = Vec::with_capacity(self.layers.len());
+                    for (i, layer) in self.layers.iter().enumerate() {
+                        let _layer = self.hold_layer(shards, i, Pass::Forward)?;
+                        inputs.push(xs.shallow_clone());
+                        xs = layer.forward(&xs, &rope, mask, None);
+                    }
+                    Ok((inputs, xs))
+                })
             })?;
             let last = last.detach().set_requires_grad(true);
             let out = self.norm.forward(&last);

@@ -1,0 +1,360 @@
+//! The decoder layer's element-wise work as one kernel per group of libtorch operations
+//! (`csrc/fused_ops.cpp`), where nothing needs gradients: rollouts, `old_log_prob` and
+//! reference forwards, the serving engine.
+//!
+//! A decode step of SmolLM2-135M at 32 rows ran ~40 libtorch operations per layer besides the
+//! products (RMSNorm six, rotary embedding fourteen, the cache writes, SiLU and its product,
+//! the residual adds), each a few microseconds of dispatch and allocation on tensors of 32 x
+//! 576 while the second thread waits. The kernels compute the same formulas in float32 (sums in
+//! another order, SiLU's exponential by its own polynomial), so they equal libtorch's to float32
+//! rounding (the tests below), not to the bit.
+//!
+//! Each function answers `None` where it does not apply (another dtype or device, autograd
+//! recording, or the shim refused: said once on stderr); the caller then runs libtorch's
+//! operations.
+
+use tch::{Device, Kind, Tensor};
+
+thread_local! {
+    /// Set inside [`off`].
+    static OFF: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` with the kernels off on this thread. For a forward without a graph whose layers are
+/// recomputed with one for the backward (gradient checkpointing, ZeRO-3's layer tape): the
+/// first pass must round as the recomputation does, or the backward starts from activations
+/// the loss never saw.
+pub(crate) fn off<T>(f: impl FnOnce() -> T) -> T {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            OFF.set(self.0);
+        }
+    }
+    let _restore = Restore(OFF.replace(true));
+    f()
+}
+
+/// Whether the kernels apply: float32 CPU tensors while autograd records nothing (they have no
+/// backward), outside [`off`].
+fn applies(ts: &[&Tensor]) -> bool {
+    ts.iter()
+        .all(|t| t.device() == Device::Cpu && t.kind() == Kind::Float)
+        && !OFF.get()
+        && !crate::ffi::grad_mode_enabled()
+}
+
+fn refused<T>(kernel: &str, result: Result<T, String>) -> Option<T> {
+    match result {
+        Ok(t) => Some(t),
+        Err(e) => {
+            static SAID: std::sync::Once = std::sync::Once::new();
+            SAID.call_once(|| {
+                eprintln!(
+                    "warning: the fused {kernel} kernel refused ({}); using libtorch's operations",
+                    e.lines().next().unwrap_or_default()
+                )
+            });
+            None
+        }
+    }
+}
+
+/// `weight * (x / sqrt(mean(x²) + eps))` over the last dimension, as Hugging Face's RMSNorm in
+/// float32.
+pub(crate) fn rms_norm(xs: &Tensor, weight: &Tensor, eps: f64) -> Option<Tensor> {
+    if !applies(&[xs, weight]) {
+        return None;
+    }
+    refused("RMSNorm", crate::ffi::rms_norm(xs, None, weight, eps)).map(|(_, out)| out)
+}
+
+/// `(xs + residual, rms_norm(xs + residual))`: a layer's residual add and the norm after it.
+pub(crate) fn add_rms_norm(
+    xs: &Tensor,
+    residual: &Tensor,
+    weight: &Tensor,
+    eps: f64,
+) -> Option<(Tensor, Tensor)> {
+    if !applies(&[xs, residual, weight]) {
+        return None;
+    }
+    match refused(
+        "RMSNorm",
+        crate::ffi::rms_norm(xs, Some(residual), weight, eps),
+    )? {
+        (Some(sum), out) => Some((sum, out)),
+        (None, _) => None,
+    }
+}
+
+/// Where [`rope_qkv`] leaves the keys and values.
+pub(crate) enum KvSlots<'a> {
+    /// This call's columns of the cache (`[batch, kv_heads, seq_len, head_dim]` views):
+    /// rotated keys and the values are written there.
+    Cache {
+        keys: &'a Tensor,
+        values: &'a Tensor,
+    },
+    /// A fresh tensor for the rotated keys, returned; the values are left to the caller.
+    Fresh,
+}
+
+/// Rotary embedding of `q` and `k` (`[batch, seq_len, heads * head_dim]`, views of a fused
+/// projection are fine; `cos`/`sin`: `[batch, 1, seq_len, head_dim]`), as Hugging Face's
+/// `x * cos + rotate_half(x) * sin`: returns the rotated queries as `[batch, heads, seq_len,
+/// head_dim]` and, for [`KvSlots::Fresh`], the rotated keys as `[batch, kv_heads, seq_len,
+/// head_dim]`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn rope_qkv(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    slots: KvSlots<'_>,
+    heads: i64,
+    kv_heads: i64,
+) -> Option<(Tensor, Option<Tensor>)> {
+    if !applies(&[q, k, v, cos, sin]) {
+        return None;
+    }
+    let result = match slots {
+        KvSlots::Cache { keys, values } => {
+            crate::ffi::rope_qkv(q, k, Some((v, values)), cos, sin, keys, heads, kv_heads)
+                .map(|q| (q, None))
+        }
+        KvSlots::Fresh => {
+            let (b, s, width) = k.size3().ok()?;
+            let keys = Tensor::empty(
+                [b, kv_heads, s, width / kv_heads.max(1)],
+                (Kind::Float, Device::Cpu),
+            );
+            crate::ffi::rope_qkv(q, k, None, cos, sin, &keys, heads, kv_heads)
+                .map(|q| (q, Some(keys)))
+        }
+    };
+    refused("rotary embedding", result)
+}
+
+/// `silu(gate) * up` (SwiGLU's activation).
+pub(crate) fn silu_mul(gate: &Tensor, up: &Tensor) -> Option<Tensor> {
+    if !applies(&[gate, up]) {
+        return None;
+    }
+    refused("SiLU", crate::ffi::silu_mul(gate, up))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const F32: (Kind, Device) = (Kind::Float, Device::Cpu);
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+        assert_eq!(a.size(), b.size());
+        (a - b).abs().max().double_value(&[])
+    }
+
+    /// The model's RMSNorm in libtorch's operations.
+    fn rms_reference(xs: &Tensor, w: &Tensor, eps: f64) -> Tensor {
+        let variance = xs.square().mean_dim(-1, true, Kind::Float);
+        w * (xs * (variance + eps).rsqrt())
+    }
+
+    #[test]
+    fn rms_norm_equals_libtorch_with_and_without_the_residual() {
+        tch::manual_seed(3);
+        // one row (a decode step), many rows (a prefill: split over threads), odd widths
+        for shape in [
+            vec![1, 1, 576],
+            vec![32, 41, 576],
+            vec![3, 5, 7],
+            vec![2, 130],
+        ] {
+            let xs = Tensor::randn(shape.as_slice(), F32) * 3.0;
+            let res = Tensor::randn(shape.as_slice(), F32);
+            let w = Tensor::randn([*shape.last().unwrap()], F32);
+            let ours = tch::no_grad(|| rms_norm(&xs, &w, 1e-5)).expect("f32 CPU without grad");
+            let diff = max_diff(&ours, &rms_reference(&xs, &w, 1e-5));
+            assert!(diff < 2e-5, "{shape:?}: {diff}");
+            let (sum, normed) =
+                tch::no_grad(|| add_rms_norm(&xs, &res, &w, 1e-5)).expect("f32 CPU without grad");
+            assert_eq!(max_diff(&sum, &(&xs + &res)), 0.0);
+            let diff = max_diff(&normed, &rms_reference(&(&xs + &res), &w, 1e-5));
+            assert!(diff < 2e-5, "{shape:?}: {diff}");
+        }
+        // a strided input (a transposed view) is read as its values, not its memory
+        let xs = Tensor::randn([6, 4], F32).transpose(0, 1);
+        let w = Tensor::randn([6], F32);
+        let ours = tch::no_grad(|| rms_norm(&xs, &w, 1e-6)).unwrap();
+        assert!(max_diff(&ours, &rms_reference(&xs, &w, 1e-6)) < 1e-5);
+    }
+
+    /// Hugging Face's rotary embedding, as the model computes it without the kernel.
+    fn rope_reference(xs: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
+        let half = xs.size()[3] / 2;
+        let rotated = Tensor::cat(&[-xs.narrow(3, half, half), xs.narrow(3, 0, half)], 3);
+        xs * cos + rotated * sin
+    }
+
+    fn tables(b: i64, s: i64, d: i64) -> (Tensor, Tensor) {
+        let pos = Tensor::arange(s, F32).view([1, s, 1]) + Tensor::arange(b, F32).view([b, 1, 1]);
+        let inv = Tensor::arange(d / 2, F32)
+            .multiply_scalar(-2.0 / d as f64)
+            .exp2()
+            .multiply_scalar(0.3);
+        let freqs = pos * inv;
+        let emb = Tensor::cat(&[&freqs, &freqs], -1).unsqueeze(1);
+        (emb.cos(), emb.sin())
+    }
+
+    #[test]
+    fn rotary_embedding_equals_libtorch_into_the_cache_and_fresh() {
+        tch::manual_seed(5);
+        for (b, s, heads, kv_heads, d) in [(4, 1, 9, 3, 64), (3, 7, 4, 4, 16), (2, 40, 6, 2, 128)] {
+            // q, k and v as views of one fused projection, as the model passes them
+            let widths = [heads * d, kv_heads * d, kv_heads * d];
+            let fused = Tensor::randn([b, s, widths.iter().sum::<i64>()], F32);
+            let parts = fused.split_with_sizes(widths, -1);
+            let (q, k, v) = (&parts[0], &parts[1], &parts[2]);
+            let (cos, sin) = tables(b, s, d);
+            let heads_of = |t: &Tensor, n: i64| t.view([b, s, n, d]).transpose(1, 2);
+            let want_q = rope_reference(&heads_of(q, heads), &cos, &sin);
+            let want_k = rope_reference(&heads_of(k, kv_heads), &cos, &sin);
+
+            // into a cache of 50 columns, at column 3
+            let keys = Tensor::zeros([b, kv_heads, 50, d], F32);
+            let values = Tensor::zeros([b, kv_heads, 50, d], F32);
+            let slots = KvSlots::Cache {
+                keys: &keys.narrow(2, 3, s),
+                values: &values.narrow(2, 3, s),
+            };
+            let (ours_q, none) =
+                tch::no_grad(|| rope_qkv(q, k, v, &cos, &sin, slots, heads, kv_heads))
+                    .expect("f32 CPU without grad");
+            assert!(none.is_none());
+            assert!(max_diff(&ours_q, &want_q) < 1e-5);
+            assert!(max_diff(&keys.narrow(2, 3, s), &want_k) < 1e-5);
+            assert_eq!(
+                max_diff(&values.narrow(2, 3, s), &heads_of(v, kv_heads)),
+                0.0
+            );
+            // nothing outside the slots was written
+            let outside = keys
+                .narrow(2, 0, 3)
+                .abs()
+                .sum(Kind::Float)
+                .double_value(&[])
+                + values
+                    .narrow(2, 3 + s, 47 - s)
+                    .abs()
+                    .sum(Kind::Float)
+                    .double_value(&[]);
+            assert_eq!(outside, 0.0);
+
+            let (ours_q, ours_k) =
+                tch::no_grad(|| rope_qkv(q, k, v, &cos, &sin, KvSlots::Fresh, heads, kv_heads))
+                    .unwrap();
+            assert!(max_diff(&ours_q, &want_q) < 1e-5);
+            assert!(max_diff(&ours_k.unwrap(), &want_k) < 1e-5);
+        }
+    }
+
+    #[test]
+    fn silu_mul_equals_libtorch_over_the_whole_range() {
+        // the exponential's clamps and its polynomial: large and tiny, both signs
+        let gate = Tensor::from_slice(&[
+            -200.0f32, -88.0, -87.0, -20.0, -1.0, -1e-6, 0.0, 1e-6, 0.5, 3.0, 40.0, 88.5, 200.0,
+        ]);
+        let up = Tensor::ones_like(&gate) * 1.5;
+        let ours = tch::no_grad(|| silu_mul(&gate, &up)).expect("f32 CPU without grad");
+        let want = gate.silu() * &up;
+        // relative to 1e-6, or absolutely negligible (-1.8e-36 for silu(-200) = -0.0)
+        let over = (&ours - &want).abs() - want.abs() * 1e-6 - 1e-30;
+        let worst = over.max().double_value(&[]);
+        let (ours, want) = (Vec::<f32>::try_from(&ours), Vec::<f32>::try_from(&want));
+        assert!(worst <= 0.0, "{ours:?} vs {want:?}");
+
+        tch::manual_seed(7);
+        // views of one fused gate/up product, a decode step's and a prefill's rows
+        for rows in [1, 32, 1312] {
+            let fused = Tensor::randn([rows, 2 * 1536], F32) * 4.0;
+            let parts = fused.split(1536, -1);
+            let ours = tch::no_grad(|| silu_mul(&parts[0], &parts[1])).unwrap();
+            let want = parts[0].silu() * &parts[1];
+            let rel = ((&ours - &want).abs() / (want.abs() + 1e-6))
+                .max()
+                .double_value(&[]);
+            assert!(rel < 1e-5, "{rows} rows: {rel}");
+        }
+        // strided otherwise: a transposed view
+        let gate = Tensor::randn([5, 3], F32).transpose(0, 1);
+        let up = Tensor::randn([3, 5], F32);
+        let ours = tch::no_grad(|| silu_mul(&gate, &up)).unwrap();
+        assert!(max_diff(&ours, &(gate.silu() * &up)) < 1e-6);
+    }
+
+    /// Where the kernels do not apply, the caller gets `None` (and uses libtorch).
+    #[test]
+    fn the_kernels_decline_gradients_and_other_dtypes() {
+        let xs = Tensor::randn([2, 8], F32);
+        let w = Tensor::ones([8], F32);
+        // autograd recording: no backward here
+        assert!(rms_norm(&xs, &w, 1e-6).is_none());
+        assert!(silu_mul(&xs, &xs).is_none());
+        assert!(tch::no_grad(|| rms_norm(&xs, &w, 1e-6)).is_some());
+        // turned off (a forward to be recomputed), and back on after
+        assert!(off(|| tch::no_grad(|| rms_norm(&xs, &w, 1e-6))).is_none());
+        assert!(tch::no_grad(|| rms_norm(&xs, &w, 1e-6)).is_some());
+        let xd = xs.to_kind(Kind::Double);
+        assert!(tch::no_grad(|| rms_norm(&xd, &w.to_kind(Kind::Double), 1e-6)).is_none());
+        assert!(tch::no_grad(|| silu_mul(&xd, &xd)).is_none());
+        // a shape the kernel cannot take is refused with its reason, not computed wrong
+        let short = Tensor::ones([7], F32);
+        assert!(tch::no_grad(|| rms_norm(&xs, &short, 1e-6)).is_none());
+        let err = crate::ffi::rms_norm(&xs, None, &short, 1e-6).unwrap_err();
+        assert!(err.contains("weight must be [8]"), "{err}");
+    }
+}
+
+#[cfg(test)]
+mod model_tests {
+    use tch::{Device, Kind, Tensor};
+
+    use crate::{CausalLm, Config, KvCache};
+
+    /// A prefill and decode steps through the cache with the kernels, and the same without
+    /// them (libtorch's operations), give the same logits to float32 rounding: the kernels are
+    /// wired where the layer's operations were, with the cache written at the same columns.
+    #[test]
+    fn a_cached_decode_with_the_kernels_equals_one_without() {
+        let cfg = Config::tiny();
+        let lm = crate::seeded(3, || CausalLm::new(&cfg, Device::Cpu, Kind::Float).unwrap());
+        let run = || {
+            tch::no_grad(|| {
+                let mut cache = KvCache::new(&cfg, 2, 12, Kind::Float, Device::Cpu);
+                let ids = Tensor::from_slice(&[0i64, 5, 9, 17, 3, 40, 41, 2]).view([2, 4]);
+                let mut mask = Tensor::from_slice(&[0i64, 1, 1, 1, 1, 1, 1, 1]).view([2, 4]);
+                let mut pos = (mask.cumsum(1, Kind::Int64) - 1).clamp_min(0);
+                let mut logits = vec![lm.forward(&ids, &mask, &pos, Some(&mut cache)).unwrap()];
+                for step in 0..5i64 {
+                    let next = Tensor::from_slice(&[7 + step, 30 - step]).view([2, 1]);
+                    mask = Tensor::cat(
+                        &[&mask, &Tensor::ones([2, 1], (Kind::Int64, Device::Cpu))],
+                        1,
+                    );
+                    pos = pos.narrow(1, -1, 1) + 1;
+                    logits.push(lm.forward(&next, &mask, &pos, Some(&mut cache)).unwrap());
+                }
+                Tensor::cat(&logits, 1)
+            })
+        };
+        let fused = run();
+        let plain = super::off(run);
+        assert_eq!(fused.size(), vec![2, 9, cfg.vocab_size]);
+        let diff = (&fused - &plain).abs().max().double_value(&[]);
+        assert!(diff < 1e-4, "{diff}");
+        assert!(fused.isfinite().all().int64_value(&[]) == 1);
+    }
+}
