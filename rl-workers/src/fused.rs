@@ -1,6 +1,5 @@
 //! The decoder layer's element-wise work as one kernel per group of libtorch operations
-//! (`csrc/fused_ops.cpp`), where nothing needs gradients: rollouts, `old_log_prob` and
-//! reference forwards, the serving engine.
+//! (`csrc/fused_ops.cpp`), in generation: rollouts and the serving engine (see [`on`]).
 //!
 //! A decode step of SmolLM2-135M at 32 rows ran ~40 libtorch operations per layer besides the
 //! products (RMSNorm six, rotary embedding fourteen, the cache writes, SiLU and its product,
@@ -9,38 +8,43 @@
 //! another order, SiLU's exponential by its own polynomial), so they equal libtorch's to float32
 //! rounding (the tests below), not to the bit.
 //!
-//! Each function answers `None` where it does not apply (another dtype or device, autograd
-//! recording, or the shim refused: said once on stderr); the caller then runs libtorch's
-//! operations.
+//! Each function answers `None` where it does not apply (outside [`on`], another dtype or
+//! device, autograd recording, or the shim refused: said once on stderr); the caller then runs
+//! libtorch's operations.
 
 use tch::{Device, Kind, Tensor};
 
 thread_local! {
-    /// Set inside [`off`].
-    static OFF: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// Set inside [`on`].
+    static ON: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
-/// Runs `f` with the kernels off on this thread. For a forward without a graph whose layers are
-/// recomputed with one for the backward (gradient checkpointing, ZeRO-3's layer tape): the
-/// first pass must round as the recomputation does, or the backward starts from activations
-/// the loss never saw.
-pub(crate) fn off<T>(f: impl FnOnce() -> T) -> T {
+/// Runs `f` with the kernels on for this thread: generation only ([`PackedWeights::scope`]
+/// wraps every rollout and serving step in it). Elsewhere the model keeps libtorch's
+/// operations, so that a forward without gradients (`old_log_prob`, the reference policy, the
+/// first pass of gradient checkpointing) rounds exactly as the training forward it is compared
+/// with: a PPO ratio of exactly 1 on policy, DPO and SPIN rewards of exactly 0 while the policy
+/// equals its reference.
+///
+/// [`PackedWeights::scope`]: crate::gemm::PackedWeights::scope
+pub(crate) fn on<T>(f: impl FnOnce() -> T) -> T {
     struct Restore(bool);
     impl Drop for Restore {
         fn drop(&mut self) {
-            OFF.set(self.0);
+            ON.set(self.0);
         }
     }
-    let _restore = Restore(OFF.replace(true));
+    let _restore = Restore(ON.replace(true));
     f()
 }
 
-/// Whether the kernels apply: float32 CPU tensors while autograd records nothing (they have no
-/// backward), outside [`off`].
+/// Whether the kernels apply: inside [`on`], float32 CPU tensors, autograd recording nothing
+/// (they have no backward).
 fn applies(ts: &[&Tensor]) -> bool {
-    ts.iter()
-        .all(|t| t.device() == Device::Cpu && t.kind() == Kind::Float)
-        && !OFF.get()
+    ON.get()
+        && ts
+            .iter()
+            .all(|t| t.device() == Device::Cpu && t.kind() == Kind::Float)
         && !crate::ffi::grad_mode_enabled()
 }
 
@@ -151,6 +155,11 @@ mod tests {
 
     const F32: (Kind, Device) = (Kind::Float, Device::Cpu);
 
+    /// As in generation: kernels on, no gradients.
+    fn generating<T>(f: impl FnOnce() -> T) -> T {
+        on(|| tch::no_grad(f))
+    }
+
     fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
         assert_eq!(a.size(), b.size());
         (a - b).abs().max().double_value(&[])
@@ -175,11 +184,11 @@ mod tests {
             let xs = Tensor::randn(shape.as_slice(), F32) * 3.0;
             let res = Tensor::randn(shape.as_slice(), F32);
             let w = Tensor::randn([*shape.last().unwrap()], F32);
-            let ours = tch::no_grad(|| rms_norm(&xs, &w, 1e-5)).expect("f32 CPU without grad");
+            let ours = generating(|| rms_norm(&xs, &w, 1e-5)).expect("f32 CPU without grad");
             let diff = max_diff(&ours, &rms_reference(&xs, &w, 1e-5));
             assert!(diff < 2e-5, "{shape:?}: {diff}");
             let (sum, normed) =
-                tch::no_grad(|| add_rms_norm(&xs, &res, &w, 1e-5)).expect("f32 CPU without grad");
+                generating(|| add_rms_norm(&xs, &res, &w, 1e-5)).expect("f32 CPU without grad");
             assert_eq!(max_diff(&sum, &(&xs + &res)), 0.0);
             let diff = max_diff(&normed, &rms_reference(&(&xs + &res), &w, 1e-5));
             assert!(diff < 2e-5, "{shape:?}: {diff}");
@@ -187,7 +196,7 @@ mod tests {
         // a strided input (a transposed view) is read as its values, not its memory
         let xs = Tensor::randn([6, 4], F32).transpose(0, 1);
         let w = Tensor::randn([6], F32);
-        let ours = tch::no_grad(|| rms_norm(&xs, &w, 1e-6)).unwrap();
+        let ours = generating(|| rms_norm(&xs, &w, 1e-6)).unwrap();
         assert!(max_diff(&ours, &rms_reference(&xs, &w, 1e-6)) < 1e-5);
     }
 
@@ -231,7 +240,7 @@ mod tests {
                 values: &values.narrow(2, 3, s),
             };
             let (ours_q, none) =
-                tch::no_grad(|| rope_qkv(q, k, v, &cos, &sin, slots, heads, kv_heads))
+                generating(|| rope_qkv(q, k, v, &cos, &sin, slots, heads, kv_heads))
                     .expect("f32 CPU without grad");
             assert!(none.is_none());
             assert!(max_diff(&ours_q, &want_q) < 1e-5);
@@ -254,7 +263,7 @@ mod tests {
             assert_eq!(outside, 0.0);
 
             let (ours_q, ours_k) =
-                tch::no_grad(|| rope_qkv(q, k, v, &cos, &sin, KvSlots::Fresh, heads, kv_heads))
+                generating(|| rope_qkv(q, k, v, &cos, &sin, KvSlots::Fresh, heads, kv_heads))
                     .unwrap();
             assert!(max_diff(&ours_q, &want_q) < 1e-5);
             assert!(max_diff(&ours_k.unwrap(), &want_k) < 1e-5);
@@ -268,7 +277,7 @@ mod tests {
             -200.0f32, -88.0, -87.0, -20.0, -1.0, -1e-6, 0.0, 1e-6, 0.5, 3.0, 40.0, 88.5, 200.0,
         ]);
         let up = Tensor::ones_like(&gate) * 1.5;
-        let ours = tch::no_grad(|| silu_mul(&gate, &up)).expect("f32 CPU without grad");
+        let ours = generating(|| silu_mul(&gate, &up)).expect("f32 CPU without grad");
         let want = gate.silu() * &up;
         // relative to 1e-6, or absolutely negligible (-1.8e-36 for silu(-200) = -0.0)
         let over = (&ours - &want).abs() - want.abs() * 1e-6 - 1e-30;
@@ -281,7 +290,7 @@ mod tests {
         for rows in [1, 32, 1312] {
             let fused = Tensor::randn([rows, 2 * 1536], F32) * 4.0;
             let parts = fused.split(1536, -1);
-            let ours = tch::no_grad(|| silu_mul(&parts[0], &parts[1])).unwrap();
+            let ours = generating(|| silu_mul(&parts[0], &parts[1])).unwrap();
             let want = parts[0].silu() * &parts[1];
             let rel = ((&ours - &want).abs() / (want.abs() + 1e-6))
                 .max()
@@ -291,28 +300,27 @@ mod tests {
         // strided otherwise: a transposed view
         let gate = Tensor::randn([5, 3], F32).transpose(0, 1);
         let up = Tensor::randn([3, 5], F32);
-        let ours = tch::no_grad(|| silu_mul(&gate, &up)).unwrap();
+        let ours = generating(|| silu_mul(&gate, &up)).unwrap();
         assert!(max_diff(&ours, &(gate.silu() * &up)) < 1e-6);
     }
 
     /// Where the kernels do not apply, the caller gets `None` (and uses libtorch).
     #[test]
-    fn the_kernels_decline_gradients_and_other_dtypes() {
+    fn the_kernels_decline_outside_generation_gradients_and_other_dtypes() {
         let xs = Tensor::randn([2, 8], F32);
         let w = Tensor::ones([8], F32);
         // autograd recording: no backward here
         assert!(rms_norm(&xs, &w, 1e-6).is_none());
         assert!(silu_mul(&xs, &xs).is_none());
-        assert!(tch::no_grad(|| rms_norm(&xs, &w, 1e-6)).is_some());
-        // turned off (a forward to be recomputed), and back on after
-        assert!(off(|| tch::no_grad(|| rms_norm(&xs, &w, 1e-6))).is_none());
-        assert!(tch::no_grad(|| rms_norm(&xs, &w, 1e-6)).is_some());
+        assert!(generating(|| rms_norm(&xs, &w, 1e-6)).is_some());
+        // outside generation (an `old_log_prob` forward), and again after a generation scope
+        assert!(tch::no_grad(|| rms_norm(&xs, &w, 1e-6)).is_none());
         let xd = xs.to_kind(Kind::Double);
-        assert!(tch::no_grad(|| rms_norm(&xd, &w.to_kind(Kind::Double), 1e-6)).is_none());
-        assert!(tch::no_grad(|| silu_mul(&xd, &xd)).is_none());
+        assert!(generating(|| rms_norm(&xd, &w.to_kind(Kind::Double), 1e-6)).is_none());
+        assert!(generating(|| silu_mul(&xd, &xd)).is_none());
         // a shape the kernel cannot take is refused with its reason, not computed wrong
         let short = Tensor::ones([7], F32);
-        assert!(tch::no_grad(|| rms_norm(&xs, &short, 1e-6)).is_none());
+        assert!(generating(|| rms_norm(&xs, &short, 1e-6)).is_none());
         let err = crate::ffi::rms_norm(&xs, None, &short, 1e-6).unwrap_err();
         assert!(err.contains("weight must be [8]"), "{err}");
     }
@@ -324,9 +332,10 @@ mod model_tests {
 
     use crate::{CausalLm, Config, KvCache};
 
-    /// A prefill and decode steps through the cache with the kernels, and the same without
-    /// them (libtorch's operations), give the same logits to float32 rounding: the kernels are
-    /// wired where the layer's operations were, with the cache written at the same columns.
+    /// A prefill and decode steps through the cache with the kernels (as in generation), and the
+    /// same without them (libtorch's operations), give the same logits to float32 rounding: the
+    /// kernels are wired where the layer's operations were, with the cache written at the same
+    /// columns.
     #[test]
     fn a_cached_decode_with_the_kernels_equals_one_without() {
         let cfg = Config::tiny();
@@ -350,8 +359,8 @@ mod model_tests {
                 Tensor::cat(&logits, 1)
             })
         };
-        let fused = run();
-        let plain = super::off(run);
+        let fused = super::on(run);
+        let plain = run();
         assert_eq!(fused.size(), vec![2, 9, cfg.vocab_size]);
         let diff = (&fused - &plain).abs().max().double_value(&[]);
         assert!(diff < 1e-4, "{diff}");

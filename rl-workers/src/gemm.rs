@@ -268,7 +268,7 @@ impl PackedWeights {
     pub fn scope<R>(&mut self, f: impl FnOnce() -> R) -> R {
         let nested = ACTIVE.with_borrow(Option::is_some);
         if nested || cpu_gemm() != CpuGemm::OneDnn {
-            return tch::no_grad(f);
+            return crate::fused::on(|| tch::no_grad(f));
         }
         /// Puts the cache back where it came from, also when `f` panics.
         struct Restore<'a>(&'a mut HashMap<Key, Packed>);
@@ -282,7 +282,7 @@ impl PackedWeights {
         }
         ACTIVE.set(Some(std::mem::take(&mut self.map)));
         let _restore = Restore(&mut self.map);
-        tch::no_grad(f)
+        crate::fused::on(|| tch::no_grad(f))
     }
 
     /// How many packed weights the cache holds.

@@ -1309,17 +1309,14 @@ impl Model {
         let rope = self.rope(position_ids, kind);
         let mask = attention_mask_4d(attention_mask, size[1], 0);
         let mut inputs = Vec::with_capacity(self.layers.len());
-        // each layer is recomputed with a graph below: rounded as that will be
-        let last = crate::fused::off(|| {
-            tch::no_grad(|| -> Result<Tensor> {
-                self.check_inputs(input_ids, attention_mask, position_ids, 0)?;
-                let mut xs = Tensor::embedding(&self.embed_tokens, input_ids, -1, false, false);
-                for layer in &self.layers {
-                    inputs.push(xs.shallow_clone());
-                    xs = layer.forward(&xs, &rope, &mask, None);
-                }
-                Ok(xs)
-            })
+        let last = tch::no_grad(|| -> Result<Tensor> {
+            self.check_inputs(input_ids, attention_mask, position_ids, 0)?;
+            let mut xs = Tensor::embedding(&self.embed_tokens, input_ids, -1, false, false);
+            for layer in &self.layers {
+                inputs.push(xs.shallow_clone());
+                xs = layer.forward(&xs, &rope, &mask, None);
+            }
+            Ok(xs)
         })?;
         let last = last.detach().set_requires_grad(true);
         let loss = head(&self.norm.forward(&last))?;
@@ -1422,18 +1419,15 @@ impl Model {
             && grad_enabled()
         {
             self.hold_train_root(shards)?;
-            // recomputed with a graph by `finish_backward`: rounded as that will be
-            let (inputs, last) = crate::fused::off(|| {
-                tch::no_grad(|| -> Result<(Vec<Tensor>, Tensor)> {
-                    let mut xs = Tensor::embedding(&self.embed_tokens, input_ids, -1, false, false);
-                    let mut inputs = Vec::with_capacity(self.layers.len());
-                    for (i, layer) in self.layers.iter().enumerate() {
-                        let _layer = self.hold_layer(shards, i, Pass::Forward)?;
-                        inputs.push(xs.shallow_clone());
-                        xs = layer.forward(&xs, &rope, mask, None);
-                    }
-                    Ok((inputs, xs))
-                })
+            let (inputs, last) = tch::no_grad(|| -> Result<(Vec<Tensor>, Tensor)> {
+                let mut xs = Tensor::embedding(&self.embed_tokens, input_ids, -1, false, false);
+                let mut inputs = Vec::with_capacity(self.layers.len());
+                for (i, layer) in self.layers.iter().enumerate() {
+                    let _layer = self.hold_layer(shards, i, Pass::Forward)?;
+                    inputs.push(xs.shallow_clone());
+                    xs = layer.forward(&xs, &rope, mask, None);
+                }
+                Ok((inputs, xs))
             })?;
             let last = last.detach().set_requires_grad(true);
             let out = self.norm.forward(&last);
