@@ -366,4 +366,20 @@ mod model_tests {
         assert!(diff < 1e-4, "{diff}");
         assert!(fused.isfinite().all().int64_value(&[]) == 1);
     }
+
+    /// Outside generation a forward without gradients (`old_log_prob`, the reference policy)
+    /// equals the training forward to the bit: on policy the PPO ratio is exactly 1, and DPO's
+    /// and SPIN's rewards are exactly 0 while the policy equals its reference.
+    #[test]
+    fn a_forward_without_gradients_outside_generation_equals_the_training_forward() {
+        let cfg = Config::tiny();
+        let lm = crate::seeded(4, || CausalLm::new(&cfg, Device::Cpu, Kind::Float).unwrap());
+        let ids = Tensor::from_slice(&[0i64, 5, 9, 17, 3, 40, 41, 2]).view([2, 4]);
+        let mask = Tensor::from_slice(&[0i64, 1, 1, 1, 1, 1, 1, 1]).view([2, 4]);
+        let pos = (mask.cumsum(1, Kind::Int64) - 1).clamp_min(0);
+        let training = lm.forward(&ids, &mask, &pos, None).unwrap();
+        assert!(training.requires_grad());
+        let scoring = tch::no_grad(|| lm.forward(&ids, &mask, &pos, None).unwrap());
+        assert!(training.detach().equal(&scoring));
+    }
 }
