@@ -107,8 +107,8 @@ pub(crate) enum KvSlots<'a> {
 /// Rotary embedding of `q` and `k` (`[batch, seq_len, heads * head_dim]`, views of a fused
 /// projection are fine; `cos`/`sin`: `[batch, 1, seq_len, head_dim]`), as Hugging Face's
 /// `x * cos + rotate_half(x) * sin`: returns the rotated queries as `[batch, heads, seq_len,
-/// head_dim]` and, for [`KvSlots::Fresh`], the rotated keys as `[batch, kv_heads, seq_len,
-/// head_dim]`.
+/// head_dim]` and the rotated keys as `[batch, kv_heads, seq_len, head_dim]` (for
+/// [`KvSlots::Cache`], the cache's slots they were written to).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn rope_qkv(
     q: &Tensor,
@@ -119,14 +119,14 @@ pub(crate) fn rope_qkv(
     slots: KvSlots<'_>,
     heads: i64,
     kv_heads: i64,
-) -> Option<(Tensor, Option<Tensor>)> {
+) -> Option<(Tensor, Tensor)> {
     if !applies(&[q, k, v, cos, sin]) {
         return None;
     }
     let result = match slots {
         KvSlots::Cache { keys, values } => {
             crate::ffi::rope_qkv(q, k, Some((v, values)), cos, sin, keys, heads, kv_heads)
-                .map(|q| (q, None))
+                .map(|q| (q, keys.shallow_clone()))
         }
         KvSlots::Fresh => {
             let (b, s, width) = k.size3().ok()?;
@@ -134,8 +134,7 @@ pub(crate) fn rope_qkv(
                 [b, kv_heads, s, width / kv_heads.max(1)],
                 (Kind::Float, Device::Cpu),
             );
-            crate::ffi::rope_qkv(q, k, None, cos, sin, &keys, heads, kv_heads)
-                .map(|q| (q, Some(keys)))
+            crate::ffi::rope_qkv(q, k, None, cos, sin, &keys, heads, kv_heads).map(|q| (q, keys))
         }
     };
     refused("rotary embedding", result)
@@ -239,12 +238,13 @@ mod tests {
                 keys: &keys.narrow(2, 3, s),
                 values: &values.narrow(2, 3, s),
             };
-            let (ours_q, none) =
+            let (ours_q, ours_k) =
                 generating(|| rope_qkv(q, k, v, &cos, &sin, slots, heads, kv_heads))
                     .expect("f32 CPU without grad");
-            assert!(none.is_none());
             assert!(max_diff(&ours_q, &want_q) < 1e-5);
             assert!(max_diff(&keys.narrow(2, 3, s), &want_k) < 1e-5);
+            // the keys returned are the slots written
+            assert_eq!(max_diff(&ours_k, &keys.narrow(2, 3, s)), 0.0);
             assert_eq!(
                 max_diff(&values.narrow(2, 3, s), &heads_of(v, kv_heads)),
                 0.0
@@ -266,7 +266,7 @@ mod tests {
                 generating(|| rope_qkv(q, k, v, &cos, &sin, KvSlots::Fresh, heads, kv_heads))
                     .unwrap();
             assert!(max_diff(&ours_q, &want_q) < 1e-5);
-            assert!(max_diff(&ours_k.unwrap(), &want_k) < 1e-5);
+            assert!(max_diff(&ours_k, &want_k) < 1e-5);
         }
     }
 

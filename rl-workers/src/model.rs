@@ -588,26 +588,23 @@ impl Attention {
             None => crate::fused::KvSlots::Fresh,
         };
         let (nh, nkv) = (self.n_heads, self.n_kv_heads);
-        let (q, k, v) =
-            match crate::fused::rope_qkv(&q, &k, &v, &rope.cos, &rope.sin, kv_slots, nh, nkv) {
-                Some((q, fresh_k)) => (q, fresh_k, heads(&v, nkv)),
-                None => {
-                    let (q, k) = (rope.apply(&heads(&q, nh)), rope.apply(&heads(&k, nkv)));
-                    let v = heads(&v, nkv);
-                    if let Some((keys, values)) = &slots {
-                        keys.shallow_clone().copy_(&k);
-                        values.shallow_clone().copy_(&v);
-                    }
-                    (q, Some(k), v)
+        // `k`: this call's rotated keys, `[batch, n_kv_heads, seq_len, head_dim]`
+        let (q, k) = crate::fused::rope_qkv(&q, &k, &v, &rope.cos, &rope.sin, kv_slots, nh, nkv)
+            .unwrap_or_else(|| {
+                let (q, k) = (rope.apply(&heads(&q, nh)), rope.apply(&heads(&k, nkv)));
+                if let Some((keys, values)) = &slots {
+                    keys.shallow_clone().copy_(&k);
+                    values.shallow_clone().copy_(&heads(&v, nkv));
                 }
-            };
+                (q, k)
+            });
         let (k, v) = match cache {
             // this step's keys/values are in place; attend over [0, past + seq_len)
             Some((k_cache, v_cache, past)) => (
                 k_cache.narrow(2, 0, past + s),
                 v_cache.narrow(2, 0, past + s),
             ),
-            None => (k.expect("keys computed without a cache"), v),
+            None => (k, heads(&v, nkv)),
         };
         let scale = (hd as f64).powf(-0.5);
         let ys = crate::attention::one_query(&q, &k, &v, mask, scale).unwrap_or_else(|| {
