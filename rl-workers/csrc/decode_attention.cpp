@@ -20,11 +20,6 @@
 
 namespace {
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#define RL_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define RL_CLONES
-#endif
 #define RL_INLINE inline __attribute__((always_inline))
 
 RL_INLINE float dot(const float* a, const float* b, int64_t n) {

@@ -20,12 +20,6 @@
 
 namespace {
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#define RL_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define RL_CLONES
-#endif
-
 // Rows handed to one thread at least: about 16k floats of work.
 int64_t grain(int64_t width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, width)); }
 

@@ -1,10 +1,19 @@
-// What the shim's C entry points share: C++ exceptions become a malloc'd error text (freed by
-// `rl_onednn_free`, bound in src/gemm/ffi.rs) instead of crossing into Rust.
+// What the shim's C++ files share: C++ exceptions become a malloc'd error text (freed by
+// `rl_onednn_free`, bound in src/ffi.rs) instead of crossing into Rust; the kernels'
+// per-instruction-set clones.
 #pragma once
 
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+
+// A kernel compiled once per instruction set (the helpers it inlines with it), the one for this
+// CPU picked when the library loads.
+#if defined(__x86_64__) && defined(__GNUC__)
+#define RL_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define RL_CLONES
+#endif
 
 namespace rl_shim {
 

@@ -188,10 +188,11 @@ fn grpo_raises_accuracy() {
 #[test]
 fn lora_grpo_learns() {
     let full: Vec<SeedResult> = grpo_full_runs().iter().map(|r| r.result).collect();
+    let rank = env_or("LEARN_LORA_RANK", 8) as i64;
     let lora = per_seed(init_seeds(), |seed| {
         let mut cfg = grpo_config(warm(seed));
         let m = &mut cfg.actor_rollout_ref.model;
-        m.lora_rank = env_or("LEARN_LORA_RANK", 8) as i64;
+        m.lora_rank = rank;
         m.lora_alpha = env_or("LEARN_LORA_ALPHA", 16) as f64;
         cfg.actor_rollout_ref.actor.optim.lr = env_or("LEARN_LORA_LR_E4", 50) as f64 * 1e-4;
         train("grpo lora", seed, &cfg)
@@ -200,7 +201,7 @@ fn lora_grpo_learns() {
     let lora_median = assert_gain_over_seeds("grpo lora", &results, MEDIAN_GAIN, WORST_GAIN);
     let full_median = median(&full.iter().map(SeedResult::gain).collect::<Vec<_>>());
     println!(
-        "grpo: median gain full fine-tuning {:.1} points, LoRA r=8 {:.1} points",
+        "grpo: median gain full fine-tuning {:.1} points, LoRA r={rank} {:.1} points",
         full_median * 100.0,
         lora_median * 100.0
     );
