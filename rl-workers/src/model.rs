@@ -925,12 +925,6 @@ enum Pass {
     Backward,
 }
 
-/// Whether autograd records operations now (tch does not expose libtorch's `GradMode`).
-fn grad_enabled() -> bool {
-    let probe = Tensor::zeros([1], (Kind::Float, Device::Cpu)).set_requires_grad(true);
-    (probe * 1.0).requires_grad()
-}
-
 /// The `[batch, 1, seq_len, kv_len]` boolean mask: causal, keys must be real tokens, and every
 /// query sees at least itself (so padding rows stay finite).
 fn attention_mask_4d(attention_mask: &Tensor, seq_len: i64, past: i64) -> Tensor {
@@ -1413,7 +1407,7 @@ impl Model {
         let rope = self.rope(position_ids, kind);
         if let Some(shards) = &self.shards
             && cache.is_none()
-            && grad_enabled()
+            && crate::ffi::grad_mode_enabled()
         {
             self.hold_train_root(shards)?;
             let (inputs, last) = tch::no_grad(|| -> Result<(Vec<Tensor>, Tensor)> {
