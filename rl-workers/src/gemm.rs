@@ -262,10 +262,10 @@ impl std::fmt::Debug for PackedWeights {
 
 impl PackedWeights {
     /// Runs `f` as generation: without gradients, with the decoder's fused element-wise
-    /// kernels on ([`crate::fused`]), and its f32 CPU projections on oneDNN reading packed
-    /// weights (only while `trainer.cpu_gemm` is oneDNN). Weights unread during `f` are dropped
-    /// from the cache at the end. A scope inside another on the same thread uses the outer
-    /// one's cache.
+    /// kernels on (the crate's `fused` module), and its f32 CPU projections on oneDNN reading
+    /// packed weights (only while `trainer.cpu_gemm` is oneDNN). Weights unread during `f` are
+    /// dropped from the cache at the end. A scope inside another on the same thread uses the
+    /// outer one's cache.
     pub fn scope<R>(&mut self, f: impl FnOnce() -> R) -> R {
         let nested = ACTIVE.with_borrow(Option::is_some);
         if nested || cpu_gemm() != CpuGemm::OneDnn {
