@@ -7,7 +7,9 @@
 //! `BENCH_N=8` is the GRPO shape: greedy over every prompt repeated 8 times, sampled with
 //! `n = 8` (one prefill per prompt shared by its samples); `BENCH_FWD_BWD=0` skips the
 //! forward+backward; `BENCH_FUSED=1` runs the forward+backward through the fused head
-//! (`rl_workers::fused_head`, verl's `use_fused_kernels`).
+//! (`rl_workers::fused_head`, verl's `use_fused_kernels`). The machine's matmul rate is probed
+//! right before and after the greedy generation (`greedy_probe_before`/`_after`, see
+//! [`matmul_rate`]) for the script's floor; `BENCH_PROBE=0` skips that (for profiling).
 
 use std::time::Instant;
 
@@ -22,6 +24,37 @@ fn peak_rss_mib() -> f64 {
         .find_map(|l| l.strip_prefix("VmHWM:"))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
         .map_or(0.0, |kb| kb / 1024.0)
+}
+
+/// The machine's f32 matmul rate (GFLOP/s) on the floor's product in `side_by_side.py`: `rows` x
+/// 576 inputs by a 1536 x 576 weight through oneDNN (`mkldnn_linear` on oneDNN tensors, the
+/// faster of libtorch's two libraries on this CPU), the best of 5 timings of about 0.2 s. Taken
+/// right before and right after the greedy generation, so that the floor it is compared with is
+/// the machine's rate at the time it ran: two virtual cores here run a 32-row product at either
+/// about 250 or about 335 GFLOP/s for tens of seconds at a time (one thread: 183 throughout).
+/// Inputs are ones, so no random numbers are drawn.
+fn matmul_rate(rows: i64) -> f64 {
+    let x = Tensor::ones([rows, 576], (Kind::Float, Device::Cpu)).g_to_mkldnn(None);
+    let w = Tensor::ones([1536, 576], (Kind::Float, Device::Cpu)).g_to_mkldnn(None);
+    let flops = 2.0 * (rows * 576 * 1536) as f64;
+    let reps = ((0.2 * 300e9 / flops) as usize).max(3);
+    let run = || drop(x.mkldnn_linear(&w, None::<Tensor>));
+    (0..3).for_each(|_| run());
+    (0..5)
+        .map(|_| {
+            let start = Instant::now();
+            (0..reps).for_each(|_| run());
+            flops * reps as f64 / start.elapsed().as_secs_f64() / 1e9
+        })
+        .fold(0.0, f64::max)
+}
+
+/// [`matmul_rate`] at the decode's row count and at prefill's 2048 rows, as JSON.
+fn probe(rows: i64) -> serde_json::Value {
+    serde_json::json!({
+        format!("matmul_gflops_m{rows}"): matmul_rate(rows),
+        "matmul_gflops_m2048": matmul_rate(2048),
+    })
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -108,9 +141,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         };
         let mut opts = GenerateOptions::from_config(lm.config());
         opts.seed = 1234;
+        let probe_rows = input_ids.size()[0];
+        let probing = name == "greedy" && flag("BENCH_PROBE", true)?;
+        if probing {
+            report.insert("greedy_probe_before".to_owned(), probe(probe_rows));
+        }
         let start = Instant::now();
         let out = generate(&lm, &input_ids, &mask, &pos, &cfg, &mut opts)?;
         let secs = start.elapsed().as_secs_f64();
+        if probing {
+            report.insert("greedy_probe_after".to_owned(), probe(probe_rows));
+        }
         let tokens = out.response_mask.sum(Kind::Float).double_value(&[]);
         report.insert(format!("{name}_seconds"), secs.into());
         report.insert(format!("{name}_tokens"), tokens.into());
