@@ -392,7 +392,7 @@ def main():
         if key not in rounds[0]:
             continue
         values = [r[key] for r in rounds]
-        side, aim = verdict(values, target, better, "floor" if key.endswith("_over_floor") else "transformers")
+        side, aim = verdict(values, target, better, "floor" if "_over_" in key and key.endswith("floor") else "transformers")
         summary["ratios"][key] = dict(spread(values), verdict=side, target=aim)
         lines.append(f"| {label} | {statistics.median(values):.2f} | {min(values):.2f} - {max(values):.2f} | {side} | {aim} |")
     if args.json_out:
