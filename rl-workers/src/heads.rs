@@ -65,18 +65,38 @@ fn read_config(dir: &Path) -> Result<Config> {
     Config::from_file(dir.join(CONFIG_JSON))
 }
 
-/// Builds the stack plus whatever `head` adds under the root, then casts to `kind`.
+/// Whether a part of a model starts from fresh draws or is overwritten in full before use
+/// (loaded or copied: [`crate::seed::to_be_filled`], which draws nothing).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Weights {
+    Drawn,
+    Filled,
+}
+
+impl Weights {
+    /// `f` (building variables of dtype `kind`) under this choice.
+    fn build<T>(self, kind: Kind, f: impl FnOnce() -> T) -> T {
+        match self {
+            Weights::Drawn => f(),
+            Weights::Filled => crate::seed::to_be_filled(kind, f),
+        }
+    }
+}
+
+/// Builds the stack (drawn or left to be filled, as `stack` says) plus whatever `head` adds
+/// under the root, then casts to `kind`.
 fn build<H>(
     cfg: &Config,
     device: Device,
     kind: Kind,
+    stack: Weights,
     head: impl FnOnce(&tch::nn::Path, &Config) -> H,
 ) -> Result<(VarStore, Model, H)> {
     check_kind(kind)?;
     // the initial draws come from torch's global generator: hold it (crate::seed)
     let _generator = crate::seed::hold_generator();
     let mut vs = VarStore::new(device);
-    let model = Model::new(vs.root() / "model", cfg)?;
+    let model = stack.build(kind, || Model::new(vs.root() / "model", cfg))?;
     let head = head(&vs.root(), cfg);
     cast(&mut vs, kind);
     Ok((vs, model, head))
@@ -235,15 +255,27 @@ impl CausalLm {
     /// A freshly initialised model (normal(0, `initializer_range`) like transformers; build it
     /// inside [`crate::seeded`] for a reproducible init).
     pub fn new(cfg: &Config, device: Device, kind: Kind) -> Result<CausalLm> {
-        let (vs, model, lm_head) = build(cfg, device, kind, |root, cfg| {
+        CausalLm::built(cfg, device, kind, Weights::Drawn)
+    }
+
+    /// A model whose every variable the caller overwrites before use (loads or copies), built
+    /// without drawing from torch's generator ([`crate::seed::to_be_filled`]).
+    pub(crate) fn to_be_filled(cfg: &Config, device: Device, kind: Kind) -> Result<CausalLm> {
+        CausalLm::built(cfg, device, kind, Weights::Filled)
+    }
+
+    fn built(cfg: &Config, device: Device, kind: Kind, weights: Weights) -> Result<CausalLm> {
+        let (vs, model, lm_head) = build(cfg, device, kind, weights, |root, cfg| {
             (!cfg.tie_word_embeddings).then(|| {
-                Linear::new(
-                    root / "lm_head",
-                    cfg.hidden_size,
-                    cfg.vocab_size,
-                    false,
-                    cfg.initializer_range,
-                )
+                weights.build(kind, || {
+                    Linear::new(
+                        root / "lm_head",
+                        cfg.hidden_size,
+                        cfg.vocab_size,
+                        false,
+                        cfg.initializer_range,
+                    )
+                })
             })
         })?;
         Ok(CausalLm {
@@ -260,7 +292,8 @@ impl CausalLm {
         let dir = dir.as_ref();
         let cfg = read_config(dir)?;
         let ckpt = Checkpoint::open(dir)?;
-        let lm = CausalLm::new(&cfg, device, kind)?;
+        // every variable is loaded, or this fails naming the missing one
+        let lm = CausalLm::to_be_filled(&cfg, device, kind)?;
         hf::load_into(&lm.vs, &ckpt, &|_| false)?;
         Ok(lm)
     }
@@ -291,9 +324,10 @@ impl CausalLm {
     /// own policy, which keeps generating while this one trains.
     pub fn replica(&self) -> Result<CausalLm> {
         let snapshot = self.snapshot(|_| true)?;
-        let mut lm = CausalLm::new(self.config(), self.device(), self.kind())?;
+        // every variable, adapters included, comes from the snapshot
+        let mut lm = CausalLm::to_be_filled(self.config(), self.device(), self.kind())?;
         if let Some(cfg) = self.lora() {
-            lm.add_lora(&cfg.clone())?;
+            crate::seed::to_be_filled(self.kind(), || lm.add_lora(&cfg.clone()))?;
         }
         lm.load_snapshot(&snapshot)?;
         Ok(lm)
@@ -478,14 +512,26 @@ impl ValueModel {
 
     /// A freshly initialised critic.
     pub fn new(cfg: &Config, device: Device, kind: Kind) -> Result<ValueModel> {
-        let (vs, model, score) = build(cfg, device, kind, |root, cfg| {
-            Linear::new(
-                root / "score",
-                cfg.hidden_size,
-                1,
-                true,
-                cfg.initializer_range,
-            )
+        ValueModel::built(cfg, device, kind, Weights::Drawn, Weights::Drawn)
+    }
+
+    fn built(
+        cfg: &Config,
+        device: Device,
+        kind: Kind,
+        stack: Weights,
+        head: Weights,
+    ) -> Result<ValueModel> {
+        let (vs, model, score) = build(cfg, device, kind, stack, |root, cfg| {
+            head.build(kind, || {
+                Linear::new(
+                    root / "score",
+                    cfg.hidden_size,
+                    1,
+                    true,
+                    cfg.initializer_range,
+                )
+            })
         })?;
         Ok(ValueModel {
             vs,
@@ -506,8 +552,14 @@ impl ValueModel {
         let dir = dir.as_ref();
         let cfg = read_config(dir)?;
         let ckpt = Checkpoint::open(dir)?;
-        let mut critic = ValueModel::new(&cfg, device, kind)?;
         let has_head = ckpt.contains("score.weight");
+        // the stack is loaded (or this fails naming what is missing); the head too if there
+        let head = if has_head {
+            Weights::Filled
+        } else {
+            Weights::Drawn
+        };
+        let mut critic = ValueModel::built(&cfg, device, kind, Weights::Filled, head)?;
         let fresh = hf::load_into(&critic.vs, &ckpt, &|name| {
             !has_head && name.starts_with("score.")
         })?;
@@ -600,14 +652,36 @@ impl RewardModel {
 
     /// A freshly initialised reward model with `cfg.num_labels()` outputs.
     pub fn new(cfg: &Config, device: Device, kind: Kind) -> Result<RewardModel> {
-        let (vs, model, score) = build(cfg, device, kind, |root, cfg| {
-            Linear::new(
-                root / "score",
-                cfg.hidden_size,
-                cfg.num_labels(),
-                false,
-                cfg.initializer_range,
-            )
+        RewardModel::built(cfg, device, kind, Weights::Drawn, Weights::Drawn)
+    }
+
+    /// A reward model whose stack the caller overwrites before use (loads from a language
+    /// model's checkpoint), built without drawing; the head is drawn.
+    pub(crate) fn with_stack_to_be_filled(
+        cfg: &Config,
+        device: Device,
+        kind: Kind,
+    ) -> Result<RewardModel> {
+        RewardModel::built(cfg, device, kind, Weights::Filled, Weights::Drawn)
+    }
+
+    fn built(
+        cfg: &Config,
+        device: Device,
+        kind: Kind,
+        stack: Weights,
+        head: Weights,
+    ) -> Result<RewardModel> {
+        let (vs, model, score) = build(cfg, device, kind, stack, |root, cfg| {
+            head.build(kind, || {
+                Linear::new(
+                    root / "score",
+                    cfg.hidden_size,
+                    cfg.num_labels(),
+                    false,
+                    cfg.initializer_range,
+                )
+            })
         })?;
         Ok(RewardModel {
             vs,
@@ -626,7 +700,8 @@ impl RewardModel {
         let dir = dir.as_ref();
         let cfg = read_config(dir)?;
         let ckpt = Checkpoint::open(dir)?;
-        let rm = RewardModel::new(&cfg, device, kind)?;
+        // every variable is loaded, or this fails naming the missing one
+        let rm = RewardModel::built(&cfg, device, kind, Weights::Filled, Weights::Filled)?;
         hf::load_into(&rm.vs, &ckpt, &|_| false)?;
         Ok(rm)
     }

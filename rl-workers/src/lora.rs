@@ -337,7 +337,8 @@ pub(crate) fn attach(
             path = &path / segment;
         }
         let bound = 1.0 / (in_dim as f64).sqrt();
-        let mut a = (&path / "lora_A").var(
+        let mut a = crate::seed::var(
+            &(&path / "lora_A"),
             "weight",
             &[cfg.rank, in_dim],
             Init::Uniform {
@@ -345,7 +346,12 @@ pub(crate) fn attach(
                 up: bound,
             },
         );
-        let mut b = (&path / "lora_B").var("weight", &[out_dim, cfg.rank], Init::Const(0.0));
+        let mut b = crate::seed::var(
+            &(&path / "lora_B"),
+            "weight",
+            &[out_dim, cfg.rank],
+            Init::Const(0.0),
+        );
         if kind != Kind::Float {
             tch::no_grad(|| {
                 a.set_data(&a.to_kind(kind));

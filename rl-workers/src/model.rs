@@ -407,7 +407,8 @@ pub(crate) struct Linear {
 
 impl Linear {
     pub(crate) fn new(p: VarPath, in_dim: i64, out_dim: i64, bias: bool, std: f64) -> Linear {
-        let weight = p.var(
+        let weight = crate::seed::var(
+            &p,
             "weight",
             &[out_dim, in_dim],
             Init::Randn {
@@ -415,7 +416,7 @@ impl Linear {
                 stdev: std,
             },
         );
-        let bias = bias.then(|| p.var("bias", &[out_dim], Init::Const(0.0)));
+        let bias = bias.then(|| crate::seed::var(&p, "bias", &[out_dim], Init::Const(0.0)));
         Linear {
             weight,
             bias,
@@ -462,7 +463,7 @@ struct RmsNorm {
 impl RmsNorm {
     fn new(p: VarPath, size: i64, eps: f64) -> RmsNorm {
         RmsNorm {
-            weight: p.var("weight", &[size], Init::Const(1.0)),
+            weight: crate::seed::var(&p, "weight", &[size], Init::Const(1.0)),
             eps,
         }
     }
@@ -966,7 +967,8 @@ impl Model {
     pub fn new(p: VarPath, cfg: &Config) -> Result<Model> {
         cfg.validate()?;
         let std = cfg.initializer_range;
-        let embed_tokens = (&p / "embed_tokens").var(
+        let embed_tokens = crate::seed::var(
+            &(&p / "embed_tokens"),
             "weight",
             &[cfg.vocab_size, cfg.hidden_size],
             Init::Randn {

@@ -6,8 +6,18 @@
 //! closure: a seeded initialisation is then the same however threads are scheduled. The lock is
 //! re-entrant on the thread that holds it, so a closure may build any number of models.
 
+//!
+//! A model about to be overwritten (loaded from a checkpoint, copied from another model) draws
+//! nothing: its variables are built inside [`to_be_filled`], which allocates them in their
+//! final dtype, uninitialised. Drawing 7 billion normal numbers in float32 only to overwrite
+//! them would cost a minute and twice the memory of a bfloat16 model, and would move the
+//! generator's stream for whatever is initialised after (a fresh value head).
+
 use std::cell::Cell;
 use std::sync::{Mutex, MutexGuard, PoisonError};
+
+use tch::nn::{Init, Path as VarPath};
+use tch::{Kind, Tensor};
 
 static GENERATOR: Mutex<()> = Mutex::new(());
 
@@ -41,6 +51,35 @@ pub fn hold_generator() -> GeneratorGuard {
     let guard = GENERATOR.lock().unwrap_or_else(PoisonError::into_inner);
     HELD.with(|h| h.set(true));
     GeneratorGuard { guard: Some(guard) }
+}
+
+thread_local! {
+    /// Set while this thread builds variables that will be overwritten before use: their
+    /// dtype ([`to_be_filled`]).
+    static FILLED_LATER: Cell<Option<Kind>> = const { Cell::new(None) };
+}
+
+/// Runs `f` with every variable it builds through [`var`] allocated in `kind`, uninitialised,
+/// drawing nothing: for weights the caller overwrites in full before anything reads them (a
+/// checkpoint whose loading fails on any missing tensor, a snapshot of every variable).
+pub(crate) fn to_be_filled<T>(kind: Kind, f: impl FnOnce() -> T) -> T {
+    struct Restore(Option<Kind>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            FILLED_LATER.with(|l| l.set(self.0));
+        }
+    }
+    let _restore = Restore(FILLED_LATER.with(|l| l.replace(Some(kind))));
+    f()
+}
+
+/// A trainable variable `name` under `p`, initialised by `init` (from torch's global generator)
+/// unless built inside [`to_be_filled`].
+pub(crate) fn var(p: &VarPath, name: &str, dims: &[i64], init: Init) -> Tensor {
+    match FILLED_LATER.with(Cell::get) {
+        Some(kind) => p.add(name, Tensor::empty(dims, (kind, p.device())), true),
+        None => p.var(name, dims, init),
+    }
 }
 
 /// Runs `f` with torch's global generator seeded with `seed` and held (see the module docs):
@@ -86,6 +125,71 @@ mod tests {
             stop.store(true, std::sync::atomic::Ordering::Relaxed);
             assert!(!changed, "a seeded init changed under concurrent builds");
         });
+    }
+
+    /// Loading a model draws nothing from torch's generator and builds it in its dtype; a
+    /// critic loaded from a language model's checkpoint draws its fresh value head alone; a
+    /// replica (adapters included) draws nothing either.
+    #[test]
+    fn loading_or_copying_a_model_draws_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = Config::tiny();
+        let saved = seeded(3, || CausalLm::new(&cfg, Device::Cpu, Kind::Float)).unwrap();
+        saved.save_pretrained(dir.path()).unwrap();
+        let next_draw = |f: &mut dyn FnMut()| {
+            seeded(11, || {
+                f();
+                tch::Tensor::randn([8], (Kind::Float, Device::Cpu))
+            })
+        };
+        let untouched = next_draw(&mut || {});
+        for kind in [Kind::Float, Kind::BFloat16] {
+            let mut got = None;
+            let after = next_draw(&mut || {
+                got = Some(CausalLm::from_pretrained(dir.path(), Device::Cpu, kind).unwrap());
+            });
+            assert!(after.equal(&untouched), "loading in {kind:?} drew numbers");
+            for (w, want) in weights(got.as_ref().unwrap()).iter().zip(weights(&saved)) {
+                assert_eq!(w.kind(), kind);
+                assert!(w.equal(&want.to_kind(kind)));
+                assert!(w.requires_grad());
+            }
+        }
+
+        let critic = seeded(11, || {
+            crate::ValueModel::from_pretrained(dir.path(), Device::Cpu, Kind::Float)
+        })
+        .unwrap();
+        assert!(critic.fresh_head());
+        let want = seeded(11, || {
+            tch::Tensor::randn([1, cfg.hidden_size], (Kind::Float, Device::Cpu))
+                * cfg.initializer_range
+        });
+        let vars = critic.var_store().variables();
+        assert!(
+            vars["score.weight"].equal(&want),
+            "the head is not the first draw"
+        );
+        assert!(vars["score.bias"].equal(&tch::Tensor::zeros([1], (Kind::Float, Device::Cpu))));
+
+        let mut lora = seeded(3, || CausalLm::new(&cfg, Device::Cpu, Kind::Float)).unwrap();
+        lora.add_lora(&crate::LoraConfig {
+            rank: 2,
+            alpha: 4.0,
+            target_modules: Default::default(),
+            exclude_modules: Vec::new(),
+            dropout: 0.0,
+            use_rslora: false,
+        })
+        .unwrap();
+        let mut copy = None;
+        let after = next_draw(&mut || copy = Some(lora.replica().unwrap()));
+        assert!(after.equal(&untouched), "a replica drew numbers");
+        let copy = copy.unwrap();
+        for (a, b) in weights(&copy).iter().zip(weights(&lora)) {
+            assert!(a.equal(&b));
+        }
+        assert_eq!(weights(&copy).len(), weights(&lora).len());
     }
 
     #[test]

@@ -940,8 +940,9 @@ impl ReferenceWorker {
                 packed: false,
             });
         }
-        let mut lm =
-            CausalLm::new(src.config(), src.device(), src.kind()).map_err(role_err("reference"))?;
+        // every variable is copied from the policy below
+        let mut lm = CausalLm::to_be_filled(src.config(), src.device(), src.kind())
+            .map_err(role_err("reference"))?;
         // a policy sharded by ZeRO stage 3: every rank gathers it (a collective)
         let whole = src.model().hold_all().map_err(role_err("reference"))?;
         lm.var_store_mut().copy(src.var_store())?;

@@ -103,7 +103,8 @@ pub fn reward_model_from_lm(
     let mut cfg = Config::from_file(dir.join(CONFIG_JSON))?;
     cfg.set_num_labels(1);
     let ckpt = Checkpoint::open(dir)?;
-    let rm = RewardModel::new(&cfg, device, kind)?;
+    // the stack is loaded (or this fails naming what is missing), the head drawn
+    let rm = RewardModel::with_stack_to_be_filled(&cfg, device, kind)?;
     hf::load_into(rm.var_store(), &ckpt, &|name| name.starts_with("score."))?;
     Ok(rm)
 }
