@@ -13,7 +13,7 @@
 //!   scoring reward model when `reward_model.enable`;
 //! - **one phase at a time** on top of that, the largest of which makes the peak: building
 //!   (weights as loaded, optimizer state made before the mixed-precision cast, the
-//!   reference's float32 initialisation), the rollout (the KV cache of
+//!   reference's copy, built in the policy's dtype), the rollout (the KV cache of
 //!   `data.train_batch_size x rollout.n` rows of prompt + response tokens, the sampler's
 //!   `[rows, vocab]` temporaries), the log-prob forwards (no graph: the `[rows, response,
 //!   vocab]` logits, log-softmax and entropy in float32), the update (the autograd graph of
@@ -775,7 +775,7 @@ pub fn estimate(exp: &ExperimentConfig, m: &Models) -> Result<Plan> {
 
     // building, in compose's order: the policy (and its adapters) loaded in model.dtype, the
     // critic loaded, the actor's optimizer (made before the mixed-precision cast), the
-    // reference's float32 init, the critic's optimizer
+    // reference's copy (allocated in the policy's dtype, nothing drawn), the critic's optimizer
     let load_transient = |cfg: &Config| {
         let f = file_bytes(cfg);
         largest_tensor(cfg) as u64 * (2 * f + if f != model_bytes { model_bytes } else { 0 })
@@ -793,7 +793,7 @@ pub fn estimate(exp: &ExperimentConfig, m: &Models) -> Result<Plan> {
     }
     let after_cast = policy.weights() + critic_loaded + policy.optimizer_at_build();
     if ref_copy {
-        moments.push(after_cast + policy.base as u64 * 4);
+        moments.push(after_cast + policy.base as u64 * c);
     }
     if let Some((t, _)) = &critic {
         moments.push(
@@ -816,7 +816,7 @@ pub fn estimate(exp: &ExperimentConfig, m: &Models) -> Result<Plan> {
                 ", optimizer state"
             },
             if ref_copy {
-                ", the reference initialised in float32 before its cast"
+                ", the reference's copy"
             } else {
                 ""
             }
