@@ -156,6 +156,38 @@ fn stats(x: &Tensor) -> (f64, f64, f64) {
     )
 }
 
+/// verl's `critic/vf_explained_var`: `1 - Var(returns - values) / (Var(returns) + 1e-5)` over
+/// the masked tokens (unbiased variances, as `torch.var`), from sums over every rank of `group`
+/// (a collective there), so it is the global batch's figure. 0 for a critic predicting a
+/// constant whatever its offset, 1 for a perfect one; `None` with fewer than 2 tokens.
+fn explained_variance(
+    returns: &Tensor,
+    values: &Tensor,
+    mask: &Tensor,
+    group: Option<&SharedCollective>,
+) -> rl_core::Result<Option<f64>> {
+    let keep = mask.ne(0.0);
+    let r = returns.masked_select(&keep).to_kind(Kind::Double);
+    let d = &r - values.masked_select(&keep).to_kind(Kind::Double);
+    let sum = |t: &Tensor| t.sum(Kind::Double).double_value(&[]);
+    let mut sums = [
+        r.numel() as f64,
+        sum(&d),
+        sum(&d.square()),
+        sum(&r),
+        sum(&r.square()),
+    ];
+    if let Some(g) = group {
+        dist::all_reduce_f64(&mut *dist::lock(g)?, &mut sums, dist::ReduceOp::Sum)?;
+    }
+    let [n, sd, sd2, sr, sr2] = sums;
+    if n < 2.0 {
+        return Ok(None);
+    }
+    let var = |s: f64, s2: f64| ((s2 - s * s / n) / (n - 1.0)).max(0.0);
+    Ok(Some(1.0 - var(sd, sd2) / (var(sr, sr2) + 1e-5)))
+}
+
 fn put3(m: &mut StepMetrics, key: &str, (mean, max, min): (f64, f64, f64)) {
     m.insert(format!("{key}/mean"), mean);
     m.insert(format!("{key}/max"), max);
@@ -712,6 +744,11 @@ impl OnPolicyTrainer {
         );
         if let Ok(v) = batch.get(keys::VALUES) {
             put3(m, "critic/values", masked_stats(v, mask));
+            let group = self.dp_group()?;
+            let returns = batch.get(keys::RETURNS)?;
+            if let Some(ev) = explained_variance(returns, v, mask, group.as_ref())? {
+                m.insert("critic/vf_explained_var".into(), ev);
+            }
         }
         // from the attention mask, as verl: rollout correction's rejection zeroes response_mask
         // tokens without shortening the response
@@ -1185,6 +1222,39 @@ impl Trainer for OnPolicyTrainer {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    /// verl's formula on the masked tokens: a constant prediction explains nothing whatever
+    /// its offset, a perfect one everything, and a half-way one the figure `torch.var` gives.
+    #[test]
+    fn explained_variance_is_verls_over_the_masked_tokens() {
+        let returns = Tensor::from_slice(&[1.0f32, 2.0, 4.0, 9.0, 7.0, 5.0]).view([2, 3]);
+        let mask = Tensor::from_slice(&[1.0f32, 1.0, 1.0, 1.0, 1.0, 0.0]).view([2, 3]);
+        let ev = |values: &Tensor| {
+            explained_variance(&returns, values, &mask, None)
+                .unwrap()
+                .unwrap()
+        };
+        let kept = [1.0f64, 2.0, 4.0, 9.0, 7.0];
+        let var = |x: &[f64]| {
+            let mean = x.iter().sum::<f64>() / x.len() as f64;
+            x.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / (x.len() - 1) as f64
+        };
+        for offset in [0.0f32, 3.5, -20.0] {
+            let constant = Tensor::full([2, 3], offset as f64, (Kind::Float, tch::Device::Cpu));
+            let want = 1.0 - var(&kept) / (var(&kept) + 1e-5);
+            assert!((ev(&constant) - want).abs() < 1e-9, "offset {offset}");
+        }
+        assert!((ev(&returns) - 1.0).abs() < 1e-12);
+        // the masked-out token's value does not count
+        let half = Tensor::from_slice(&[0.5f32, 1.0, 2.0, 4.5, 3.5, 100.0]).view([2, 3]);
+        let want = 1.0 - var(&kept.map(|r| r / 2.0)) / (var(&kept) + 1e-5);
+        assert!((ev(&half) - want).abs() < 1e-9);
+        let one = Tensor::from_slice(&[1.0f32, 0.0, 0.0, 0.0, 0.0, 0.0]).view([2, 3]);
+        assert_eq!(
+            explained_variance(&returns, &returns, &one, None).unwrap(),
+            None
+        );
+    }
 
     #[test]
     fn env_metrics_average_turns_calls_and_errors_per_response() {
