@@ -102,6 +102,29 @@ fn build<H>(
     Ok((vs, model, head))
 }
 
+/// [`build`] with a `score` head of `labels` outputs (the critic's and the reward model's);
+/// `(stack, head)` say how the stack and the head start.
+fn build_scored(
+    cfg: &Config,
+    device: Device,
+    kind: Kind,
+    (stack, head): (Weights, Weights),
+    labels: i64,
+    bias: bool,
+) -> Result<(VarStore, Model, Linear)> {
+    build(cfg, device, kind, stack, |root, cfg| {
+        head.build(kind, || {
+            Linear::new(
+                root / "score",
+                cfg.hidden_size,
+                labels,
+                bias,
+                cfg.initializer_range,
+            )
+        })
+    })
+}
+
 /// A causal language model (`LlamaForCausalLM` / `Qwen2ForCausalLM`): the stack plus `lm_head`,
 /// tied to `embed_tokens` when `tie_word_embeddings`.
 #[derive(Debug)]
@@ -522,17 +545,7 @@ impl ValueModel {
         stack: Weights,
         head: Weights,
     ) -> Result<ValueModel> {
-        let (vs, model, score) = build(cfg, device, kind, stack, |root, cfg| {
-            head.build(kind, || {
-                Linear::new(
-                    root / "score",
-                    cfg.hidden_size,
-                    1,
-                    true,
-                    cfg.initializer_range,
-                )
-            })
-        })?;
+        let (vs, model, score) = build_scored(cfg, device, kind, (stack, head), 1, true)?;
         Ok(ValueModel {
             vs,
             model,
@@ -672,17 +685,8 @@ impl RewardModel {
         stack: Weights,
         head: Weights,
     ) -> Result<RewardModel> {
-        let (vs, model, score) = build(cfg, device, kind, stack, |root, cfg| {
-            head.build(kind, || {
-                Linear::new(
-                    root / "score",
-                    cfg.hidden_size,
-                    cfg.num_labels(),
-                    false,
-                    cfg.initializer_range,
-                )
-            })
-        })?;
+        let (vs, model, score) =
+            build_scored(cfg, device, kind, (stack, head), cfg.num_labels(), false)?;
         Ok(RewardModel {
             vs,
             model,
