@@ -10,7 +10,9 @@
 //! `memory_step CONFIG [key=value ...]` prints one line of `key=value` fields:
 //! `start_kib` (RSS before anything), `build_peak_kib`, `built_kib` (RSS once built),
 //! `step_peak_kib`, `peak_kib` (the larger peak: the process's), `step_s`. With
-//! `MEMORY_STEP_WARMUP=N`, N steps run first and the figures are the next step's.
+//! `MEMORY_STEP_WARMUP=N`, N steps run first and the figures are the next step's;
+//! `MEMORY_STEP_BUILD_ONLY=1` stops after building and prints `start_kib`, `build_peak_kib`
+//! and `built_kib` alone.
 //! On a CUDA device it adds the caching allocator's peaks in bytes (`torch.cuda`'s
 //! `max_memory_allocated` / `max_memory_reserved`): `cuda_build_peak_reserved_b` while building,
 //! `cuda_step_peak_allocated_b` and `cuda_step_peak_reserved_b` during the step.
@@ -69,6 +71,14 @@ fn main() -> Result<()> {
     let build_peak = status_kib("VmHWM:")?;
     let build_device = rl_core::device_memory::stats(device)?;
     let built_rss = status_kib("VmRSS:")?;
+    match std::env::var("MEMORY_STEP_BUILD_ONLY").as_deref() {
+        Err(_) | Ok("0") => {}
+        Ok("1") => {
+            println!("{rank}start_kib={start} build_peak_kib={build_peak} built_kib={built_rss}");
+            return Ok(());
+        }
+        Ok(v) => bail!("MEMORY_STEP_BUILD_ONLY={v:?} is not 0 or 1"),
+    }
     // MEMORY_STEP_WARMUP=N steps first (their peak is not reported): the optimiser allocates
     // its state in the first step, so a steady-state step is the second
     let warmup: u32 = match std::env::var("MEMORY_STEP_WARMUP") {

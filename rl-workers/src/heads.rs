@@ -163,6 +163,16 @@ macro_rules! lora_methods {
         /// Adds LoRA adapters (PEFT's initialisation: the model computes exactly what it did)
         /// and freezes the base weights; only the adapters (and a classification head) train.
         pub fn add_lora(&mut self, cfg: &LoraConfig) -> Result<()> {
+            let kind = self.model.embed_tokens().kind();
+            self.add_lora_in(cfg, kind)
+        }
+
+        /// [`add_lora`](Self::add_lora) with the adapters in `kind` whatever the base's dtype:
+        /// mixed precision's float32 adapters on a base loaded straight in bfloat16 (the
+        /// masters are copied from the adapters, then the model is cast to the compute dtype:
+        /// `AdamW::for_model`; until then the model cannot run). A frozen base needs no
+        /// float32 copy, so it is never made.
+        pub fn add_lora_in(&mut self, cfg: &LoraConfig, kind: Kind) -> Result<()> {
             if self.lora.is_some() {
                 return Err(Error::invalid(
                     "lora",
@@ -175,6 +185,7 @@ macro_rules! lora_methods {
                 "model",
                 cfg,
                 $keep,
+                kind,
             )?);
             Ok(())
         }

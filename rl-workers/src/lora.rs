@@ -309,16 +309,16 @@ pub fn targets(config: &crate::Config, lora: &LoraConfig) -> Result<Vec<crate::L
 
 /// Adds adapters to the linear layers of `model` (built under `vs.root() / prefix`) that `cfg`
 /// targets, freezes every other variable of `vs` except those under `modules_to_save`, and
-/// returns what was attached. Adapters are created in float32, then cast to the model's dtype.
+/// returns what was attached. Adapters are drawn in float32, then cast to `kind`.
 pub(crate) fn attach(
     vs: &VarStore,
     model: &mut Model,
     prefix: &str,
     cfg: &LoraConfig,
     modules_to_save: &[&str],
+    kind: Kind,
 ) -> Result<Attached> {
     cfg.validate("lora")?;
-    let kind = model.embed_tokens().kind();
     let switch = Arc::new(LoraSwitch::new());
     let mut linears = model.linears_mut();
     let names: Vec<String> = linears

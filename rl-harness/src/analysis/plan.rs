@@ -172,7 +172,8 @@ struct Trained {
     trainable: i64,
     /// Bytes per weight while training (the compute dtype).
     weight_bytes: u64,
-    /// Bytes per weight as loaded (`model.dtype`), before a mixed-precision cast.
+    /// Bytes per weight as loaded (`model.dtype`), before a mixed-precision cast; the policy's
+    /// frozen base under LoRA and mixed precision loads straight in bf16 (`load_policy`).
     load_bytes: u64,
     /// Mixed precision: float32 master weights and gradient accumulators.
     mixed: bool,
@@ -452,7 +453,11 @@ pub fn estimate(exp: &ExperimentConfig, m: &Models) -> Result<Plan> {
                 base
             },
             weight_bytes: if mixed { 2 } else { model_bytes },
-            load_bytes: model_bytes,
+            load_bytes: if head == Head::Lm && lora.is_some() && mixed {
+                2
+            } else {
+                model_bytes
+            },
             mixed,
             lora,
         })
@@ -780,12 +785,17 @@ pub fn estimate(exp: &ExperimentConfig, m: &Models) -> Result<Plan> {
         let f = file_bytes(cfg);
         largest_tensor(cfg) as u64 * (2 * f + if f != model_bytes { model_bytes } else { 0 })
     };
+    // the policy's: its base may load in bf16 (LoRA with mixed precision)
+    let policy_transient = {
+        let (f, l) = (file_bytes(cfg), policy.load_bytes);
+        largest_tensor(cfg) as u64 * (2 * f + if f != l { l } else { 0 })
+    };
     let critic_loaded = critic
         .as_ref()
         .map_or(0, |(t, _)| t.params() as u64 * t.load_bytes);
     let policy_loaded = policy.params() as u64 * policy.load_bytes;
     let mut moments = vec![
-        policy_loaded + load_transient(cfg),
+        policy_loaded + policy_transient,
         policy_loaded + critic_loaded + policy.optimizer_at_build() + reward_weights,
     ];
     if let Some((_, ccfg)) = &critic {

@@ -282,11 +282,26 @@ pub fn build_with_group(
 /// The policy of `actor_rollout_ref.model`: its weights from `path` in `dtype`, with LoRA
 /// adapters when `lora_rank` > 0 (fresh, PEFT's initialisation) or `lora_adapter_path` is set
 /// (that adapter, whose rank, alpha and targets are used).
+///
+/// With LoRA under the actor's mixed precision the frozen base is loaded straight in the compute
+/// dtype and only the adapters in `model.dtype` (float32, the masters' source): the actor's
+/// optimizer copies the masters and casts the adapters (`AdamW::for_model`), so the numbers are
+/// those of loading everything in float32 and casting, without a float32 copy of the base.
 pub fn load_policy(cfg: &ExperimentConfig, device: Device) -> Result<CausalLm> {
     let m = &cfg.actor_rollout_ref.model;
-    let mut lm = CausalLm::from_pretrained(&m.path, device, m.dtype.kind())
-        .with_context(|| format!("loading actor_rollout_ref.model.path {}", m.path.display()))?;
     let lora = m.lora()?;
+    let mp = &cfg.actor_rollout_ref.actor.mixed_precision;
+    let adapter_kind = m.dtype.kind();
+    let base_kind = if (lora.is_some() || m.lora_adapter_path.is_some())
+        && mp.enabled()
+        && adapter_kind == tch::Kind::Float
+    {
+        mp.kind()
+    } else {
+        adapter_kind
+    };
+    let mut lm = CausalLm::from_pretrained(&m.path, device, base_kind)
+        .with_context(|| format!("loading actor_rollout_ref.model.path {}", m.path.display()))?;
     match (&m.lora_adapter_path, lora) {
         (Some(adapter), lora) => {
             let from_file = rl_workers::lora::read_adapter_config(adapter)?;
@@ -301,10 +316,13 @@ pub fn load_policy(cfg: &ExperimentConfig, device: Device) -> Result<CausalLm> {
                     from_file.rank
                 );
             }
-            lm.add_lora(&rl_workers::LoraConfig {
-                dropout: m.lora_dropout,
-                ..from_file
-            })
+            lm.add_lora_in(
+                &rl_workers::LoraConfig {
+                    dropout: m.lora_dropout,
+                    ..from_file
+                },
+                adapter_kind,
+            )
             .context("actor_rollout_ref.model.lora_adapter_path")?;
             lm.load_adapter(adapter).with_context(|| {
                 format!(
@@ -314,7 +332,7 @@ pub fn load_policy(cfg: &ExperimentConfig, device: Device) -> Result<CausalLm> {
             })?;
         }
         (None, Some(lora)) => lm
-            .add_lora(&lora)
+            .add_lora_in(&lora, adapter_kind)
             .context("actor_rollout_ref.model.target_modules")?,
         (None, None) => {}
     }
