@@ -546,17 +546,17 @@ impl ValueModel {
 
     /// A freshly initialised critic.
     pub fn new(cfg: &Config, device: Device, kind: Kind) -> Result<ValueModel> {
-        ValueModel::built(cfg, device, kind, Weights::Drawn, Weights::Drawn)
+        ValueModel::built(cfg, device, kind, (Weights::Drawn, Weights::Drawn))
     }
 
+    /// `weights`: how the stack and the head start.
     fn built(
         cfg: &Config,
         device: Device,
         kind: Kind,
-        stack: Weights,
-        head: Weights,
+        weights: (Weights, Weights),
     ) -> Result<ValueModel> {
-        let (vs, model, score) = build_scored(cfg, device, kind, (stack, head), 1, true)?;
+        let (vs, model, score) = build_scored(cfg, device, kind, weights, 1, true)?;
         Ok(ValueModel {
             vs,
             model,
@@ -583,7 +583,7 @@ impl ValueModel {
         } else {
             Weights::Drawn
         };
-        let mut critic = ValueModel::built(&cfg, device, kind, Weights::Filled, head)?;
+        let mut critic = ValueModel::built(&cfg, device, kind, (Weights::Filled, head))?;
         let fresh = hf::load_into(&critic.vs, &ckpt, &|name| {
             !has_head && name.starts_with("score.")
         })?;
@@ -676,7 +676,7 @@ impl RewardModel {
 
     /// A freshly initialised reward model with `cfg.num_labels()` outputs.
     pub fn new(cfg: &Config, device: Device, kind: Kind) -> Result<RewardModel> {
-        RewardModel::built(cfg, device, kind, Weights::Drawn, Weights::Drawn)
+        RewardModel::built(cfg, device, kind, (Weights::Drawn, Weights::Drawn))
     }
 
     /// A reward model whose stack the caller overwrites before use (loads from a language
@@ -686,18 +686,17 @@ impl RewardModel {
         device: Device,
         kind: Kind,
     ) -> Result<RewardModel> {
-        RewardModel::built(cfg, device, kind, Weights::Filled, Weights::Drawn)
+        RewardModel::built(cfg, device, kind, (Weights::Filled, Weights::Drawn))
     }
 
+    /// `weights`: how the stack and the head start.
     fn built(
         cfg: &Config,
         device: Device,
         kind: Kind,
-        stack: Weights,
-        head: Weights,
+        weights: (Weights, Weights),
     ) -> Result<RewardModel> {
-        let (vs, model, score) =
-            build_scored(cfg, device, kind, (stack, head), cfg.num_labels(), false)?;
+        let (vs, model, score) = build_scored(cfg, device, kind, weights, cfg.num_labels(), false)?;
         Ok(RewardModel {
             vs,
             model,
@@ -716,7 +715,7 @@ impl RewardModel {
         let cfg = read_config(dir)?;
         let ckpt = Checkpoint::open(dir)?;
         // every variable is loaded, or this fails naming the missing one
-        let rm = RewardModel::built(&cfg, device, kind, Weights::Filled, Weights::Filled)?;
+        let rm = RewardModel::built(&cfg, device, kind, (Weights::Filled, Weights::Filled))?;
         hf::load_into(&rm.vs, &ckpt, &|_| false)?;
         Ok(rm)
     }

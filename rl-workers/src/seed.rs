@@ -5,7 +5,6 @@
 //! process-wide lock, and [`seeded`] holds that lock from the seeding to the end of its
 //! closure: a seeded initialisation is then the same however threads are scheduled. The lock is
 //! re-entrant on the thread that holds it, so a closure may build any number of models.
-
 //!
 //! A model about to be overwritten (loaded from a checkpoint, copied from another model) draws
 //! nothing: its variables are built inside [`to_be_filled`], which allocates them in their

@@ -781,25 +781,22 @@ pub fn estimate(exp: &ExperimentConfig, m: &Models) -> Result<Plan> {
     // building, in compose's order: the policy (and its adapters) loaded in model.dtype, the
     // critic loaded, the actor's optimizer (made before the mixed-precision cast), the
     // reference's copy (allocated in the policy's dtype, nothing drawn), the critic's optimizer
-    let load_transient = |cfg: &Config| {
+    // loading the largest tensor of `cfg` into `load` bytes a weight (the policy's base may
+    // load in bf16: LoRA with mixed precision)
+    let load_transient = |cfg: &Config, load: u64| {
         let f = file_bytes(cfg);
-        largest_tensor(cfg) as u64 * (2 * f + if f != model_bytes { model_bytes } else { 0 })
-    };
-    // the policy's: its base may load in bf16 (LoRA with mixed precision)
-    let policy_transient = {
-        let (f, l) = (file_bytes(cfg), policy.load_bytes);
-        largest_tensor(cfg) as u64 * (2 * f + if f != l { l } else { 0 })
+        largest_tensor(cfg) as u64 * (2 * f + if f != load { load } else { 0 })
     };
     let critic_loaded = critic
         .as_ref()
         .map_or(0, |(t, _)| t.params() as u64 * t.load_bytes);
     let policy_loaded = policy.params() as u64 * policy.load_bytes;
     let mut moments = vec![
-        policy_loaded + policy_transient,
+        policy_loaded + load_transient(cfg, policy.load_bytes),
         policy_loaded + critic_loaded + policy.optimizer_at_build() + reward_weights,
     ];
-    if let Some((_, ccfg)) = &critic {
-        moments.push(policy_loaded + critic_loaded + load_transient(ccfg));
+    if let Some((t, ccfg)) = &critic {
+        moments.push(policy_loaded + critic_loaded + load_transient(ccfg, t.load_bytes));
     }
     let after_cast = policy.weights() + critic_loaded + policy.optimizer_at_build();
     if ref_copy {
