@@ -4,7 +4,7 @@ interleaved so that load cannot flatter either side.
 Run from the repository root after `scripts/import-smollm2` and `scripts/reference-env` (or
 through `scripts/bench`, which does both):
   .venv/bin/python rl-workers/benches/side_by_side.py [--model DIR] [--threads 2] [--new-tokens 64]
-      [--rounds 3] [--json-out FILE] [--shape batch|grpo]
+      [--rounds 3] [--json-out FILE] [--shape batch|grpo] [--warm]
 
 Both sides get the same 32 chat prompts as the same token ids, run on CPU with the same thread
 count, each in its own process (so peak RSS is per side): batched generation of NEW_TOKENS tokens
@@ -16,6 +16,10 @@ throughput and memory bandwidth) right after the two sides.
 tokens (unless --new-tokens says otherwise); greedy runs over each prompt repeated 8 times (64
 rows on both sides), sampled asks for 8 samples a prompt (transformers' `num_return_sequences`,
 our `n`, which prefills each prompt once for its samples); no forward+backward.
+`--warm` runs each generation once untimed before the timed run on both sides, as a training
+loop's later rollouts run (oneDNN's and MKL's kernels made, the allocators' heaps grown; our side
+still packs its weights again, as after every update); the first runs' times are printed too.
+The forward+backward always times the last three of four.
 `--fused` runs our forward+backward through the fused head (verl's `use_fused_kernels`: the
 LM head and its log-softmax in row chunks, recomputed in the backward).
 `--cpu-gemm blas` computes our projections with libtorch's `linear` (MKL's sgemm, as transformers
@@ -111,11 +115,17 @@ def hf_side(args):
             # greedy samples would all be the same: n copies of each prompt instead
             kwargs = dict(do_sample=False)
             gen_ids, gen_mask = ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
-        start = time.perf_counter()
-        with torch.no_grad():
-            out = model.generate(input_ids=gen_ids, attention_mask=gen_mask, max_new_tokens=args.new_tokens,
-                                 pad_token_id=pad, eos_token_id=eos, **kwargs)
-        secs = time.perf_counter() - start
+        def run():
+            start = time.perf_counter()
+            with torch.no_grad():
+                out = model.generate(input_ids=gen_ids, attention_mask=gen_mask, max_new_tokens=args.new_tokens,
+                                     pad_token_id=pad, eos_token_id=eos, **kwargs)
+            return out, time.perf_counter() - start
+
+        if args.warm:
+            _, report[f"{name}_first_seconds"] = run()
+            torch.manual_seed(1234)
+        out, secs = run()
         new = out[:, width:]
         tokens = real_tokens(new)
         report[f"{name}_seconds"] = secs
@@ -212,6 +222,7 @@ TARGETS = [
     ("sampled_speedup", "sampled tokens/s, ours / transformers", 2.0, "higher"),
     ("fwd_bwd_time_ratio", "forward+backward time, ours / transformers", 0.8, "lower"),
     ("peak_rss_ratio", "peak RSS, ours / transformers", 1.0, "lower"),
+    ("greedy_first_speedup", "greedy, the process's first run (--warm), ours / transformers", None, "higher"),
     ("greedy_rust_over_floor", "greedy time, ours / the compute floor while it ran", 1.3, "lower"),
     ("greedy_rust_over_best_floor", "greedy time, ours / the round's best compute floor", None, "lower"),
     ("fwd_bwd_rust_over_floor", "forward+backward time, ours / the compute floor", None, "lower"),
@@ -259,6 +270,9 @@ def main():
                    help="the library of our f32 projections (trainer.cpu_gemm)")
     p.add_argument("--samples", type=int, default=1, help=argparse.SUPPRESS)  # set by --shape, for --hf-side
     p.add_argument("--fwd-bwd", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--warm", action="store_true",
+                   help="both sides run each generation once untimed first (a training loop's "
+                        "later rollouts); the first run's time is kept as {name}_first_seconds")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json-out")
     p.add_argument("--prompts")
@@ -287,9 +301,9 @@ def main():
                 str(args.new_tokens), str(args.threads)]
     hf_cmd = [sys.executable, __file__, "--hf-side", "--model", args.model, "--prompts", prompts,
               "--threads", str(args.threads), "--new-tokens", str(args.new_tokens),
-              "--samples", str(args.samples), "--fwd-bwd", str(args.fwd_bwd)]
+              "--samples", str(args.samples), "--fwd-bwd", str(args.fwd_bwd)] + (["--warm"] if args.warm else [])
     rust_env = dict(os.environ, BENCH_N=str(args.samples), BENCH_FWD_BWD=str(args.fwd_bwd),
-                    BENCH_FUSED="1" if args.fused else "0",
+                    BENCH_FUSED="1" if args.fused else "0", BENCH_WARM="1" if args.warm else "0",
                     BENCH_ONEDNN="1" if args.cpu_gemm == "onednn" else "0")
     eos = json.load(open(os.path.join(args.model, "config.json")))["eos_token_id"]
     from safetensors import safe_open
@@ -349,6 +363,8 @@ def main():
             "greedy_speedup": rust["greedy_tokens_per_s"] / hf["greedy_tokens_per_s"],
             "sampled_speedup": rust["sampled_tokens_per_s"] / hf["sampled_tokens_per_s"],
             "peak_rss_ratio": rust["peak_rss_mib"] / hf["peak_rss_mib"],
+            **({"greedy_first_speedup": hf["greedy_first_seconds"] / rust["greedy_first_seconds"]}
+               if args.warm else {}),
             "greedy_probe_before": before, "greedy_probe_after": after,
             "greedy_probe_change": probe_change,
             "greedy_floor_seconds": gen_floor,
@@ -379,7 +395,8 @@ def main():
         "load_avg": [r["load_avg_before_rust"][0] for r in rounds] + [r["load_avg_before_transformers"][0] for r in rounds],
         "ratios": {}, "sides": {},
     }
-    for key in ("greedy_seconds", "sampled_seconds", "fwd_bwd_seconds", "peak_rss_mib",
+    for key in ("greedy_seconds", "greedy_first_seconds", "sampled_seconds", "sampled_first_seconds",
+                "fwd_bwd_seconds", "peak_rss_mib",
                 "greedy_tokens_per_s", "sampled_tokens_per_s"):
         if key not in rounds[0]["rust"]:
             continue
@@ -403,6 +420,10 @@ def main():
     for side in ("rust", "transformers"):
         cell = lambda k: f"{s[k][side]['median']:.2f} ({s[k][side]['min']:.2f}-{s[k][side]['max']:.2f})" if k in s else "-"
         print(f"| {side} | {cell('greedy_seconds')} | {cell('sampled_seconds')} | {cell('fwd_bwd_seconds')} | {cell('peak_rss_mib')} |")
+    if "greedy_first_seconds" in s:
+        for side in ("rust", "transformers"):
+            print(f"{side}: the process's first (untimed) runs took greedy {cell('greedy_first_seconds')} s, "
+                  f"sampled {cell('sampled_first_seconds')} s")
     print()
     print("\n".join(lines))
     print()

@@ -105,6 +105,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         rl_workers::gemm::CpuGemm::Blas
     });
     let fused = flag("BENCH_FUSED", false)?;
+    let warm = flag("BENCH_WARM", false)?;
     let mut report = serde_json::Map::new();
     let mut greedy_out = None;
     let only = std::env::var("BENCH_ONLY").ok();
@@ -145,6 +146,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let probing = name == "greedy" && flag("BENCH_PROBE", true)?;
         if probing {
             report.insert("greedy_probe_before".to_owned(), probe(probe_rows));
+        }
+        if warm {
+            // a rollout in a training loop is never the process's first: the same generation
+            // once untimed (oneDNN's kernels made, the allocator's heap grown), as the
+            // forward+backward's first of four is
+            let start = Instant::now();
+            let mut first = GenerateOptions::from_config(lm.config());
+            first.seed = opts.seed;
+            generate(&lm, &input_ids, &mask, &pos, &cfg, &mut first)?;
+            report.insert(
+                format!("{name}_first_seconds"),
+                start.elapsed().as_secs_f64().into(),
+            );
         }
         let start = Instant::now();
         let out = generate(&lm, &input_ids, &mask, &pos, &cfg, &mut opts)?;

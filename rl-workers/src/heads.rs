@@ -92,27 +92,49 @@ fn build<H>(
     stack: Weights,
     head: impl FnOnce(&tch::nn::Path, &Config) -> H,
 ) -> Result<(VarStore, Model, H)> {
+    build_with_stack_in(cfg, device, kind, (stack, kind), head)
+}
+
+/// [`build`] with the stack in `stack_kind`. A stack in another dtype than the rest (a frozen
+/// base loaded straight in mixed precision's compute dtype, under a float32 head and adapters)
+/// must be left to be filled, in a float32 model: nothing is cast then.
+fn build_with_stack_in<H>(
+    cfg: &Config,
+    device: Device,
+    kind: Kind,
+    (stack, stack_kind): (Weights, Kind),
+    head: impl FnOnce(&tch::nn::Path, &Config) -> H,
+) -> Result<(VarStore, Model, H)> {
     check_kind(kind)?;
+    check_kind(stack_kind)?;
+    if stack_kind != kind && (stack != Weights::Filled || kind != Kind::Float) {
+        return Err(Error::invalid(
+            "kind",
+            format!(
+                "a stack in {stack_kind:?} under a model in {kind:?}: only a loaded stack under a float32 model may differ"
+            ),
+        ));
+    }
     // the initial draws come from torch's global generator: hold it (crate::seed)
     let _generator = crate::seed::hold_generator();
     let mut vs = VarStore::new(device);
-    let model = stack.build(kind, || Model::new(vs.root() / "model", cfg))?;
+    let model = stack.build(stack_kind, || Model::new(vs.root() / "model", cfg))?;
     let head = head(&vs.root(), cfg);
     cast(&mut vs, kind);
     Ok((vs, model, head))
 }
 
 /// [`build`] with a `score` head of `labels` outputs (the critic's and the reward model's);
-/// `(stack, head)` say how the stack and the head start.
+/// `(stack, head)` say how the stack and the head start, `stack_kind` the stack's dtype.
 fn build_scored(
     cfg: &Config,
     device: Device,
-    kind: Kind,
+    (kind, stack_kind): (Kind, Kind),
     (stack, head): (Weights, Weights),
     labels: i64,
     bias: bool,
 ) -> Result<(VarStore, Model, Linear)> {
-    build(cfg, device, kind, stack, |root, cfg| {
+    build_with_stack_in(cfg, device, kind, (stack, stack_kind), |root, cfg| {
         head.build(kind, || {
             Linear::new(
                 root / "score",
@@ -546,17 +568,17 @@ impl ValueModel {
 
     /// A freshly initialised critic.
     pub fn new(cfg: &Config, device: Device, kind: Kind) -> Result<ValueModel> {
-        ValueModel::built(cfg, device, kind, (Weights::Drawn, Weights::Drawn))
+        ValueModel::built(cfg, device, (kind, kind), (Weights::Drawn, Weights::Drawn))
     }
 
-    /// `weights`: how the stack and the head start.
+    /// `kinds`: the model's dtype and the stack's; `weights`: how the stack and the head start.
     fn built(
         cfg: &Config,
         device: Device,
-        kind: Kind,
+        kinds: (Kind, Kind),
         weights: (Weights, Weights),
     ) -> Result<ValueModel> {
-        let (vs, model, score) = build_scored(cfg, device, kind, weights, 1, true)?;
+        let (vs, model, score) = build_scored(cfg, device, kinds, weights, 1, true)?;
         Ok(ValueModel {
             vs,
             model,
@@ -573,6 +595,20 @@ impl ValueModel {
         device: Device,
         kind: Kind,
     ) -> Result<ValueModel> {
+        ValueModel::from_pretrained_stack_in(dir, device, kind, kind)
+    }
+
+    /// [`from_pretrained`](Self::from_pretrained) with the stack loaded in `stack_kind` and
+    /// the value head in `kind` (float32 where they differ): a base that LoRA freezes, loaded
+    /// straight in mixed precision's compute dtype, under a head and adapters
+    /// ([`add_lora_in`](Self::add_lora_in)) in float32, the masters' source. The optimizer
+    /// casts the trained variables (`AdamW::for_model`), as it would cast a float32 model.
+    pub fn from_pretrained_stack_in(
+        dir: impl AsRef<Path>,
+        device: Device,
+        kind: Kind,
+        stack_kind: Kind,
+    ) -> Result<ValueModel> {
         let dir = dir.as_ref();
         let cfg = read_config(dir)?;
         let ckpt = Checkpoint::open(dir)?;
@@ -583,7 +619,8 @@ impl ValueModel {
         } else {
             Weights::Drawn
         };
-        let mut critic = ValueModel::built(&cfg, device, kind, (Weights::Filled, head))?;
+        let mut critic =
+            ValueModel::built(&cfg, device, (kind, stack_kind), (Weights::Filled, head))?;
         let fresh = hf::load_into(&critic.vs, &ckpt, &|name| {
             !has_head && name.starts_with("score.")
         })?;
@@ -676,27 +713,35 @@ impl RewardModel {
 
     /// A freshly initialised reward model with `cfg.num_labels()` outputs.
     pub fn new(cfg: &Config, device: Device, kind: Kind) -> Result<RewardModel> {
-        RewardModel::built(cfg, device, kind, (Weights::Drawn, Weights::Drawn))
+        RewardModel::built(cfg, device, (kind, kind), (Weights::Drawn, Weights::Drawn))
     }
 
     /// A reward model whose stack the caller overwrites before use (loads from a language
-    /// model's checkpoint), built without drawing; the head is drawn.
+    /// model's checkpoint), built in `stack_kind` without drawing; the head is drawn, in `kind`
+    /// (see [`ValueModel::from_pretrained_stack_in`] for a stack in another dtype).
     pub(crate) fn with_stack_to_be_filled(
         cfg: &Config,
         device: Device,
         kind: Kind,
+        stack_kind: Kind,
     ) -> Result<RewardModel> {
-        RewardModel::built(cfg, device, kind, (Weights::Filled, Weights::Drawn))
+        RewardModel::built(
+            cfg,
+            device,
+            (kind, stack_kind),
+            (Weights::Filled, Weights::Drawn),
+        )
     }
 
-    /// `weights`: how the stack and the head start.
+    /// `kinds`: the model's dtype and the stack's; `weights`: how the stack and the head start.
     fn built(
         cfg: &Config,
         device: Device,
-        kind: Kind,
+        kinds: (Kind, Kind),
         weights: (Weights, Weights),
     ) -> Result<RewardModel> {
-        let (vs, model, score) = build_scored(cfg, device, kind, weights, cfg.num_labels(), false)?;
+        let (vs, model, score) =
+            build_scored(cfg, device, kinds, weights, cfg.num_labels(), false)?;
         Ok(RewardModel {
             vs,
             model,
@@ -715,7 +760,12 @@ impl RewardModel {
         let cfg = read_config(dir)?;
         let ckpt = Checkpoint::open(dir)?;
         // every variable is loaded, or this fails naming the missing one
-        let rm = RewardModel::built(&cfg, device, kind, (Weights::Filled, Weights::Filled))?;
+        let rm = RewardModel::built(
+            &cfg,
+            device,
+            (kind, kind),
+            (Weights::Filled, Weights::Filled),
+        )?;
         hf::load_into(&rm.vs, &ckpt, &|_| false)?;
         Ok(rm)
     }

@@ -172,8 +172,9 @@ struct Trained {
     trainable: i64,
     /// Bytes per weight while training (the compute dtype).
     weight_bytes: u64,
-    /// Bytes per weight as loaded (`model.dtype`), before a mixed-precision cast; the policy's
-    /// frozen base under LoRA and mixed precision loads straight in bf16 (`load_policy`).
+    /// Bytes per weight as loaded (`model.dtype`), before a mixed-precision cast; a frozen base
+    /// under LoRA and mixed precision (the policy's, the critic's) loads straight in bf16
+    /// (compose's `frozen_base_kind`; the adapters and a score head, a small share, in float32).
     load_bytes: u64,
     /// Mixed precision: float32 master weights and gradient accumulators.
     mixed: bool,
@@ -453,7 +454,7 @@ pub fn estimate(exp: &ExperimentConfig, m: &Models) -> Result<Plan> {
                 base
             },
             weight_bytes: if mixed { 2 } else { model_bytes },
-            load_bytes: if head == Head::Lm && lora.is_some() && mixed {
+            load_bytes: if lora.is_some() && mixed {
                 2
             } else {
                 model_bytes

@@ -23,7 +23,7 @@ use rl_data::{
 };
 use rl_workers::roles::{
     ActorWorker, BackgroundWorker, CriticWorker, ProgressHook, ReferenceWorker, RewardModelWorker,
-    RmWorker, RolloutWorker, SharedPolicy, reward_model_from_lm, share,
+    RmWorker, RolloutWorker, SharedPolicy, reward_model_from_lm_stack_in, share,
 };
 use rl_workers::{CausalLm, RewardModel, TextCodec, ToolEnv, ValueModel};
 use serde_json::Value;
@@ -234,10 +234,15 @@ pub fn build_with_group(
         TrainerKind::OnPolicy => {
             let critic = if cfg.algorithm.adv_estimator.needs_critic() {
                 let path = cfg.critic.model.path.clone().unwrap_or_else(|| dir.clone());
-                let mut critic = ValueModel::from_pretrained(&path, device, kind)
+                let lora = cfg.critic.model.lora("critic.model")?;
+                let base =
+                    frozen_base_kind(lora.is_some(), &cfg.critic.worker.mixed_precision, kind);
+                let mut critic = ValueModel::from_pretrained_stack_in(&path, device, kind, base)
                     .with_context(|| format!("loading critic.model.path {}", path.display()))?;
-                if let Some(lora) = cfg.critic.model.lora("critic.model")? {
-                    critic.add_lora(&lora).context("critic.model.lora_rank")?;
+                if let Some(lora) = lora {
+                    critic
+                        .add_lora_in(&lora, kind)
+                        .context("critic.model.lora_rank")?;
                 }
                 Some(critic)
             } else {
@@ -290,16 +295,12 @@ pub fn build_with_group(
 pub fn load_policy(cfg: &ExperimentConfig, device: Device) -> Result<CausalLm> {
     let m = &cfg.actor_rollout_ref.model;
     let lora = m.lora()?;
-    let mp = &cfg.actor_rollout_ref.actor.mixed_precision;
     let adapter_kind = m.dtype.kind();
-    let base_kind = if (lora.is_some() || m.lora_adapter_path.is_some())
-        && mp.enabled()
-        && adapter_kind == tch::Kind::Float
-    {
-        mp.kind()
-    } else {
-        adapter_kind
-    };
+    let base_kind = frozen_base_kind(
+        lora.is_some() || m.lora_adapter_path.is_some(),
+        &cfg.actor_rollout_ref.actor.mixed_precision,
+        adapter_kind,
+    );
     let mut lm = CausalLm::from_pretrained(&m.path, device, base_kind)
         .with_context(|| format!("loading actor_rollout_ref.model.path {}", m.path.display()))?;
     match (&m.lora_adapter_path, lora) {
@@ -337,6 +338,22 @@ pub fn load_policy(cfg: &ExperimentConfig, device: Device) -> Result<CausalLm> {
         (None, None) => {}
     }
     Ok(lm)
+}
+
+/// The dtype a model's base is loaded in: with LoRA under mixed precision the frozen base goes
+/// straight to the compute dtype (its float32 copy would only be cast), while the trained
+/// variables (adapters, a score head) stay in `kind`, float32, the masters' source
+/// (`AdamW::for_model` casts them); otherwise `kind`.
+fn frozen_base_kind(
+    lora: bool,
+    mp: &rl_workers::roles::MixedPrecision,
+    kind: tch::Kind,
+) -> tch::Kind {
+    if lora && mp.enabled() && kind == tch::Kind::Float {
+        mp.kind()
+    } else {
+        kind
+    }
 }
 
 /// rl-data's loader as a [`BatchSource`] of prompt batches.
@@ -966,14 +983,17 @@ pub fn build_reward_model_in(
         .total_training_steps
         .unwrap_or(cfg.trainer.total_epochs * source.sampler.batches_per_epoch() as u64);
     let dir = &cfg.actor_rollout_ref.model.path;
-    let mut model = reward_model_from_lm(dir, device, cfg.actor_rollout_ref.model.dtype.kind())
+    let rm = &cfg.reward_model.own.train;
+    let lora = cfg.actor_rollout_ref.model.lora()?;
+    let kind = cfg.actor_rollout_ref.model.dtype.kind();
+    let base = frozen_base_kind(lora.is_some(), &rm.mixed_precision, kind);
+    let mut model = reward_model_from_lm_stack_in(dir, device, kind, base)
         .with_context(|| format!("loading actor_rollout_ref.model.path {}", dir.display()))?;
-    if let Some(lora) = cfg.actor_rollout_ref.model.lora()? {
+    if let Some(lora) = lora {
         model
-            .add_lora(&lora)
+            .add_lora_in(&lora, kind)
             .context("actor_rollout_ref.model.target_modules")?;
     }
-    let rm = &cfg.reward_model.own.train;
     let mut worker = RmWorker::new(model, rm.worker(cfg.preference_data.train_batch_size))?;
     if let Some(g) = group {
         worker = worker.with_group(g.clone())?;

@@ -24,6 +24,7 @@ pub use micro::token_balanced_partitions;
 pub use optim::{AdamW, OptimCounters};
 pub use reward_model::{
     RewardModelConfig, RewardModelWorker, RmWorker, RmWorkerConfig, reward_model_from_lm,
+    reward_model_from_lm_stack_in,
 };
 pub use zero::ZeroStage;
 

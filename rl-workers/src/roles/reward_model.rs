@@ -99,12 +99,24 @@ pub fn reward_model_from_lm(
     device: Device,
     kind: Kind,
 ) -> Result<RewardModel> {
+    reward_model_from_lm_stack_in(dir, device, kind, kind)
+}
+
+/// [`reward_model_from_lm`] with the stack loaded in `stack_kind` and the head in `kind`
+/// (float32 where they differ): LoRA's frozen base straight in mixed precision's compute
+/// dtype, as [`crate::ValueModel::from_pretrained_stack_in`].
+pub fn reward_model_from_lm_stack_in(
+    dir: impl AsRef<Path>,
+    device: Device,
+    kind: Kind,
+    stack_kind: Kind,
+) -> Result<RewardModel> {
     let dir = dir.as_ref();
     let mut cfg = Config::from_file(dir.join(CONFIG_JSON))?;
     cfg.set_num_labels(1);
     let ckpt = Checkpoint::open(dir)?;
     // the stack is loaded (or this fails naming what is missing), the head drawn
-    let rm = RewardModel::with_stack_to_be_filled(&cfg, device, kind)?;
+    let rm = RewardModel::with_stack_to_be_filled(&cfg, device, kind, stack_kind)?;
     hf::load_into(rm.var_store(), &ckpt, &|name| name.starts_with("score."))?;
     Ok(rm)
 }

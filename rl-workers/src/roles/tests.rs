@@ -609,3 +609,71 @@ fn a_lora_base_loaded_in_bf16_trains_as_one_cast_from_f32() {
         "the update changed nothing"
     );
 }
+
+/// The critic's (and reward model's) form of the test above: the stack loaded straight in
+/// bfloat16 under a float32 value head and adapters (`from_pretrained_stack_in`, what compose
+/// does for a LoRA critic under mixed precision) trains exactly as a critic loaded in float32
+/// and cast by the optimizer: the fresh head drawn the same, every weight bitwise equal after
+/// building and after an update.
+#[test]
+fn a_lora_critic_stack_loaded_in_bf16_trains_as_one_cast_from_f32() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = tiny_policy(5);
+    src.lock().unwrap().save_pretrained(dir.path()).unwrap();
+    let lora = crate::LoraConfig {
+        rank: 4,
+        alpha: 8.0,
+        target_modules: Default::default(),
+        exclude_modules: Vec::new(),
+        dropout: 0.0,
+        use_rslora: false,
+    };
+    let cfg = CriticConfig {
+        ppo_mini_batch_size: 4,
+        optim: OptimConfig {
+            lr: 1e-2,
+            ..OptimConfig::default()
+        },
+        mixed_precision: MixedPrecision {
+            param_dtype: ParamDtype::Bf16,
+        },
+        ..CriticConfig::default()
+    };
+    let batch = rolled(&src);
+    let mut results = Vec::new();
+    for stack in [Kind::Float, Kind::BFloat16] {
+        let mut vm = crate::seeded(9, || {
+            ValueModel::from_pretrained_stack_in(dir.path(), Device::Cpu, Kind::Float, stack)
+        })
+        .unwrap();
+        assert!(vm.fresh_head());
+        crate::seeded(10, || vm.add_lora_in(&lora, Kind::Float)).unwrap();
+        // loaded in the dtype asked for: no float32 copy of a bf16 stack was made
+        for (name, t) in vm.var_store().variables() {
+            let want = match name.starts_with("model.") && !name.contains("lora_") {
+                true => stack,
+                false => Kind::Float,
+            };
+            assert_eq!(t.kind(), want, "{name}");
+        }
+        let mut critic = CriticWorker::new(vm, cfg.clone(), 2).unwrap();
+        let built = vars(critic.model().var_store());
+        assert!(built.iter().all(|(_, t)| t.kind() == Kind::BFloat16));
+        critic.update(&batch, &Mse).unwrap();
+        results.push((built, vars(critic.model().var_store())));
+    }
+    let same = |a: &[(String, Tensor)], b: &[(String, Tensor)]| {
+        a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.0 == y.0 && x.1.equal(&y.1))
+    };
+    assert!(same(&results[0].0, &results[1].0), "built weights differ");
+    assert!(same(&results[0].1, &results[1].1), "trained weights differ");
+    assert!(
+        !same(&results[0].0, &results[0].1),
+        "the update changed nothing"
+    );
+    // a stack in another dtype only under a float32 model
+    let err =
+        ValueModel::from_pretrained_stack_in(dir.path(), Device::Cpu, Kind::BFloat16, Kind::Half)
+            .unwrap_err();
+    assert!(err.to_string().contains("Half"), "{err}");
+}
