@@ -48,6 +48,8 @@ fn reset_peak() -> Result<()> {
 }
 
 fn main() -> Result<()> {
+    // as `harness` runs (rl_workers::heap)
+    rl_workers::heap::keep_freed_memory();
     let start = status_kib("VmRSS:")?;
     let mut args = std::env::args().skip(1);
     let Some(file) = args.next() else {

@@ -8,6 +8,9 @@ use rl_harness::run::rank::{PORT_TAKEN_EXIT, PortTaken};
 use rl_harness::{console, note};
 
 fn main() {
+    // a training step frees and allocates the same large tensors again and again: keep freed
+    // memory for them instead of having the kernel zero fresh pages each time (rl_workers::heap)
+    rl_workers::heap::keep_freed_memory();
     let cli = rl_harness::Cli::parse();
     let result = rl_harness::run(cli);
     // What could not be written to stdout (other than to a reader that went away) is an error.

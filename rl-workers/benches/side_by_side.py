@@ -20,6 +20,10 @@ our `n`, which prefills each prompt once for its samples); no forward+backward.
 loop's later rollouts run (oneDNN's and MKL's kernels made, the allocators' heaps grown; our side
 still packs its weights again, as after every update); the first runs' times are printed too.
 The forward+backward always times the last three of four.
+Our side keeps freed memory in the process as `harness` does (rl-workers/src/heap.rs: glibc's
+allocator told to reuse large blocks rather than have the kernel zero fresh pages for each);
+transformers runs with glibc's defaults, as its users run it. Setting `MALLOC_MMAP_MAX_` (or any
+of glibc's MALLOC_* variables) for this script gives both sides the same allocator settings.
 `--fused` runs our forward+backward through the fused head (verl's `use_fused_kernels`: the
 LM head and its log-softmax in row chunks, recomputed in the backward).
 `--cpu-gemm blas` computes our projections with libtorch's `linear` (MKL's sgemm, as transformers

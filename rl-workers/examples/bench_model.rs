@@ -63,6 +63,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         return Err("usage: bench_model MODEL_DIR PROMPTS.json NEW_TOKENS THREADS".into());
     };
     let new_tokens: i64 = new_tokens.parse()?;
+    // as `harness` runs (rl_workers::heap; glibc's MALLOC_* variables opt out)
+    let keeps_freed_memory = rl_workers::heap::keep_freed_memory();
     tch::set_num_threads(threads.parse()?);
     let rows: Vec<Vec<i64>> = serde_json::from_str(&std::fs::read_to_string(prompts)?)?;
     let lm = CausalLm::from_pretrained(dir, Device::Cpu, Kind::Float)?;
@@ -107,6 +109,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let fused = flag("BENCH_FUSED", false)?;
     let warm = flag("BENCH_WARM", false)?;
     let mut report = serde_json::Map::new();
+    report.insert("keeps_freed_memory".to_owned(), keeps_freed_memory.into());
     let mut greedy_out = None;
     let only = std::env::var("BENCH_ONLY").ok();
     if let Some(o) = only

@@ -226,3 +226,53 @@ pub(crate) fn grad_mode_enabled() -> bool {
     // SAFETY: reads a thread-local flag.
     unsafe { rl_grad_mode_enabled() }
 }
+
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+unsafe extern "C" {
+    /// glibc's allocator settings (`mallopt(3)`); 1 on success.
+    fn mallopt(param: std::ffi::c_int, value: std::ffi::c_int) -> std::ffi::c_int;
+    /// glibc's allocator statistics (`mallinfo2(3)`).
+    #[cfg(test)]
+    fn mallinfo2() -> MallInfo2;
+}
+
+/// `struct mallinfo2`.
+#[cfg(all(test, target_os = "linux", target_env = "gnu"))]
+#[repr(C)]
+struct MallInfo2 {
+    arena: usize,
+    ordblks: usize,
+    smblks: usize,
+    hblks: usize,
+    /// Bytes in blocks mapped straight from the kernel.
+    hblkhd: usize,
+    usmblks: usize,
+    fsmblks: usize,
+    uordblks: usize,
+    fordblks: usize,
+    keepcost: usize,
+}
+
+/// The bytes glibc's allocator holds in blocks mapped straight from the kernel.
+#[cfg(all(test, target_os = "linux", target_env = "gnu"))]
+pub(crate) fn malloc_mapped_bytes() -> usize {
+    // SAFETY: reads the allocator's statistics into a struct of glibc's layout.
+    unsafe { mallinfo2() }.hblkhd
+}
+
+/// Tells glibc's allocator to serve every block from its heap (`M_MMAP_MAX` 0) and never to
+/// give freed memory back to the kernel (`M_TRIM_THRESHOLD` -1); whether it took both. Not
+/// glibc: false, nothing done.
+pub(crate) fn malloc_keep_freed_memory() -> bool {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        const M_TRIM_THRESHOLD: std::ffi::c_int = -1;
+        const M_MMAP_MAX: std::ffi::c_int = -4;
+        // SAFETY: mallopt only changes the allocator's parameters; any value is allowed.
+        unsafe { mallopt(M_MMAP_MAX, 0) == 1 && mallopt(M_TRIM_THRESHOLD, -1) == 1 }
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    {
+        false
+    }
+}

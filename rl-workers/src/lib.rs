@@ -25,6 +25,7 @@ pub mod fused_head;
 pub mod gemm;
 pub mod gguf;
 mod heads;
+pub mod heap;
 mod hf;
 pub mod lora;
 mod model;
