@@ -1,6 +1,7 @@
 //! The only unsafe code in the crate: the binding to the C++ shim in `csrc/` (the oneDNN linear
 //! layer and its packed weights for [`crate::gemm`], the decode step's attention for
-//! [`crate::attention`], the fused element-wise kernels for [`crate::fused`]).
+//! [`crate::attention`], the fused element-wise kernels for [`crate::fused`]), and glibc's
+//! `mallopt` for [`crate::heap`].
 #![allow(unsafe_code)]
 
 use std::ffi::{CStr, c_char, c_void};
