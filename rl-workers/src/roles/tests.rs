@@ -561,6 +561,23 @@ fn fused_head_updates_equal_plain_ones() {
     }
 }
 
+/// Rank-4 adapters (alpha 8) on every linear layer, no dropout.
+fn rank_4_lora() -> crate::LoraConfig {
+    crate::LoraConfig {
+        rank: 4,
+        alpha: 8.0,
+        target_modules: Default::default(),
+        exclude_modules: Vec::new(),
+        dropout: 0.0,
+        use_rslora: false,
+    }
+}
+
+/// The same names with bitwise-equal tensors.
+fn same_weights(a: &[(String, Tensor)], b: &[(String, Tensor)]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.0 == y.0 && x.1.equal(&y.1))
+}
+
 /// LoRA under mixed precision: a base loaded straight in bfloat16 with float32 adapters
 /// (`add_lora_in`, what `load_policy` does) trains exactly as a model loaded in float32 and
 /// cast by the optimizer (the only way before): the same bf16 weights, the same float32
@@ -570,14 +587,7 @@ fn a_lora_base_loaded_in_bf16_trains_as_one_cast_from_f32() {
     let dir = tempfile::tempdir().unwrap();
     let src = tiny_policy(5);
     src.lock().unwrap().save_pretrained(dir.path()).unwrap();
-    let lora = crate::LoraConfig {
-        rank: 4,
-        alpha: 8.0,
-        target_modules: Default::default(),
-        exclude_modules: Vec::new(),
-        dropout: 0.0,
-        use_rslora: false,
-    };
+    let lora = rank_4_lora();
     let cfg = ActorConfig {
         mixed_precision: MixedPrecision {
             param_dtype: ParamDtype::Bf16,
@@ -599,9 +609,7 @@ fn a_lora_base_loaded_in_bf16_trains_as_one_cast_from_f32() {
         actor.update(&b, &TokenMeanPg).unwrap();
         results.push((built, params(&policy)));
     }
-    let same = |a: &[(String, Tensor)], b: &[(String, Tensor)]| {
-        a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.0 == y.0 && x.1.equal(&y.1))
-    };
+    let same = same_weights;
     assert!(same(&results[0].0, &results[1].0), "built weights differ");
     assert!(same(&results[0].1, &results[1].1), "trained weights differ");
     assert!(
@@ -620,14 +628,7 @@ fn a_lora_critic_stack_loaded_in_bf16_trains_as_one_cast_from_f32() {
     let dir = tempfile::tempdir().unwrap();
     let src = tiny_policy(5);
     src.lock().unwrap().save_pretrained(dir.path()).unwrap();
-    let lora = crate::LoraConfig {
-        rank: 4,
-        alpha: 8.0,
-        target_modules: Default::default(),
-        exclude_modules: Vec::new(),
-        dropout: 0.0,
-        use_rslora: false,
-    };
+    let lora = rank_4_lora();
     let cfg = CriticConfig {
         ppo_mini_batch_size: 4,
         optim: OptimConfig {
@@ -662,9 +663,7 @@ fn a_lora_critic_stack_loaded_in_bf16_trains_as_one_cast_from_f32() {
         critic.update(&batch, &Mse).unwrap();
         results.push((built, vars(critic.model().var_store())));
     }
-    let same = |a: &[(String, Tensor)], b: &[(String, Tensor)]| {
-        a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.0 == y.0 && x.1.equal(&y.1))
-    };
+    let same = same_weights;
     assert!(same(&results[0].0, &results[1].0), "built weights differ");
     assert!(same(&results[0].1, &results[1].1), "trained weights differ");
     assert!(
