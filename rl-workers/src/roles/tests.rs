@@ -573,6 +573,18 @@ fn rank_4_lora() -> crate::LoraConfig {
     }
 }
 
+/// Every variable of the decoder stack is in `stack` (LoRA's adapters excepted), the rest
+/// (adapters, a score head) in float32.
+fn stack_in(vs: &tch::nn::VarStore, stack: Kind) {
+    for (name, t) in vs.variables() {
+        let want = match name.starts_with("model.") && !name.contains("lora_") {
+            true => stack,
+            false => Kind::Float,
+        };
+        assert_eq!(t.kind(), want, "{name}");
+    }
+}
+
 /// The same names with bitwise-equal tensors.
 fn same_weights(a: &[(String, Tensor)], b: &[(String, Tensor)]) -> bool {
     a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.0 == y.0 && x.1.equal(&y.1))
@@ -650,13 +662,7 @@ fn a_lora_critic_stack_loaded_in_bf16_trains_as_one_cast_from_f32() {
         assert!(vm.fresh_head());
         crate::seeded(10, || vm.add_lora_in(&lora, Kind::Float)).unwrap();
         // loaded in the dtype asked for: no float32 copy of a bf16 stack was made
-        for (name, t) in vm.var_store().variables() {
-            let want = match name.starts_with("model.") && !name.contains("lora_") {
-                true => stack,
-                false => Kind::Float,
-            };
-            assert_eq!(t.kind(), want, "{name}");
-        }
+        stack_in(vm.var_store(), stack);
         let mut critic = CriticWorker::new(vm, cfg.clone(), 2).unwrap();
         let built = vars(critic.model().var_store());
         assert!(built.iter().all(|(_, t)| t.kind() == Kind::BFloat16));
@@ -670,6 +676,15 @@ fn a_lora_critic_stack_loaded_in_bf16_trains_as_one_cast_from_f32() {
         !same(&results[0].0, &results[0].1),
         "the update changed nothing"
     );
+    // the reward model's loader, the same way (compose's reward-model trainer under LoRA)
+    let rm = crate::roles::reward_model_from_lm_stack_in(
+        dir.path(),
+        Device::Cpu,
+        Kind::Float,
+        Kind::BFloat16,
+    )
+    .unwrap();
+    stack_in(rm.var_store(), Kind::BFloat16);
     // a stack in another dtype only under a float32 model
     let err =
         ValueModel::from_pretrained_stack_in(dir.path(), Device::Cpu, Kind::BFloat16, Kind::Half)
