@@ -61,6 +61,12 @@ unsafe extern "C" {
     ) -> *mut c_char;
     /// `silu(gate) * up`; NULL or an error text.
     fn rl_silu_mul(out: *mut *mut c_void, gate: *const c_void, up: *const c_void) -> *mut c_char;
+    /// Greedy tokens into `tokens`, their log-probs into `out`; NULL or an error text.
+    fn rl_greedy_pick(
+        out: *mut *mut c_void,
+        logits: *const c_void,
+        tokens: *const c_void,
+    ) -> *mut c_char;
     fn rl_grad_mode_enabled() -> bool;
     fn rl_onednn_free(text: *mut c_char);
 }
@@ -220,6 +226,15 @@ pub(crate) fn rope_qkv(
 pub(crate) fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor, String> {
     // SAFETY: as above.
     unsafe { new_tensor(|out| rl_silu_mul(out, raw(gate), raw(up))) }
+}
+
+/// Greedy decoding's `(tokens, log_probs)` from `logits` `[rows, vocab]`, or the C++
+/// exception's text.
+pub(crate) fn greedy_pick(logits: &Tensor) -> Result<(Tensor, Tensor), String> {
+    let tokens = Tensor::empty([logits.size()[0]], (tch::Kind::Int64, tch::Device::Cpu));
+    // SAFETY: as above; `tokens` is a fresh contiguous tensor the shim writes into.
+    let log_probs = unsafe { new_tensor(|out| rl_greedy_pick(out, raw(logits), raw(&tokens)))? };
+    Ok((tokens, log_probs))
 }
 
 /// Whether autograd records operations on this thread now (libtorch's `GradMode`).

@@ -140,6 +140,16 @@ pub(crate) fn rope_qkv(
     refused("rotary embedding", result)
 }
 
+/// Greedy decoding's pick from `logits` `[rows, vocab]`: each row's first largest entry and its
+/// log-probability, `-log(sum(exp(logits - max)))`, without the full-vocabulary log-softmax
+/// (a decode step of SmolLM2 at 32 rows wrote and read 6 MB for 32 numbers).
+pub(crate) fn greedy_pick(logits: &Tensor) -> Option<(Tensor, Tensor)> {
+    if !applies(&[logits]) || logits.dim() != 2 {
+        return None;
+    }
+    refused("greedy pick", crate::ffi::greedy_pick(logits))
+}
+
 /// `silu(gate) * up` (SwiGLU's activation).
 pub(crate) fn silu_mul(gate: &Tensor, up: &Tensor) -> Option<Tensor> {
     if !applies(&[gate, up]) {
@@ -302,6 +312,65 @@ mod tests {
         let up = Tensor::randn([3, 5], F32);
         let ours = generating(|| silu_mul(&gate, &up)).unwrap();
         assert!(max_diff(&ours, &(gate.silu() * &up)) < 1e-6);
+
+        // the kernel flushes denormals only while it runs: rows this few run on the calling
+        // thread, whose arithmetic keeps its denormals afterwards (Rust's and libtorch's)
+        let tiny = std::hint::black_box(f32::MIN_POSITIVE) / std::hint::black_box(4.0f32);
+        assert!(
+            tiny > 0.0,
+            "denormals flushed on the calling thread after the kernel"
+        );
+        let tiny = Tensor::from_slice(&[f32::MIN_POSITIVE]) * 0.25;
+        assert!(tiny.double_value(&[0]) > 0.0);
+    }
+
+    #[test]
+    fn greedy_pick_equals_argmax_and_log_softmax() {
+        tch::manual_seed(11);
+        // a decode step's rows over SmolLM2's vocabulary, scaled as logits are; one row of a
+        // wider tensor (strided rows), and a vocabulary that is no multiple of the vector width
+        for (rows, vocab, scale) in [(32, 49_152, 8.0), (3, 37, 1.0), (5, 1000, 60.0)] {
+            let wide = Tensor::randn([rows, vocab + 5], F32) * scale;
+            let logits = wide.narrow(1, 2, vocab);
+            let (tokens, lp) = generating(|| greedy_pick(&logits)).expect("f32 CPU");
+            let want_tokens = logits.argmax(-1, false);
+            assert!(tokens.equal(&want_tokens), "{rows} x {vocab}");
+            let want = logits
+                .log_softmax(-1, Kind::Float)
+                .gather(1, &want_tokens.unsqueeze(1), false)
+                .squeeze_dim(1);
+            // -log(sum) against libtorch's own rounding of the same sum
+            let diff = max_diff(&lp, &want);
+            assert!(diff < 1e-5, "{rows} x {vocab}: log-probs {diff} apart");
+        }
+        // ties go to the first; a certain pick has log-prob 0; -inf entries weigh nothing; a NaN
+        // is the largest (libtorch's argmax), its log-prob NaN
+        let inf = f32::INFINITY;
+        let logits = Tensor::from_slice(&[
+            1.0f32,
+            3.0,
+            3.0,
+            -1.0, //
+            -inf,
+            7.0,
+            -inf,
+            -inf, //
+            2.0,
+            f32::NAN,
+            9.0,
+            f32::NAN,
+        ])
+        .view([3, 4]);
+        let (tokens, lp) = generating(|| greedy_pick(&logits)).unwrap();
+        assert_eq!(Vec::<i64>::try_from(&tokens).unwrap(), vec![1, 1, 1]);
+        assert!(tokens.equal(&logits.argmax(-1, false)));
+        let lp = Vec::<f32>::try_from(&lp).unwrap();
+        let want = logits.log_softmax(-1, Kind::Float).double_value(&[0, 1]) as f32;
+        assert!((lp[0] - want).abs() < 1e-6, "{lp:?} vs {want}");
+        assert_eq!(lp[1], 0.0);
+        assert!(lp[2].is_nan());
+        // outside generation: libtorch's operations
+        assert!(tch::no_grad(|| greedy_pick(&logits)).is_none());
     }
 
     /// Where the kernels do not apply, the caller gets `None` (and uses libtorch).

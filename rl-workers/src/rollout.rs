@@ -342,6 +342,9 @@ pub(crate) fn pick(
     uniforms: Option<&Tensor>,
 ) -> (Tensor, Tensor) {
     let Some(uniforms) = uniforms.filter(|_| cfg.sampling()) else {
+        if let Some(picked) = crate::fused::greedy_pick(logits) {
+            return picked;
+        }
         let tokens = logits.argmax(-1, true);
         let log_probs = logits
             .log_softmax(-1, Kind::Float)
