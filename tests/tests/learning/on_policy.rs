@@ -191,10 +191,12 @@ fn grpo_raises_accuracy() {
 /// on-policy algorithm; how far it stays under full fine-tuning is printed, not asserted.
 ///
 /// The learning rate was chosen on eight initial-weight seeds the tests do not use (3-6, 8-11;
-/// `LEARN_INIT_SEEDS`, docs/lora.md): median gain +22.5 at 2x, +29.5 at 3x, +28.5 at 5x
+/// `LEARN_INIT_SEEDS`, docs/learning.md): median gain +22.5 at 2x, +29.5 at 3x, +28.5 at 5x
 /// (worst +14.0), +23.0 at 10x, a collapse to 0% on 7 of 8 seeds at 20x; full fine-tuning
 /// +39.0 on the same seeds. Issue 21's bar (LoRA's median within 5 points of full fine-tuning's)
-/// is not met on this tiny model at any of those rates, so it is not asserted here.
+/// is not met on this tiny model at any of those rates, so it is not asserted here. Nor at rank
+/// 16 or full rank (64), and the same recipe's eight-seed median differs by 14.5 points between
+/// two CPUs (docs/learning.md): a 5-point comparison of medians is within that noise.
 #[test]
 fn lora_grpo_learns() {
     let full: Vec<SeedResult> = grpo_full_runs().iter().map(|r| r.result).collect();
