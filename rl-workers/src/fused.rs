@@ -346,21 +346,11 @@ mod tests {
         // ties go to the first; a certain pick has log-prob 0; -inf entries weigh nothing; a NaN
         // is the largest (libtorch's argmax), its log-prob NaN
         let inf = f32::INFINITY;
-        let logits = Tensor::from_slice(&[
-            1.0f32,
-            3.0,
-            3.0,
-            -1.0, //
-            -inf,
-            7.0,
-            -inf,
-            -inf, //
-            2.0,
-            f32::NAN,
-            9.0,
-            f32::NAN,
-        ])
-        .view([3, 4]);
+        let logits = Tensor::from_slice2(&[
+            [1.0f32, 3.0, 3.0, -1.0],
+            [-inf, 7.0, -inf, -inf],
+            [2.0, f32::NAN, 9.0, f32::NAN],
+        ]);
         let (tokens, lp) = generating(|| greedy_pick(&logits)).unwrap();
         assert_eq!(Vec::<i64>::try_from(&tokens).unwrap(), vec![1, 1, 1]);
         assert!(tokens.equal(&logits.argmax(-1, false)));
