@@ -84,6 +84,8 @@ RL_INLINE v16 dot16(const float* q, const float* key, int64_t stride) {
 #endif
 
 // The operands of one call, as raw pointers and strides.
+static_assert(sizeof(bool) == 1, "the mask is read 8 entries at a time");
+
 struct Operands {
   const float* q;  // [b, heads, d] contiguous
   const float* k;
@@ -96,8 +98,9 @@ struct Operands {
 };
 
 // Tasks [begin, end) of `b * kv_heads`: one row's key head and its group of query heads.
-// `D` is the head width when known at compile time (64 and 128: the loops then unroll into
-// registers), 0 for any other (`x.d`).
+// `D` is the head width when known at compile time (16, 32, 64 and 128: the loops then unroll
+// into registers; 16 is the tiny test models' width, where the generic path's scalar loops took
+// a third of a multi-turn GRPO run's time), 0 for any other (`x.d`).
 template <int D>
 RL_INLINE void attend_tasks(const Operands& x, int64_t begin, int64_t end, float* p) {
   const float minus_inf = -std::numeric_limits<float>::infinity();
@@ -113,6 +116,15 @@ RL_INLINE void attend_tasks(const Operands& x, int64_t begin, int64_t end, float
 #ifdef RL_VECTOR
     if constexpr (D > 0 && D % 16 == 0) {
       for (; t + 16 <= len; t += 16) {
+        // sixteen masked keys (a multi-turn rollout's holes: rows waiting for a tool, shorter
+        // observations) are not read at all
+        uint64_t lo, hi;
+        std::memcpy(&lo, m + t, 8);
+        std::memcpy(&hi, m + t + 8, 8);
+        if ((lo | hi) == 0) {
+          for (int64_t g = 0; g < group; ++g) std::fill_n(p + g * len + t, 16, minus_inf);
+          continue;
+        }
         for (int64_t g = 0; g < group; ++g) {
           const v16 scores = dot16<D>(query + g * d, key + t * x.ks2, x.ks2);
           float* pg = p + g * len + t;
@@ -129,15 +141,23 @@ RL_INLINE void attend_tasks(const Operands& x, int64_t begin, int64_t end, float
     for (int64_t g = 0; g < group; ++g) {
       float* pg = p + g * len;
       float* og = o + g * d;
-      const float top = *std::max_element(pg, pg + len);
+      float top = minus_inf;
+#pragma omp simd reduction(max : top)
+      for (int64_t t = 0; t < len; ++t) top = pg[t] > top ? pg[t] : top;
       if (top == minus_inf) {
         std::fill(og, og + d, std::numeric_limits<float>::quiet_NaN());
         continue;
       }
+      // the weights, in vectors (libm's expf was a call per score): masked keys (-inf) weigh
+      // exactly 0, as does any key whose weight is below float's smallest normal, 1.2e-38,
+      // against the largest key's 1 (the exponential's clamp would give it 1.2e-38)
       float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
       for (int64_t t = 0; t < len; ++t) {
-        pg[t] = std::exp(pg[t] - top);
-        sum += pg[t];
+        const float s = pg[t] - top;
+        const float e = s < -87.3365447505531f ? 0.0f : rl_shim::exp_approx(s);
+        pg[t] = e;
+        sum += e;
       }
       const float inv = 1.0f / sum;
 #ifdef RL_VECTOR
@@ -169,6 +189,12 @@ RL_INLINE void attend_tasks(const Operands& x, int64_t begin, int64_t end, float
 // One function compiled for each instruction set (the helpers inline into it), picked at load.
 RL_CLONES void attend(const Operands& x, int64_t begin, int64_t end, float* p) {
   switch (x.d) {
+    case 16:
+      attend_tasks<16>(x, begin, end, p);
+      break;
+    case 32:
+      attend_tasks<32>(x, begin, end, p);
+      break;
     case 64:
       attend_tasks<64>(x, begin, end, p);
       break;

@@ -211,27 +211,6 @@ at::Tensor rope_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor* 
   return q_out;
 }
 
-// e^x to about 2 ulp in a form the compiler vectorizes (libm's `expf` is a call per element):
-// x = n ln2 + r with |r| <= ln2 / 2, e^r by Cephes' polynomial, 2^n put into the exponent
-// bits. Inputs are clamped to where float's e^x is finite and normal, which is all SiLU needs.
-inline float exp_approx(float x) {
-  x = x < -87.3365447505531f ? -87.3365447505531f : x;
-  x = x > 88.0f ? 88.0f : x;
-  // round to nearest by the float adder itself (1.5 * 2^23 leaves no fraction bits)
-  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  const float z = r * r;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float er = p * z + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  return er * __builtin_bit_cast(float, bits);
-}
-
 RL_CLONES void silu_mul_rows(const float* gate, const float* up, float* out, int64_t begin,
                              int64_t end, int64_t width, int64_t gs, int64_t us) {
   for (int64_t r = begin; r < end; ++r) {
@@ -239,7 +218,7 @@ RL_CLONES void silu_mul_rows(const float* gate, const float* up, float* out, int
     const float* u = up + r * us;
     float* o = out + r * width;
 #pragma omp simd
-    for (int64_t i = 0; i < width; ++i) o[i] = g[i] / (1.0f + exp_approx(-g[i])) * u[i];
+    for (int64_t i = 0; i < width; ++i) o[i] = g[i] / (1.0f + rl_shim::exp_approx(-g[i])) * u[i];
   }
 }
 
@@ -301,7 +280,7 @@ RL_CLONES void greedy_rows(const float* logits, int64_t ls, int64_t vocab, int64
     while (x[at] != top) ++at;
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < vocab; ++i) sum += exp_approx(x[i] - top);
+    for (int64_t i = 0; i < vocab; ++i) sum += rl_shim::exp_approx(x[i] - top);
     tokens[r] = at;
     logp[r] = -std::log(sum);
   }

@@ -63,17 +63,21 @@ mod tests {
 
     /// Against libtorch's attention: grouped heads (3 query heads a key head, as SmolLM2) and
     /// plain ones, head widths of both of the kernel's paths, keys and values as views of a
-    /// longer cache (the decode step's layout), rows with left padding of different lengths; a
+    /// longer cache (the decode step's layout), rows with left padding of different lengths and
+    /// with holes of masked columns (whole blocks of the kernel's 16 keys among them); a
     /// row with nothing to attend to is NaN and leaves the others alone.
     #[test]
     fn one_query_attention_equals_libtorch() {
         tch::manual_seed(11);
         let opts = (Kind::Float, Device::Cpu);
-        // head widths 64 and 128 take the kernel's unrolled path (rows in blocks of 16, then
-        // the rest one by one), 16 its general one
+        // head widths 16, 32, 64 and 128 take the kernel's unrolled path (rows in blocks of
+        // 16, then the rest one by one), 24 its general one
         for (heads, kv_heads, len, d) in [
             (9, 3, 37, 64),
             (4, 4, 5, 16),
+            (4, 4, 35, 16),
+            (2, 2, 33, 32),
+            (3, 3, 20, 24),
             (2, 1, 1, 128),
             (3, 1, 40, 128),
             (2, 2, 16, 64),
@@ -95,6 +99,28 @@ mod tests {
             assert_eq!(ours.size(), vec![b, heads, 1, d]);
             let diff = (&ours - &want).abs().max().double_value(&[]);
             assert!(diff < 1e-5, "heads {heads}/{kv_heads}, len {len}: {diff}");
+
+            // holes in the middle (a multi-turn rollout's masked columns): row r also skips
+            // columns [1 + r, 34 + r), keys 16..32 a wholly masked block where len >= 32
+            let cols = Tensor::arange(len, (Kind::Int64, Device::Cpu)).view([1, len]);
+            let start = Tensor::arange(b, (Kind::Int64, Device::Cpu)).view([b, 1]) + 1;
+            let hole = cols
+                .ge_tensor(&start)
+                .logical_and(&cols.lt_tensor(&(&start + 33)));
+            let holed = mask.logical_and(&hole.logical_not().view([b, 1, 1, len]));
+            // a row left with nothing is NaN on both sides; compare the others
+            let seen = holed.any_dims([1i64, 2, 3].as_slice(), false);
+            let ours = tch::no_grad(|| one_query(&q, &k, &v, &holed, (d as f64).powf(-0.5)))
+                .expect("kernel");
+            let want_holed = sdpa(&q, &k, &v, &holed, heads != kv_heads);
+            let diff = (ours.index(&[Some(&seen)]) - want_holed.index(&[Some(&seen)]))
+                .abs()
+                .max()
+                .double_value(&[]);
+            assert!(
+                diff < 1e-5,
+                "holes: heads {heads}/{kv_heads}, len {len}: {diff}"
+            );
 
             // row 1 attends to nothing
             let blind = mask.copy();
