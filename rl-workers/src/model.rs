@@ -943,6 +943,26 @@ fn attention_mask_4d(attention_mask: &Tensor, seq_len: i64, past: i64) -> Tensor
         .logical_or(&own.unsqueeze(0).unsqueeze(0))
 }
 
+/// The additive form (0 where `mask` is true, -inf elsewhere, float32) of a boolean attention
+/// mask, for the layers of a float32 forward of several positions a row on the CPU to share;
+/// `None` where the boolean mask is used as it is (one position a row: the decode kernel reads
+/// it; another dtype: the queries' dtype may differ from the stack's, as with LoRA on a bf16
+/// base, and the mask must match it; other devices: their attention backends convert it their
+/// own way). `scaled_dot_product_attention` makes exactly this tensor from a boolean mask on
+/// every call, so the attention is unchanged to the bit (a test checks it) while a forward over
+/// `[rows, 1, s, s]` converts once instead of once a layer, and a training forward saves one
+/// mask for the backward instead of one a layer.
+fn sdpa_mask(mask: &Tensor, seq_len: i64, stack: Kind) -> Option<Tensor> {
+    let applies = seq_len > 1
+        && stack == Kind::Float
+        && mask.device() == Device::Cpu
+        && mask.kind() == Kind::Bool;
+    applies.then(|| {
+        Tensor::zeros(mask.size(), (Kind::Float, Device::Cpu))
+            .masked_fill(&mask.logical_not(), f64::NEG_INFINITY)
+    })
+}
+
 /// The `[rows, 1, width, width]` boolean mask of packed rows: a query sees the keys of its own
 /// sequence (equal segment id, not 0) up to itself, and always itself (so padding stays
 /// finite).
@@ -1301,6 +1321,7 @@ impl Model {
         let kind = self.embed_tokens.kind();
         let rope = self.rope(position_ids, kind);
         let mask = attention_mask_4d(attention_mask, size[1], 0);
+        let mask = sdpa_mask(&mask, size[1], kind).unwrap_or(mask);
         let mut inputs = Vec::with_capacity(self.layers.len());
         let last = tch::no_grad(|| -> Result<Tensor> {
             self.check_inputs(input_ids, attention_mask, position_ids, 0)?;
@@ -1407,6 +1428,8 @@ impl Model {
         let s = input_ids.size()[1];
         let kind = self.embed_tokens.kind();
         let rope = self.rope(position_ids, kind);
+        let additive = sdpa_mask(mask, s, kind);
+        let mask = additive.as_ref().unwrap_or(mask);
         if let Some(shards) = &self.shards
             && cache.is_none()
             && crate::ffi::grad_mode_enabled()
@@ -1456,5 +1479,64 @@ impl Model {
             }
         }
         Ok(self.norm.forward(&xs))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The shared additive mask leaves `scaled_dot_product_attention` unchanged to the bit,
+    /// forward and backward: it is the tensor libtorch makes from the boolean mask itself (if a
+    /// libtorch upgrade changed that conversion, this fails rather than the results drifting).
+    #[test]
+    fn the_shared_additive_mask_is_what_sdpa_makes_of_the_boolean_one() {
+        tch::manual_seed(3);
+        let (b, heads, s, d) = (3, 2, 7, 16);
+        let opts = (Kind::Float, Device::Cpu);
+        // rows left-padded by 0, 2 and 4 tokens
+        let pads = Tensor::from_slice(&[0i64, 2, 4]).view([b, 1]);
+        let real = Tensor::arange(s, (Kind::Int64, Device::Cpu))
+            .view([1, s])
+            .ge_tensor(&pads);
+        let boolean = attention_mask_4d(&real, s, 0);
+        let additive = sdpa_mask(&boolean, s, Kind::Float).expect("a float32 CPU prefill");
+        assert_eq!(additive.kind(), Kind::Float);
+        let run = |mask: &Tensor| {
+            // the same q, k and v for both masks
+            tch::manual_seed(5);
+            let [q, k, v] =
+                [0, 1, 2].map(|_| Tensor::randn([b, heads, s, d], opts).set_requires_grad(true));
+            let ys = Tensor::scaled_dot_product_attention(
+                &q,
+                &k,
+                &v,
+                Some(mask),
+                0.0,
+                false,
+                None,
+                false,
+            );
+            (&ys * &ys).sum(Kind::Float).backward();
+            (ys.detach(), q.grad(), k.grad(), v.grad())
+        };
+        let (ya, qa, ka, va) = run(&boolean);
+        let (yb, qb, kb, vb) = run(&additive);
+        for (name, x, y) in [
+            ("out", ya, yb),
+            ("dq", qa, qb),
+            ("dk", ka, kb),
+            ("dv", va, vb),
+        ] {
+            assert!(
+                x.isfinite().all().int64_value(&[]) == 1,
+                "{name} is not finite"
+            );
+            assert!(x.equal(&y), "{name} differs");
+        }
+        // where it does not apply
+        assert!(sdpa_mask(&boolean, 1, Kind::Float).is_none());
+        assert!(sdpa_mask(&boolean, s, Kind::BFloat16).is_none());
+        assert!(sdpa_mask(&additive, s, Kind::Float).is_none());
     }
 }
