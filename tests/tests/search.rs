@@ -254,7 +254,7 @@ fn search_r1(seed: u64, sft_target_pct: u64, max_sft: u64, rl_steps: u64) -> Out
     while trainer.global_step() < trainer.total_steps() {
         let m = trainer.step().unwrap();
         println!(
-            "seed {seed} step {}: score {:.3} search_calls {:.2} turns {:.2} valid {:.2} gen {:.1} obs {:.1} ({:.1}s, generation {:.1}s, update {:.1}s)",
+            "seed {seed} step {}: score {:.3} search_calls {:.2} turns {:.2} valid {:.2} gen {:.1} obs {:.1} ({:.1}s, generation {:.1}s, old log-probs {:.1}s, update {:.1}s)",
             trainer.global_step(),
             m["critic/score/mean"],
             m["env/search_calls"],
@@ -264,6 +264,7 @@ fn search_r1(seed: u64, sft_target_pct: u64, max_sft: u64, rl_steps: u64) -> Out
             m["response_length/observation_mean"],
             m["timing_s/step"],
             m["timing_s/gen"],
+            m["timing_s/old_log_prob"],
             m["timing_s/update_actor"],
         );
         steps.push(m);
