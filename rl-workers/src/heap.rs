@@ -15,9 +15,11 @@
 //! Off the main thread glibc allocates from heaps of at most 64 MiB each, so a larger block
 //! allocated there is still mapped and unmapped (a training step runs on the main thread).
 //!
-//! `harness` calls it first thing; a user who prefers glibc's defaults sets any of glibc's own
-//! variables (`MALLOC_MMAP_MAX_`, `MALLOC_TRIM_THRESHOLD_`, `MALLOC_MMAP_THRESHOLD_`, or
-//! `GLIBC_TUNABLES`), which are then left to decide.
+//! `harness` calls it first thing, as do the end-to-end tests' `per_seed` (which train
+//! in-process, each seed on its own thread: blocks under 64 MiB are then kept there); a user
+//! who prefers glibc's defaults sets any of glibc's own variables (`MALLOC_MMAP_MAX_`,
+//! `MALLOC_TRIM_THRESHOLD_`, `MALLOC_MMAP_THRESHOLD_`, or `GLIBC_TUNABLES`), which are then
+//! left to decide.
 
 /// Keeps freed memory in the process (see the module docs) unless the environment sets glibc's
 /// allocator variables; whether it did. A no-op, false, off glibc.

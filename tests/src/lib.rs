@@ -246,8 +246,12 @@ pub fn fresh_tiny_policy(vocab: i64, seed: i64) -> AnyResult<SharedPolicy> {
 
 /// `f(seed)` for every seed, each in its own thread, results in the order of `seeds`. The
 /// learning tests train their seeds side by side: the machine's cores are used without
-/// raising any one run's intra-op thread count, which would change its arithmetic.
+/// raising any one run's intra-op thread count, which would change its arithmetic. The process
+/// keeps the memory it frees, as `harness` does ([`rl_workers::heap`]): with glibc's defaults
+/// the Search-R1 test's first three steps spent 62-66 s in the kernel (page faults of freshly
+/// mapped tensors) against 8-14 s, on the Intel VM of docs/perf.md.
 pub fn per_seed<T: Send>(seeds: &[u64], f: impl Fn(u64) -> T + Sync) -> Vec<T> {
+    rl_workers::heap::keep_freed_memory();
     let f = &f;
     std::thread::scope(|s| {
         let handles: Vec<_> = seeds.iter().map(|&seed| s.spawn(move || f(seed))).collect();
