@@ -150,12 +150,11 @@ RL_INLINE void attend_tasks(const Operands& x, int64_t begin, int64_t end, float
       }
       // the weights, in vectors (libm's expf was a call per score): masked keys (-inf) weigh
       // exactly 0, as does any key whose weight is below float's smallest normal, 1.2e-38,
-      // against the largest key's 1 (the exponential's clamp would give it 1.2e-38)
+      // against the largest key's 1
       float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
       for (int64_t t = 0; t < len; ++t) {
-        const float s = pg[t] - top;
-        const float e = s < -87.3365447505531f ? 0.0f : rl_shim::exp_approx(s);
+        const float e = rl_shim::exp_or_zero(pg[t] - top);
         pg[t] = e;
         sum += e;
       }

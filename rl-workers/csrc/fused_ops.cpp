@@ -309,7 +309,106 @@ at::Tensor greedy_pick(const at::Tensor& logits_in, const at::Tensor& tokens_dst
   return logp;
 }
 
+// Rows [begin, end) of `logits` (`vocab` wide, rows `ls` apart) sampled at `temperature` by
+// inverse CDF: with x = logits / temperature and lp = log_softmax(x), the token is the first
+// whose running sum of exp(lp) (in float64, in vocabulary order) exceeds u[r] times the whole
+// sum, its log-prob lp[token]. That is `rollout::pick`'s libtorch path (divide, log-softmax,
+// exp, float64 cumsum, searchsorted) without its five full-vocabulary tensors; sums run in
+// another order, so a uniform within rounding of a CDF step may pick the neighbouring token.
+// Non-finite rows (a NaN, no finite maximum) get the last token and a NaN log-prob, as there.
+// `p` is scratch of `vocab` floats.
+RL_CLONES void sample_rows(const float* logits, int64_t ls, int64_t vocab, float temperature,
+                           const double* u, int64_t* tokens, float* logp, float* p,
+                           int64_t begin, int64_t end) {
+  for (int64_t r = begin; r < end; ++r) {
+    const float* x = logits + r * ls;
+    // p = x / t (divided once: a division costs a dozen multiplications), and its maximum
+    float top = -std::numeric_limits<float>::infinity();
+    bool nan = false;
+#pragma omp simd reduction(max : top) reduction(|| : nan)
+    for (int64_t i = 0; i < vocab; ++i) {
+      p[i] = x[i] / temperature;
+      top = std::max(top, p[i]);
+      nan = nan || p[i] != p[i];
+    }
+    if (nan || !std::isfinite(top)) {
+      tokens[r] = vocab - 1;
+      logp[r] = std::numeric_limits<float>::quiet_NaN();
+      continue;
+    }
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < vocab; ++i) sum += rl_shim::exp_or_zero(p[i] - top);
+    const float log_sum = std::log(sum);
+    // lp = (p - top) - log_sum as log_softmax computes it; p becomes exp(lp)
+    double total = 0.0;
+#pragma omp simd reduction(+ : total)
+    for (int64_t i = 0; i < vocab; ++i) {
+      p[i] = rl_shim::exp_or_zero((p[i] - top) - log_sum);
+      total += p[i];
+    }
+    const double target = u[r] * total;
+    double run = 0.0;
+    int64_t at = -1, last = 0;
+    for (int64_t i = 0; i < vocab; ++i) {
+      if (p[i] > 0.0f) last = i;
+      run += p[i];
+      if (run > target) {
+        at = i;
+        break;
+      }
+    }
+    // the running sum fell short of the target by rounding: the last token that can be drawn
+    if (at < 0) at = last;
+    tokens[r] = at;
+    logp[r] = (x[at] / temperature - top) - log_sum;
+  }
+}
+
+// (tokens, log-probs) sampled from `logits` [rows, vocab] (rows may be strided) at
+// `temperature` with `uniforms` (float64, one a row): tokens into `tokens_dst` (int64 [rows],
+// contiguous), log-probs returned (float32 [rows]).
+at::Tensor sample_pick(const at::Tensor& logits_in, const at::Tensor& uniforms_in,
+                       double temperature, const at::Tensor& tokens_dst) {
+  check_float_cpu(logits_in, "logits");
+  TORCH_CHECK(logits_in.dim() == 2 && logits_in.size(1) > 0, "logits must be [rows, vocab]");
+  TORCH_CHECK(temperature > 0.0 && std::isfinite(temperature),
+              "temperature must be positive and finite");
+  const at::Tensor logits = logits_in.stride(1) == 1 ? logits_in : logits_in.contiguous();
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  TORCH_CHECK(uniforms_in.scalar_type() == at::kDouble && uniforms_in.device().is_cpu() &&
+                  uniforms_in.numel() == rows,
+              "uniforms must be a float64 CPU tensor of one entry per row");
+  TORCH_CHECK(tokens_dst.scalar_type() == at::kLong && tokens_dst.device().is_cpu() &&
+                  tokens_dst.dim() == 1 && tokens_dst.size(0) == rows &&
+                  tokens_dst.is_contiguous(),
+              "tokens must be a contiguous int64 CPU tensor of one entry per row");
+  const at::Tensor uniforms = uniforms_in.reshape({rows}).contiguous();
+  at::Tensor logp = at::empty({rows}, logits.options());
+  const float* lp = logits.data_ptr<float>();
+  const int64_t ls = logits.stride(0);
+  const double* up = uniforms.data_ptr<double>();
+  int64_t* tp = tokens_dst.data_ptr<int64_t>();
+  float* op = logp.data_ptr<float>();
+  const float t = static_cast<float>(temperature);
+  at::parallel_for(0, rows, grain(vocab), [&](int64_t begin, int64_t end) {
+    const FlushDenormals ftz;
+    std::vector<float> p(vocab);
+    sample_rows(lp, ls, vocab, t, up, tp, op, p.data(), begin, end);
+  });
+  return logp;
+}
+
 }  // namespace
+
+// Sampled decoding's tokens (into `tokens`) and their log-probs (into `*out`) from `logits`;
+// null, or an error text.
+extern "C" char* rl_sample_pick(at::Tensor** out, const at::Tensor* logits,
+                                const at::Tensor* uniforms, double temperature,
+                                const at::Tensor* tokens) {
+  return rl_shim::guarded(
+      [&] { *out = new at::Tensor(sample_pick(*logits, *uniforms, temperature, *tokens)); });
+}
 
 // Greedy decoding's tokens (into `tokens`) and their log-probs (into `*out`) from `logits`; null,
 // or an error text.

@@ -40,6 +40,12 @@ inline float exp_approx(float x) {
   return er * __builtin_bit_cast(float, bits);
 }
 
+// e^x where that is a normal float, else 0 (x below -87.3: exactly 0 for -inf, a masked key or
+// a forbidden token, instead of exp_approx's clamped 1.2e-38), vectorizable too.
+inline float exp_or_zero(float x) {
+  return x < -87.3365447505531f ? 0.0f : exp_approx(x);
+}
+
 inline char* error_text(const char* what) {
   const size_t n = std::strlen(what) + 1;
   char* out = static_cast<char*>(std::malloc(n));

@@ -67,6 +67,13 @@ unsafe extern "C" {
         logits: *const c_void,
         tokens: *const c_void,
     ) -> *mut c_char;
+    fn rl_sample_pick(
+        out: *mut *mut c_void,
+        logits: *const c_void,
+        uniforms: *const c_void,
+        temperature: f64,
+        tokens: *const c_void,
+    ) -> *mut c_char;
     fn rl_grad_mode_enabled() -> bool;
     fn rl_onednn_free(text: *mut c_char);
 }
@@ -234,6 +241,23 @@ pub(crate) fn greedy_pick(logits: &Tensor) -> Result<(Tensor, Tensor), String> {
     let tokens = Tensor::empty([logits.size()[0]], (tch::Kind::Int64, tch::Device::Cpu));
     // SAFETY: as above; `tokens` is a fresh contiguous tensor the shim writes into.
     let log_probs = unsafe { new_tensor(|out| rl_greedy_pick(out, raw(logits), raw(&tokens)))? };
+    Ok((tokens, log_probs))
+}
+
+/// Sampled decoding's tokens and log-probs from `logits` `[rows, vocab]` f32 at `temperature`
+/// with `uniforms` (f64, one a row); see `sample_rows` in csrc/fused_ops.cpp.
+pub(crate) fn sample_pick(
+    logits: &Tensor,
+    uniforms: &Tensor,
+    temperature: f64,
+) -> Result<(Tensor, Tensor), String> {
+    let tokens = Tensor::empty([logits.size()[0]], (tch::Kind::Int64, tch::Device::Cpu));
+    // SAFETY: as above; `tokens` is a fresh contiguous tensor the shim writes into.
+    let log_probs = unsafe {
+        new_tensor(|out| {
+            rl_sample_pick(out, raw(logits), raw(uniforms), temperature, raw(&tokens))
+        })?
+    };
     Ok((tokens, log_probs))
 }
 

@@ -150,6 +150,26 @@ pub(crate) fn greedy_pick(logits: &Tensor) -> Option<(Tensor, Tensor)> {
     refused("greedy pick", crate::ffi::greedy_pick(logits))
 }
 
+/// Sampled decoding's pick from `logits` `[rows, vocab]` at `temperature` with `uniforms`
+/// (`[rows, 1]` f64): the token whose float64 CDF step holds `u` times the whole sum and its
+/// log-probability under `log_softmax(logits / temperature)`, as [`crate::rollout`]'s libtorch
+/// path computes them but without its five full-vocabulary tensors (a decode step of SmolLM2 at
+/// 32 rows wrote and read ~40 MB of them). Sums run in another order: a uniform within rounding
+/// of a CDF step may take the neighbouring token.
+pub(crate) fn sample_pick(
+    logits: &Tensor,
+    uniforms: &Tensor,
+    temperature: f64,
+) -> Option<(Tensor, Tensor)> {
+    if !applies(&[logits]) || logits.dim() != 2 || uniforms.device() != Device::Cpu {
+        return None;
+    }
+    refused(
+        "sampling pick",
+        crate::ffi::sample_pick(logits, uniforms, temperature),
+    )
+}
+
 /// `silu(gate) * up` (SwiGLU's activation).
 pub(crate) fn silu_mul(gate: &Tensor, up: &Tensor) -> Option<Tensor> {
     if !applies(&[gate, up]) {
@@ -361,6 +381,79 @@ mod tests {
         assert!(lp[2].is_nan());
         // outside generation: libtorch's operations
         assert!(tch::no_grad(|| greedy_pick(&logits)).is_none());
+    }
+
+    /// Against `rollout::pick`'s libtorch path (the same function outside generation), on many
+    /// draws from SmolLM2-sized rows: the same tokens but where a uniform falls within rounding
+    /// of a CDF step, and the same log-probs to float32 rounding.
+    #[test]
+    fn sample_pick_draws_what_the_libtorch_path_draws() {
+        tch::manual_seed(13);
+        for (rows, vocab, scale, temperature) in [
+            (256, 49_152, 8.0, 0.7),
+            (256, 49_152, 3.0, 1.0),
+            (512, 37, 2.0, 1.3),
+        ] {
+            // eight distinct rows, each drawn rows / 8 times; strided rows
+            let wide = (Tensor::randn([8, vocab + 3], F32) * scale).repeat([rows / 8, 1]);
+            let logits = wide.narrow(1, 1, vocab);
+            let uniforms = Tensor::rand([rows, 1], (Kind::Double, Device::Cpu));
+            let cfg = crate::RolloutConfig {
+                temperature,
+                ..Default::default()
+            };
+            let (tokens, lp) = generating(|| crate::rollout::pick(&logits, &cfg, Some(&uniforms)));
+            let (want_tokens, want_lp) =
+                tch::no_grad(|| crate::rollout::pick(&logits, &cfg, Some(&uniforms)));
+            let same = tokens.eq_tensor(&want_tokens);
+            let differ = rows - same.sum(Kind::Int64).int64_value(&[]);
+            assert!(differ <= 1, "{vocab}: {differ} of {rows} draws differ");
+            let diff = max_diff(&lp.masked_select(&same), &want_lp.masked_select(&same));
+            assert!(diff < 1e-5, "{vocab}: log-probs {diff} apart");
+        }
+    }
+
+    /// The inverse CDF itself, where the answer is known: uniforms on a grid draw each token
+    /// in proportion to its probability; -inf logits are never drawn, even at u = 0 or u -> 1;
+    /// a row with a NaN gets the last token and a NaN log-prob (as the libtorch path).
+    #[test]
+    fn sample_pick_follows_the_distribution_and_never_draws_a_forbidden_token() {
+        let ninf = f32::NEG_INFINITY;
+        // probabilities 0.1, 0.2, 0.3, 0.4 at temperature 0.5 (logits halved back)
+        let probs = [0.1f64, 0.2, 0.3, 0.4];
+        let row: Vec<f32> = probs.iter().map(|p| (p.ln() * 0.5) as f32).collect();
+        let n = 10_000;
+        let logits = Tensor::from_slice(&row).view([1, 4]).repeat([n, 1]);
+        let grid: Vec<f64> = (0..n).map(|i| (i as f64 + 0.5) / n as f64).collect();
+        let uniforms = Tensor::from_slice(&grid).view([n, 1]);
+        let (tokens, lp) = generating(|| sample_pick(&logits, &uniforms, 0.5)).expect("f32 CPU");
+        let tokens = Vec::<i64>::try_from(&tokens).unwrap();
+        for (t, p) in probs.iter().enumerate() {
+            let count = tokens.iter().filter(|&&x| x == t as i64).count();
+            assert!(
+                (count as f64 - p * n as f64).abs() <= 1.0,
+                "token {t}: {count} of {n}"
+            );
+        }
+        let lp = Vec::<f32>::try_from(&lp).unwrap();
+        for (&t, &l) in tokens.iter().zip(&lp) {
+            assert!((l as f64 - probs[t as usize].ln()).abs() < 1e-5, "{t}: {l}");
+        }
+        let logits = Tensor::from_slice2(&[
+            [ninf, 1.0f32, ninf, 2.0, ninf],
+            [ninf, 1.0, ninf, 2.0, ninf],
+            [0.5, f32::NAN, 1.0, 0.0, 0.0],
+        ]);
+        let uniforms = Tensor::from_slice(&[0.0f64, 1.0 - f64::EPSILON, 0.5]).view([3, 1]);
+        let (tokens, lp) = generating(|| sample_pick(&logits, &uniforms, 1.0)).unwrap();
+        assert_eq!(Vec::<i64>::try_from(&tokens).unwrap(), vec![1, 3, 4]);
+        let lp = Vec::<f32>::try_from(&lp).unwrap();
+        assert!(
+            lp[0].is_finite() && lp[1].is_finite() && lp[2].is_nan(),
+            "{lp:?}"
+        );
+        // outside generation: libtorch's operations
+        assert!(tch::no_grad(|| sample_pick(&logits, &uniforms, 1.0)).is_none());
     }
 
     /// Where the kernels do not apply, the caller gets `None` (and uses libtorch).

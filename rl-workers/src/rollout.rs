@@ -352,8 +352,15 @@ pub(crate) fn pick(
         return (tokens.squeeze_dim(1), log_probs.squeeze_dim(1));
     };
     let vocab = logits.size()[1];
+    let top_k = cfg.top_k > 0 && cfg.top_k < vocab;
+    if !top_k
+        && cfg.top_p >= 1.0
+        && let Some(picked) = crate::fused::sample_pick(logits, uniforms, cfg.temperature)
+    {
+        return picked;
+    }
     let mut logits = logits / cfg.temperature;
-    if cfg.top_k > 0 && cfg.top_k < vocab {
+    if top_k {
         let (top, _) = logits.topk(cfg.top_k, -1, true, true);
         let kth = top.narrow(1, cfg.top_k - 1, 1);
         logits = logits.masked_fill(&logits.lt_tensor(&kth), f64::NEG_INFINITY);
