@@ -45,6 +45,14 @@ class FlushDenormals {
 // Rows handed to one thread at least: about 16k floats of work.
 int64_t grain(int64_t width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, width)); }
 
+// A pick's destination for its tokens: int64 [rows], contiguous, on the CPU.
+void check_tokens_dst(const at::Tensor& tokens_dst, int64_t rows) {
+  TORCH_CHECK(tokens_dst.scalar_type() == at::kLong && tokens_dst.device().is_cpu() &&
+                  tokens_dst.dim() == 1 && tokens_dst.size(0) == rows &&
+                  tokens_dst.is_contiguous(),
+              "tokens must be a contiguous int64 CPU tensor of one entry per row");
+}
+
 void check_float_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kFloat && t.device().is_cpu(), name,
               " must be a float32 CPU tensor");
@@ -293,10 +301,7 @@ at::Tensor greedy_pick(const at::Tensor& logits_in, const at::Tensor& tokens_dst
   TORCH_CHECK(logits_in.dim() == 2 && logits_in.size(1) > 0, "logits must be [rows, vocab]");
   const at::Tensor logits = logits_in.stride(1) == 1 ? logits_in : logits_in.contiguous();
   const int64_t rows = logits.size(0), vocab = logits.size(1);
-  TORCH_CHECK(tokens_dst.scalar_type() == at::kLong && tokens_dst.device().is_cpu() &&
-                  tokens_dst.dim() == 1 && tokens_dst.size(0) == rows &&
-                  tokens_dst.is_contiguous(),
-              "tokens must be a contiguous int64 CPU tensor of one entry per row");
+  check_tokens_dst(tokens_dst, rows);
   at::Tensor logp = at::empty({rows}, logits.options());
   const float* lp = logits.data_ptr<float>();
   const int64_t ls = logits.stride(0);
@@ -379,10 +384,7 @@ at::Tensor sample_pick(const at::Tensor& logits_in, const at::Tensor& uniforms_i
   TORCH_CHECK(uniforms_in.scalar_type() == at::kDouble && uniforms_in.device().is_cpu() &&
                   uniforms_in.numel() == rows,
               "uniforms must be a float64 CPU tensor of one entry per row");
-  TORCH_CHECK(tokens_dst.scalar_type() == at::kLong && tokens_dst.device().is_cpu() &&
-                  tokens_dst.dim() == 1 && tokens_dst.size(0) == rows &&
-                  tokens_dst.is_contiguous(),
-              "tokens must be a contiguous int64 CPU tensor of one entry per row");
+  check_tokens_dst(tokens_dst, rows);
   const at::Tensor uniforms = uniforms_in.reshape({rows}).contiguous();
   at::Tensor logp = at::empty({rows}, logits.options());
   const float* lp = logits.data_ptr<float>();
