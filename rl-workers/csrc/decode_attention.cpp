@@ -20,8 +20,6 @@
 
 namespace {
 
-#define RL_INLINE inline __attribute__((always_inline))
-
 RL_INLINE float dot(const float* a, const float* b, int64_t n) {
   float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
@@ -84,8 +82,6 @@ RL_INLINE v16 dot16(const float* q, const float* key, int64_t stride) {
 #endif
 
 // The operands of one call, as raw pointers and strides.
-static_assert(sizeof(bool) == 1, "the mask is read 8 entries at a time");
-
 struct Operands {
   const float* q;  // [b, heads, d] contiguous
   const float* k;
@@ -116,15 +112,6 @@ RL_INLINE void attend_tasks(const Operands& x, int64_t begin, int64_t end, float
 #ifdef RL_VECTOR
     if constexpr (D > 0 && D % 16 == 0) {
       for (; t + 16 <= len; t += 16) {
-        // sixteen masked keys (a multi-turn rollout's holes: rows waiting for a tool, shorter
-        // observations) are not read at all
-        uint64_t lo, hi;
-        std::memcpy(&lo, m + t, 8);
-        std::memcpy(&hi, m + t + 8, 8);
-        if ((lo | hi) == 0) {
-          for (int64_t g = 0; g < group; ++g) std::fill_n(p + g * len + t, 16, minus_inf);
-          continue;
-        }
         for (int64_t g = 0; g < group; ++g) {
           const v16 scores = dot16<D>(query + g * d, key + t * x.ks2, x.ks2);
           float* pg = p + g * len + t;

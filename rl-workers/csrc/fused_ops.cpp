@@ -26,8 +26,8 @@
 namespace {
 
 // Denormal results flushed to zero on the calling thread while alive (x86's MXCSR.FTZ), the
-// thread's own setting restored after. For SiLU's clamped exponential GCC computes the clamped lanes' quotient
-// (gate / (1 + e^88)) for every lane and blends it in: for |gate| < 2 that quotient is
+// thread's own setting restored after. For SiLU's clamped exponential GCC computes the clamped
+// lanes' quotient (gate / (1 + e^88)) for every lane and blends it in: for |gate| < 2 that is
 // denormal, and on Intel cores each vector producing one takes a microcode assist of ~150
 // cycles (the kernel ran at 0.24 G elements/s instead of 2.1). Only a result that is itself
 // denormal (|silu(g) * up| < 1.2e-38) changes: to zero.
@@ -263,6 +263,20 @@ at::Tensor silu_mul(const at::Tensor& gate_in, const at::Tensor& up_in) {
   return out;
 }
 
+// The largest of `x[0..n)` (-inf for none) in vectors, and whether any is NaN (the maximum
+// then means nothing).
+RL_INLINE float row_max(const float* x, int64_t n, bool& nan) {
+  float top = -std::numeric_limits<float>::infinity();
+  bool any_nan = false;
+#pragma omp simd reduction(max : top) reduction(|| : any_nan)
+  for (int64_t i = 0; i < n; ++i) {
+    top = std::max(top, x[i]);
+    any_nan = any_nan || x[i] != x[i];
+  }
+  nan = any_nan;
+  return top;
+}
+
 // Rows [begin, end) of `logits` (`vocab` wide, rows `ls` apart): each row's first largest entry
 // into `tokens` (a NaN counts as the largest, as in libtorch's argmax) and its log-probability
 // under the row's softmax into `logp`, -log(sum(exp(x - max))): greedy decoding's pick without a
@@ -271,13 +285,8 @@ RL_CLONES void greedy_rows(const float* logits, int64_t ls, int64_t vocab, int64
                            float* logp, int64_t begin, int64_t end) {
   for (int64_t r = begin; r < end; ++r) {
     const float* x = logits + r * ls;
-    float top = -std::numeric_limits<float>::infinity();
     bool nan = false;
-#pragma omp simd reduction(max : top) reduction(|| : nan)
-    for (int64_t i = 0; i < vocab; ++i) {
-      top = std::max(top, x[i]);
-      nan = nan || x[i] != x[i];
-    }
+    const float top = row_max(x, vocab, nan);
     int64_t at = 0;
     if (nan) {
       while (x[at] == x[at]) ++at;
@@ -327,15 +336,10 @@ RL_CLONES void sample_rows(const float* logits, int64_t ls, int64_t vocab, float
                            int64_t begin, int64_t end) {
   for (int64_t r = begin; r < end; ++r) {
     const float* x = logits + r * ls;
-    // p = x / t (divided once: a division costs a dozen multiplications), and its maximum
-    float top = -std::numeric_limits<float>::infinity();
+    // dividing by a positive number keeps the order, so the largest quotient is max(x) / t;
+    // p = x / t, divided once (a division costs a dozen multiplications)
     bool nan = false;
-#pragma omp simd reduction(max : top) reduction(|| : nan)
-    for (int64_t i = 0; i < vocab; ++i) {
-      p[i] = x[i] / temperature;
-      top = std::max(top, p[i]);
-      nan = nan || p[i] != p[i];
-    }
+    const float top = row_max(x, vocab, nan) / temperature;
     if (nan || !std::isfinite(top)) {
       tokens[r] = vocab - 1;
       logp[r] = std::numeric_limits<float>::quiet_NaN();
@@ -343,7 +347,10 @@ RL_CLONES void sample_rows(const float* logits, int64_t ls, int64_t vocab, float
     }
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < vocab; ++i) sum += rl_shim::exp_or_zero(p[i] - top);
+    for (int64_t i = 0; i < vocab; ++i) {
+      p[i] = x[i] / temperature;
+      sum += rl_shim::exp_or_zero(p[i] - top);
+    }
     const float log_sum = std::log(sum);
     // lp = (p - top) - log_sum as log_softmax computes it; p becomes exp(lp)
     double total = 0.0;
@@ -354,9 +361,8 @@ RL_CLONES void sample_rows(const float* logits, int64_t ls, int64_t vocab, float
     }
     const double target = u[r] * total;
     double run = 0.0;
-    int64_t at = -1, last = 0;
+    int64_t at = -1;
     for (int64_t i = 0; i < vocab; ++i) {
-      if (p[i] > 0.0f) last = i;
       run += p[i];
       if (run > target) {
         at = i;
@@ -364,7 +370,10 @@ RL_CLONES void sample_rows(const float* logits, int64_t ls, int64_t vocab, float
       }
     }
     // the running sum fell short of the target by rounding: the last token that can be drawn
-    if (at < 0) at = last;
+    if (at < 0) {
+      at = vocab - 1;
+      while (at > 0 && p[at] == 0.0f) --at;
+    }
     tokens[r] = at;
     logp[r] = (x[at] / temperature - top) - log_sum;
   }
@@ -393,8 +402,8 @@ at::Tensor sample_pick(const at::Tensor& logits_in, const at::Tensor& uniforms_i
   int64_t* tp = tokens_dst.data_ptr<int64_t>();
   float* op = logp.data_ptr<float>();
   const float t = static_cast<float>(temperature);
+  // no denormals to flush: exp_or_zero is 0 below float's normal range
   at::parallel_for(0, rows, grain(vocab), [&](int64_t begin, int64_t end) {
-    const FlushDenormals ftz;
     std::vector<float> p(vocab);
     sample_rows(lp, ls, vocab, t, up, tp, op, p.data(), begin, end);
   });

@@ -16,6 +16,9 @@
 #define RL_CLONES
 #endif
 
+// A helper inlined into each of its callers' clones (so it runs in their instruction set).
+#define RL_INLINE inline __attribute__((always_inline))
+
 namespace rl_shim {
 
 // e^x to about 2 ulp in a form the compiler vectorizes (libm's `expf` is a call per element):

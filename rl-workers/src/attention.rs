@@ -64,7 +64,7 @@ mod tests {
     /// Against libtorch's attention: grouped heads (3 query heads a key head, as SmolLM2) and
     /// plain ones, head widths of both of the kernel's paths, keys and values as views of a
     /// longer cache (the decode step's layout), rows with left padding of different lengths and
-    /// with holes of masked columns (whole blocks of the kernel's 16 keys among them); a
+    /// with holes of masked columns (a multi-turn rollout's layout, 33 columns wide); a
     /// row with nothing to attend to is NaN and leaves the others alone.
     #[test]
     fn one_query_attention_equals_libtorch() {
@@ -101,7 +101,7 @@ mod tests {
             assert!(diff < 1e-5, "heads {heads}/{kv_heads}, len {len}: {diff}");
 
             // holes in the middle (a multi-turn rollout's masked columns): row r also skips
-            // columns [1 + r, 34 + r), keys 16..32 a wholly masked block where len >= 32
+            // columns [1 + r, 34 + r)
             let cols = Tensor::arange(len, (Kind::Int64, Device::Cpu)).view([1, len]);
             let start = Tensor::arange(b, (Kind::Int64, Device::Cpu)).view([b, 1]) + 1;
             let hole = cols
