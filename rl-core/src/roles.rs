@@ -100,6 +100,12 @@ pub const GENERATION_SECONDS: &str = "generation_s";
 /// changes, and reports it to them (vLLM's `weight_version`).
 pub const POLICY_VERSION: &str = "policy_version";
 
+/// The `meta_info` key (bool) of a batch whose `old_log_probs` the trainer did not compute
+/// because the actor's update supplies them ([`Actor::old_log_probs_from_update`]): the update
+/// then also reports `actor/entropy`, the masked mean of the per-token entropy of its forward,
+/// which the separate old-log-prob forward would have reported.
+pub const OLD_LOG_PROBS_FROM_UPDATE: &str = "old_log_probs_from_update";
+
 /// What the actor computes with gradients for one micro-batch, handed to the objective.
 #[derive(Debug)]
 pub struct PolicyOutput {
@@ -117,6 +123,10 @@ pub struct MiniBatchInfo {
     pub tokens: f64,
     /// Sequences in the mini-batch.
     pub sequences: f64,
+    /// Whether this mini-batch is the update's only one, for one epoch (verl's `on_policy`):
+    /// every micro-batch's forward then runs at the weights the batch's `old_log_probs` were
+    /// computed at, and verl's actor takes the current log-probs, detached, as the old ones.
+    pub on_policy: bool,
 }
 
 /// A policy objective: the loss of one micro-batch, already scaled for accumulation.
@@ -187,6 +197,17 @@ pub trait Actor {
     /// default, when the role cannot tell.
     fn weights_digest(&self) -> Result<Option<u64>> {
         Ok(None)
+    }
+    /// Whether [`update`](Self::update) over a batch of `rows` rows supplies `old_log_probs`
+    /// itself, so that the trainer may skip [`compute_log_prob_with`](Self::compute_log_prob_with)
+    /// when nothing else reads them before the update: true when the update is one mini-batch
+    /// for one epoch (its forwards then run at the weights the separate forward would have run
+    /// at, and the loss takes their log-probs, detached, as the old ones) and the role allows
+    /// it. The trainer then sets [`OLD_LOG_PROBS_FROM_UPDATE`] in the batch's `meta_info`.
+    /// False by default.
+    fn old_log_probs_from_update(&self, rows: usize) -> bool {
+        let _ = rows;
+        false
     }
     /// The number of data-parallel ranks this role averages its gradients over (1, the default,
     /// when it has no group).

@@ -3,7 +3,8 @@
 //! (`actor_rollout_ref.rollout.debug_logprob_noise`, Gaussian, σ = 0.5): the importance
 //! weights, the rejection and the diagnostics behave as verl's functions do on such a gap (the
 //! functions themselves are pinned value for value by rl-algos' parity fixtures), reach the
-//! loss, and land in the run store. Also bypass mode and the optimal token baseline end to end.
+//! loss, and land in the run store. Also bypass mode and the optimal token baseline end to end,
+//! and when an on-policy update supplies the old log-probs itself (no separate forward).
 
 mod common;
 
@@ -204,6 +205,7 @@ fn bypass_mode_and_the_optimal_token_baseline_run_end_to_end() {
     );
     {
         let m = &otb[&1];
+        assert!(m.contains_key("timing_s/old_log_prob"), "OTB reads them");
         within(m, "critic/advantages/mean", -10.0, 10.0);
         within(m, "critic/advantages/max", -10.0, 10.0);
         within(m, "actor/pg_loss", -1e3, 1e3);
@@ -223,4 +225,62 @@ fn bypass_mode_and_the_optimal_token_baseline_run_end_to_end() {
         err.contains("actor_rollout_ref.actor.calculate_sum_pi_squared"),
         "{err}"
     );
+}
+
+/// An on-policy update (one mini-batch, one epoch) supplies the old log-probs itself, as verl's
+/// actor takes them (the current ones, detached: the ratio is exactly 1), so the separate
+/// forward is skipped unless something reads them before the update; the step's loss,
+/// gradient and `actor/entropy` are those of the run that computes them apart
+/// (`actor_rollout_ref.actor.old_log_prob_from_update=false`) up to rounding.
+#[test]
+fn an_on_policy_update_supplies_the_old_log_probs_unless_they_are_read_first() {
+    let env = Env::new();
+    tiny_llm(&env, 64, 8);
+    let skipped = grpo(&env, "skipped", &[]);
+    let apart = grpo(
+        &env,
+        "apart",
+        &["actor_rollout_ref.actor.old_log_prob_from_update=false"],
+    );
+    let (s, a) = (&skipped[&1], &apart[&1]);
+    assert!(!s.contains_key("timing_s/old_log_prob"), "{s:?}");
+    assert!(a.contains_key("timing_s/old_log_prob"), "{a:?}");
+    assert_eq!(
+        s["actor/ppo_kl"], 0.0,
+        "the ratio of detached log-probs is 1"
+    );
+    assert_eq!(s["actor/pg_clipfrac"], 0.0);
+    assert!(a["actor/ppo_kl"].abs() < 1e-6, "{}", a["actor/ppo_kl"]);
+    for key in [
+        "actor/entropy",
+        "actor/pg_loss",
+        "actor/grad_norm",
+        "actor/kl_loss",
+    ] {
+        let (x, y) = (s[key], a[key]);
+        assert!(
+            (x - y).abs() <= 1e-5 * y.abs().max(1e-3),
+            "{key}: {x} skipping the forward, {y} with it"
+        );
+    }
+    assert!(s["actor/entropy"] > 0.1, "{}", s["actor/entropy"]);
+    // two mini-batches, two epochs, or KL in the reward: the forward runs
+    for (name, overrides) in [
+        (
+            "two_minis",
+            &["actor_rollout_ref.actor.ppo_mini_batch_size=8"][..],
+        ),
+        ("two_epochs", &["actor_rollout_ref.actor.ppo_epochs=2"][..]),
+        (
+            "kl_in_reward",
+            &[
+                "algorithm.use_kl_in_reward=true",
+                "actor_rollout_ref.actor.use_kl_loss=false",
+            ][..],
+        ),
+    ] {
+        let m = &grpo(&env, name, overrides)[&1];
+        assert!(m.contains_key("timing_s/old_log_prob"), "{name}: {m:?}");
+        assert!(m.contains_key("actor/entropy"), "{name}");
+    }
 }

@@ -51,19 +51,27 @@ pub(crate) fn scaled_logits(lm: &CausalLm, h: &Tensor, temperature: f64) -> Tens
 }
 
 /// Log-probs of `labels` under f32 `logits` (`[..., vocab]`) and, when `entropy`, the
-/// entropies: the arithmetic of the plain head and of each fused chunk, row by row.
+/// entropies (with their graph when `entropy_grad`, else detached): the arithmetic of the plain
+/// head and of each fused chunk, row by row.
 pub(crate) fn head_log_probs(
     logits: &Tensor,
     labels: &Tensor,
     entropy: bool,
+    entropy_grad: bool,
 ) -> (Tensor, Option<Tensor>) {
     let log_softmax = logits.log_softmax(-1, Kind::Float);
     let lp = log_softmax
         .gather(-1, &labels.unsqueeze(-1), false)
         .squeeze_dim(-1);
     let ent = entropy.then(|| {
-        let p = log_softmax.exp();
-        -(p * &log_softmax).sum_dim_intlist([-1].as_slice(), false, Kind::Float)
+        // without its graph, nothing of the entropy's arithmetic is kept for a backward
+        let ls = if entropy_grad {
+            log_softmax.shallow_clone()
+        } else {
+            log_softmax.detach()
+        };
+        let p = ls.exp();
+        -(p * &ls).sum_dim_intlist([-1].as_slice(), false, Kind::Float)
     });
     (lp, ent)
 }
@@ -76,7 +84,7 @@ fn chunk(
     temperature: f64,
     entropy: bool,
 ) -> (Tensor, Option<Tensor>) {
-    head_log_probs(&scaled_logits(lm, h, temperature), labels, entropy)
+    head_log_probs(&scaled_logits(lm, h, temperature), labels, entropy, true)
 }
 
 /// Rows of `[rows, vocab]` logits per chunk.

@@ -97,7 +97,6 @@ impl PolicyObjective for PolicyLoss {
         let mask = &keys::policy_mask(micro)?;
         let norm = norm(info, micro);
         let mut pl_cfg = self.cfg.policy_loss_config();
-        let old_log_prob = micro.get(keys::OLD_LOG_PROBS)?;
         let advantages = micro.get(keys::ADVANTAGES)?;
         let mut metrics = Metrics::new();
         let pg = match &self.rollout.bypass {
@@ -105,6 +104,7 @@ impl PolicyObjective for PolicyLoss {
                 // old_log_probs are the rollout's: weights and rejection of the current policy
                 // against them, then PPO-clip (the ratio is the correction) or REINFORCE with
                 // the weights
+                let old_log_prob = micro.get(keys::OLD_LOG_PROBS)?;
                 let c =
                     rollout_corr::correct(&out.log_prob, old_log_prob, mask, rc).map_err(wrap)?;
                 let reinforce = rc.loss_type == BypassLossType::Reinforce;
@@ -127,6 +127,15 @@ impl PolicyObjective for PolicyLoss {
                 pg
             }
             None => {
+                // verl's actor: on-policy (one mini-batch, one epoch) the current log-probs,
+                // detached, are the old ones; the batch then need not hold them at all
+                let current;
+                let old_log_prob = if info.on_policy {
+                    current = out.log_prob.detach();
+                    &current
+                } else {
+                    micro.get(keys::OLD_LOG_PROBS)?
+                };
                 let inputs = PolicyLossInputs {
                     old_log_prob,
                     log_prob: &out.log_prob,
@@ -301,6 +310,7 @@ mod tests {
         MiniBatchInfo {
             tokens: generated.iter().filter(|&&g| g).count() as f64,
             sequences: 2.0,
+            on_policy: false,
         }
     }
 

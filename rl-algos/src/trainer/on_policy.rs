@@ -8,8 +8,8 @@ use std::time::Instant;
 
 use rl_core::dist::{self, SharedCollective};
 use rl_core::roles::{
-    Actor, BackgroundRollout, Critic, GENERATION_SECONDS, LogProbExtras, POLICY_VERSION, Reference,
-    Reward, Rollout,
+    Actor, BackgroundRollout, Critic, GENERATION_SECONDS, LogProbExtras, OLD_LOG_PROBS_FROM_UPDATE,
+    POLICY_VERSION, Reference, Reward, Rollout,
 };
 use rl_core::{Batch, Sample, StepMetrics, Trainer, keys};
 use serde::{Deserialize, Serialize};
@@ -657,6 +657,19 @@ impl OnPolicyTrainer {
         !rc.bypass_mode && (rc.enabled() || self.cfg.rollout_diagnostics)
     }
 
+    /// Whether this step may skip the old-log-prob forward over `rows` rows (outside bypass
+    /// mode): the actor's update supplies them ([`Actor::old_log_probs_from_update`]: one
+    /// mini-batch, one epoch, allowed by its config), the actor updates this step (past
+    /// `critic_warmup`), and nothing reads them before it: no KL in the reward, no rollout
+    /// correction in the trainer, no `sum_pi_squared` (the optimal token baseline).
+    fn old_log_probs_from_update(&self, rows: usize) -> bool {
+        !self.cfg.algorithm.use_kl_in_reward
+            && !self.decoupled_correction()
+            && !self.needs_sum_pi_squared()
+            && self.global_step >= self.cfg.trainer.critic_warmup
+            && self.roles.actor.old_log_probs_from_update(rows)
+    }
+
     /// Whether the actor computes `sum_pi_squared` with the old log-probs.
     fn needs_sum_pi_squared(&self) -> bool {
         self.cfg.algorithm.adv_estimator.needs_sum_pi_squared()
@@ -953,6 +966,12 @@ impl Trainer for OnPolicyTrainer {
                 batch.insert(keys::SUM_PI_SQUARED, out.pop(keys::SUM_PI_SQUARED)?)?;
                 timing.insert("old_log_prob", t.elapsed().as_secs_f64());
             }
+        } else if self.old_log_probs_from_update(batch.len()) {
+            // the update is on-policy and nothing reads old_log_probs before it: its forward
+            // supplies them (and the entropy metric), and the separate forward is skipped
+            batch
+                .meta_info_mut()
+                .insert(OLD_LOG_PROBS_FROM_UPDATE.into(), true.into());
         } else {
             let extras = LogProbExtras {
                 entropy: true,

@@ -762,6 +762,7 @@ mod tests {
         let info = MiniBatchInfo {
             tokens: 12.0,
             sequences: 4.0,
+            on_policy: false,
         };
         let out = PolicyOutput {
             log_prob: lp.shallow_clone(),

@@ -445,6 +445,7 @@ mod tests {
         let info = MiniBatchInfo {
             tokens: 8.0,
             sequences: 4.0,
+            on_policy: false,
         };
         let (b, v) = pair_batch(&[0.5, 0.5, -1.0, -1.0]);
         let (l, m) = obj.loss(&b, &v, info).unwrap();
@@ -480,6 +481,7 @@ mod tests {
         let info = MiniBatchInfo {
             tokens: 4.0,
             sequences: 2.0,
+            on_policy: false,
         };
         let (mut b, v) = pair_batch(&[1.0, 1.0]);
         b.insert(RM_MARGIN, Tensor::from_slice(&[0.5f32, 0.5]))

@@ -7,7 +7,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use rl_core::dist::{self, SharedCollective};
 use rl_core::roles::{
-    Actor, LogProbExtras, Metrics, PolicyObjective, PolicyOutput, Reference, Rollout,
+    Actor, LogProbExtras, Metrics, OLD_LOG_PROBS_FROM_UPDATE, PolicyObjective, PolicyOutput,
+    Reference, Rollout,
 };
 use rl_core::{Batch, keys};
 use serde_json::Value;
@@ -343,6 +344,18 @@ pub(crate) fn update_loop(
     )
 }
 
+/// Rows of one of this rank's mini-batches: `ppo_mini_batch_size` prompts times `rollout_n`
+/// over the `world` ranks, as verl normalises it.
+fn mini_batch_rows(cfg: &ActorConfig, rollout_n: usize, world: usize) -> usize {
+    cfg.ppo_mini_batch_size * rollout_n / world.max(1)
+}
+
+/// verl's `on_policy`: an update of `len` rows in mini-batches of `rows` is one mini-batch for
+/// one epoch, so every forward of it runs at the weights the batch arrived with.
+fn is_on_policy(cfg: &ActorConfig, rows: usize, len: usize) -> bool {
+    len == rows && cfg.ppo_epochs == 1
+}
+
 /// [`update_loop`], data parallel over `group` when given.
 ///
 /// With a `group`, `batch` is this rank's shard: a mini-batch is `1 / world_size` of the global
@@ -371,11 +384,12 @@ pub(crate) fn update_loop_dp(
         Some(g) => dist::lock(g)?.world_size(),
         None => 1,
     };
-    let rows = cfg.ppo_mini_batch_size * rollout_n / world;
+    let rows = mini_batch_rows(cfg, rollout_n, world);
     let len = batch.len();
     if rows == 0 || !len.is_multiple_of(rows) {
         return Err(rl_core::Error::UnevenMiniBatch { len, size: rows });
     }
+    let on_policy = is_on_policy(cfg, rows, len);
     let lr = optim.current_lr();
     let seed = cfg
         .data_loader_seed
@@ -384,6 +398,7 @@ pub(crate) fn update_loop_dp(
     for mini in batch.iter_minibatches(rows, cfg.shuffle, seed, cfg.ppo_epochs)? {
         let mini = mini?;
         let mut info = micro::mini_batch_info(&mini)?;
+        info.on_policy = on_policy;
         if let Some(g) = group
             && world > 1
         {
@@ -523,6 +538,14 @@ impl Actor for ActorWorker {
         let lm = lock(&self.lm, "actor")?;
         let temperature = meta_f64(batch, "temperature", 1.0);
         let entropy = objective.needs_entropy();
+        // the trainer skipped the old-log-prob forward: this update reports its entropy metric
+        let entropy_metric = batch
+            .meta_info()
+            .get(OLD_LOG_PROBS_FROM_UPDATE)
+            .and_then(Value::as_bool)
+            .unwrap_or(false);
+        // Σ entropy × mask and Σ mask over the micro-batches, in f64
+        let entropy_sums = std::cell::Cell::new((0.0f64, 0.0f64));
         let packed = self.cfg.use_remove_padding;
         // LoRA dropout: one mask seed per micro-batch, a function of the optimiser's step (so
         // a resumed run drops what the uninterrupted one did)
@@ -541,14 +564,26 @@ impl Actor for ActorWorker {
             |micro, info| {
                 micro_index += 1;
                 lm.set_lora_dropout_seed(Some(base_seed.wrapping_add(micro_index)));
-                let (log_prob, entropy) = if fused {
+                let want = micro::EntropyOut::new(entropy, entropy_metric);
+                let (log_prob, ent) = if fused {
                     let (lp, ent, head) =
-                        micro::log_probs_fused(&lm, micro, temperature, entropy, packed)?;
+                        micro::log_probs_fused(&lm, micro, temperature, want.any(), packed)?;
                     *pending.borrow_mut() = Some(head);
                     (lp, ent)
                 } else {
-                    micro::log_probs(&lm, micro, temperature, entropy, packed)?
+                    micro::log_probs(&lm, micro, temperature, want, packed)?
                 };
+                if entropy_metric && let Some(e) = &ent {
+                    let mask = keys::policy_mask(micro)?.to_kind(Kind::Double);
+                    let (sum, count) = entropy_sums.get();
+                    entropy_sums.set((
+                        sum + (e.detach().to_kind(Kind::Double) * &mask)
+                            .sum(Kind::Double)
+                            .double_value(&[]),
+                        count + mask.sum(Kind::Double).double_value(&[]),
+                    ));
+                }
+                let entropy = if entropy { ent } else { None };
                 objective.loss(micro, &PolicyOutput { log_prob, entropy }, info)
             },
             || {
@@ -559,7 +594,23 @@ impl Actor for ActorWorker {
             },
         );
         lm.set_lora_dropout_seed(None);
-        out
+        let mut out = out?;
+        if entropy_metric {
+            // the masked mean over this rank's rows, as the trainer takes it of the old forward's
+            let (sum, count) = entropy_sums.get();
+            out.push("actor/entropy", sum / count.max(1.0));
+        }
+        Ok(out)
+    }
+
+    fn old_log_probs_from_update(&self, rows: usize) -> bool {
+        let world = self.data_parallel_ranks();
+        self.cfg.old_log_prob_from_update
+            && is_on_policy(
+                &self.cfg,
+                mini_batch_rows(&self.cfg, self.rollout_n, world),
+                rows,
+            )
     }
 
     fn save_state(&self, dir: &Path) -> rl_core::Result<()> {
@@ -1002,7 +1053,9 @@ impl Reference for ReferenceWorker {
         let (micro_batch_size, packed) = (self.micro_batch_size, self.packed);
         let run = |lm: &CausalLm| {
             no_grad_per_micro(batch, micro_batch_size, None, lm.model(), |m| {
-                Ok(vec![micro::log_probs(lm, m, temperature, false, packed)?.0])
+                Ok(vec![
+                    micro::log_probs(lm, m, temperature, micro::EntropyOut::No, packed)?.0,
+                ])
             })
         };
         let outs = match &self.lm {

@@ -230,6 +230,14 @@ pub struct ActorConfig {
     /// rounding. Not with ZeRO stage 3. Default false.
     #[serde(skip)]
     pub use_fused_kernels: bool,
+    /// When the update is on-policy (one mini-batch, `ppo_epochs = 1`) and nothing reads
+    /// `old_log_probs` before it (no KL in the reward, no rollout correction, no optimal-token
+    /// baseline), skip the separate old-log-prob forward: the update's own forward runs at the
+    /// same weights, its log-probs, detached, are the old ones (as verl's actor takes them when
+    /// on-policy), and it reports `actor/entropy`. `false` runs verl's separate forward every
+    /// step (the same loss; only `timing_s/old_log_prob` and the forward's rounding differ).
+    /// Default true.
+    pub old_log_prob_from_update: bool,
 }
 
 impl Default for ActorConfig {
@@ -250,6 +258,7 @@ impl Default for ActorConfig {
             zero_stage: 0,
             use_remove_padding: false,
             use_fused_kernels: false,
+            old_log_prob_from_update: true,
         }
     }
 }
@@ -271,6 +280,7 @@ impl ActorConfig {
         "optim",
         "mixed_precision",
         "zero_stage",
+        "old_log_prob_from_update",
     ];
 
     /// Checks ranges; `prefix` names the group (`actor_rollout_ref.actor`).
@@ -401,6 +411,8 @@ impl CriticConfig {
             zero_stage: self.zero_stage,
             use_remove_padding: self.use_remove_padding,
             use_fused_kernels: false,
+            // a critic has no old log-probs
+            old_log_prob_from_update: false,
         }
     }
 

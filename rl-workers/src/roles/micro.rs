@@ -118,7 +118,11 @@ pub(crate) fn mini_batch_info(mini: &Batch) -> rl_core::Result<MiniBatchInfo> {
         .to_kind(Kind::Double)
         .sum(Kind::Double)
         .double_value(&[]);
-    Ok(MiniBatchInfo { tokens, sequences })
+    Ok(MiniBatchInfo {
+        tokens,
+        sequences,
+        on_policy: false,
+    })
 }
 
 /// A micro-batch with the all-padding columns removed: leading prompt columns that are padding
@@ -334,8 +338,37 @@ impl Packed {
     }
 }
 
-/// Log-probs of `responses` (and per-token entropy) under `lm`, logits divided by
-/// `temperature`, zero at masked positions. Gradients flow when the caller allows them.
+/// What a forward with gradients computes of the per-token entropy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum EntropyOut {
+    /// None.
+    No,
+    /// For the loss: with its graph.
+    Loss,
+    /// Its value only (a metric): no graph is recorded for it, so the forward keeps no
+    /// full-vocabulary tensor for it.
+    Value,
+}
+
+impl EntropyOut {
+    /// `Loss` when the loss needs it, else `Value` when a metric does.
+    pub(crate) fn new(for_loss: bool, for_metric: bool) -> Self {
+        match (for_loss, for_metric) {
+            (true, _) => EntropyOut::Loss,
+            (false, true) => EntropyOut::Value,
+            (false, false) => EntropyOut::No,
+        }
+    }
+
+    /// Whether it is computed at all.
+    pub(crate) fn any(self) -> bool {
+        self != EntropyOut::No
+    }
+}
+
+/// Log-probs of `responses` (and per-token entropy as `entropy` says) under `lm`, logits
+/// divided by `temperature`, zero at masked positions. Gradients flow when the caller allows
+/// them.
 ///
 /// # Shapes
 /// - `micro`: `input_ids`, `attention_mask`, `position_ids` `[batch, seq_len]`, `responses`,
@@ -345,14 +378,15 @@ pub(crate) fn log_probs(
     lm: &CausalLm,
     micro: &Batch,
     temperature: f64,
-    with_entropy: bool,
+    entropy: EntropyOut,
     packed: bool,
 ) -> rl_core::Result<(Tensor, Option<Tensor>)> {
     let extras = LogProbExtras {
-        entropy: with_entropy,
+        entropy: entropy.any(),
         sum_pi_squared: false,
     };
-    let out = log_probs_with(lm, micro, temperature, extras, packed)?;
+    let grad = entropy == EntropyOut::Loss;
+    let out = log_probs_inner(lm, micro, temperature, extras, grad, packed)?;
     Ok((out.log_prob, out.entropy))
 }
 
@@ -377,11 +411,23 @@ pub(crate) fn log_probs_with(
     extras: LogProbExtras,
     packed: bool,
 ) -> rl_core::Result<LogProbOutputs> {
+    log_probs_inner(lm, micro, temperature, extras, true, packed)
+}
+
+/// [`log_probs_with`]; the entropy carries a graph only when `entropy_grad`.
+fn log_probs_inner(
+    lm: &CausalLm,
+    micro: &Batch,
+    temperature: f64,
+    extras: LogProbExtras,
+    entropy_grad: bool,
+    packed: bool,
+) -> rl_core::Result<LogProbOutputs> {
     // stage 3: the root unit (embeddings, head) stays gathered from the stack to the head
     let _root = lm.model().hold_root().map_err(role_err("actor"))?;
     let head = head_inputs(lm, micro, packed)?;
     let logits = scaled_logits(lm, &head.hidden, temperature);
-    let (lp, entropy) = head_log_probs(&logits, &head.responses, extras.entropy);
+    let (lp, entropy) = head_log_probs(&logits, &head.responses, extras.entropy, entropy_grad);
     let sum_pi_squared = extras.sum_pi_squared.then(|| sum_pi_squared(&logits));
     Ok(LogProbOutputs {
         log_prob: head.back(lp),

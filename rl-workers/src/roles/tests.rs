@@ -168,7 +168,11 @@ fn rollout_carries_columns_and_shares_the_actors_weights() {
     // the rollout holds the same tensors: its log-probs of a fixed sequence moved with the update
     let again = actor.compute_log_prob(&before, false).unwrap();
     let lm = policy.lock().unwrap();
-    let direct = tch::no_grad(|| micro::log_probs(&lm, &before, 1.0, false, false).unwrap().0);
+    let direct = tch::no_grad(|| {
+        micro::log_probs(&lm, &before, 1.0, micro::EntropyOut::No, false)
+            .unwrap()
+            .0
+    });
     assert!(
         again
             .get(keys::OLD_LOG_PROBS)
@@ -559,6 +563,74 @@ fn fused_head_updates_equal_plain_ones() {
             );
         }
     }
+}
+
+/// When the trainer skips the old-log-prob forward (`OLD_LOG_PROBS_FROM_UPDATE`), the update
+/// reports `actor/entropy` as that forward would have (the masked mean over the batch's rows,
+/// at the batch's temperature), whole or in micro-batches, through the plain head or the fused
+/// one, and trains exactly as without the flag (the entropy is a value, not part of the loss).
+/// The actor offers to supply old log-probs only for one mini-batch of one epoch, and not when
+/// its config says no.
+#[test]
+fn an_on_policy_update_reports_the_entropy_the_old_forward_would_have() {
+    let mut batch = skewed_batch();
+    batch
+        .meta_info_mut()
+        .insert("temperature".into(), 0.7.into());
+    let base = tiny_policy(6);
+    let rows = batch.len();
+    let mut flagged = batch.shallow_clone();
+    flagged.meta_info_mut().insert(
+        rl_core::roles::OLD_LOG_PROBS_FROM_UPDATE.into(),
+        true.into(),
+    );
+    let expected = {
+        let mut actor = ActorWorker::new(copy_of(&base), actor_cfg(None, false), 2).unwrap();
+        let old = actor.compute_log_prob(&batch, true).unwrap();
+        let mask = keys::policy_mask(&batch).unwrap().to_kind(Kind::Double);
+        let ent = old.get(keys::ENTROPYS).unwrap().to_kind(Kind::Double);
+        ((ent * &mask).sum(Kind::Double) / mask.sum(Kind::Double)).double_value(&[])
+    };
+    assert!(expected > 0.1, "a random model's entropy, {expected}");
+    for (micro, fused) in [(None, false), (Some(3), false), (Some(3), true)] {
+        let mut cfg = actor_cfg(micro, false);
+        cfg.ppo_mini_batch_size = rows / 2;
+        cfg.use_fused_kernels = fused;
+        let mut after = Vec::new();
+        for b in [&batch, &flagged] {
+            let p = copy_of(&base);
+            let mut actor = ActorWorker::new(p.clone(), cfg.clone(), 2).unwrap();
+            assert!(actor.old_log_probs_from_update(rows));
+            let m = actor.update(b, &TokenMeanPg).unwrap();
+            let reported = m.values("actor/entropy");
+            if std::ptr::eq(b, &flagged) {
+                assert_eq!(reported.len(), 1, "{micro:?} {fused}");
+                assert!(
+                    (reported[0] - expected).abs() < 1e-5 * expected,
+                    "micro {micro:?}, fused {fused}: {} against the old forward's {expected}",
+                    reported[0]
+                );
+            } else {
+                assert!(reported.is_empty(), "no entropy metric without the flag");
+            }
+            after.push(params(&p));
+        }
+        assert_eq!(max_diff(&after[0], &after[1]), 0.0, "{micro:?} {fused}");
+    }
+    // two mini-batches, two epochs, or the config's no: the trainer must run the forward
+    let mut cfg = actor_cfg(None, false);
+    cfg.ppo_mini_batch_size = rows / 4;
+    let actor = ActorWorker::new(copy_of(&base), cfg.clone(), 2).unwrap();
+    assert!(!actor.old_log_probs_from_update(rows));
+    assert!(actor.old_log_probs_from_update(rows / 2));
+    cfg.ppo_mini_batch_size = rows / 2;
+    cfg.ppo_epochs = 2;
+    let actor = ActorWorker::new(copy_of(&base), cfg.clone(), 2).unwrap();
+    assert!(!actor.old_log_probs_from_update(rows));
+    cfg.ppo_epochs = 1;
+    cfg.old_log_prob_from_update = false;
+    let actor = ActorWorker::new(copy_of(&base), cfg, 2).unwrap();
+    assert!(!actor.old_log_probs_from_update(rows));
 }
 
 /// Rank-4 adapters (alpha 8) on every linear layer, no dropout.

@@ -120,6 +120,17 @@ fn train(name: &str, init_seed: u64, cfg: &ExperimentConfig) -> Run {
         first["timing_s/step"],
         samples.first()
     );
+    if std::env::var_os("PHASES").is_some() {
+        let mut keys: Vec<&String> = steps[0]
+            .keys()
+            .filter(|k| k.starts_with("timing_s/"))
+            .collect();
+        keys.sort();
+        for k in keys {
+            let tot: f64 = steps.iter().map(|s| s[k.as_str()]).sum();
+            println!("PHASE {name} {init_seed} {k} total {tot:.2}");
+        }
+    }
     Run {
         result: SeedResult {
             seed: init_seed,
