@@ -26,7 +26,7 @@ from side_by_side import spread, verdict  # noqa: E402
 
 PHASES = ["gen", "old_log_prob", "ref", "update_actor"]
 RUST_LINE = re.compile(
-    r"smollm2 grpo step \d+: step ([\d.]+)s = gen ([\d.]+)s \+ reward ([\d.]+)s \+ old_log_prob ([\d.]+)s"
+    r"smollm2 grpo step \d+: step ([\d.]+)s = gen ([\d.]+)s \+ reward ([\d.]+)s \+ old_log_prob (skipped|[\d.]+s)"
     r" \+ ref ([\d.]+)s \+ adv ([\d.]+)s \+ update_actor ([\d.]+)s")
 
 
@@ -64,7 +64,9 @@ def main():
         m = RUST_LINE.search(out)
         if m is None:
             sys.exit(f"grpo_step_side_by_side: no step line in the Rust test's output:\n{out}")
-        step, gen, _reward, old, ref, _adv, update = map(float, m.groups())
+        # an on-policy update supplies its old log-probs: ours then runs no such forward (0 s)
+        old = 0.0 if m.group(4) == "skipped" else float(m.group(4)[:-1])
+        step, gen, _reward, ref, _adv, update = map(float, m.group(1, 2, 3, 5, 6, 7))
         ours = {"gen": gen, "old_log_prob": old, "ref": ref, "update_actor": update, "step": step}
         load_torch = load()
         out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "bench", "grpo_step_torch.py"), args.model, "1"],

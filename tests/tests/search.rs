@@ -253,8 +253,12 @@ fn search_r1(seed: u64, sft_target_pct: u64, max_sft: u64, rl_steps: u64) -> Out
     let mut last = None;
     while trainer.global_step() < trainer.total_steps() {
         let m = trainer.step().unwrap();
+        // an on-policy update supplies the old log-probs: no separate forward ran
+        let old = m
+            .get("timing_s/old_log_prob")
+            .map_or("skipped".to_owned(), |t| format!("{t:.1}s"));
         println!(
-            "seed {seed} step {}: score {:.3} search_calls {:.2} turns {:.2} valid {:.2} gen {:.1} obs {:.1} ({:.1}s, generation {:.1}s, old log-probs {:.1}s, update {:.1}s)",
+            "seed {seed} step {}: score {:.3} search_calls {:.2} turns {:.2} valid {:.2} gen {:.1} obs {:.1} ({:.1}s, generation {:.1}s, old log-probs {old}, update {:.1}s)",
             trainer.global_step(),
             m["critic/score/mean"],
             m["env/search_calls"],
@@ -264,7 +268,6 @@ fn search_r1(seed: u64, sft_target_pct: u64, max_sft: u64, rl_steps: u64) -> Out
             m["response_length/observation_mean"],
             m["timing_s/step"],
             m["timing_s/gen"],
-            m["timing_s/old_log_prob"],
             m["timing_s/update_actor"],
         );
         steps.push(m);
