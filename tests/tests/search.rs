@@ -161,6 +161,9 @@ fn search_r1(seed: u64, sft_target_pct: u64, max_sft: u64, rl_steps: u64) -> Out
     arr.actor = ActorConfig {
         ppo_mini_batch_size: env_or("SEARCH_RL_MINI", 32) as usize,
         ppo_micro_batch_size_per_gpu: Some(64),
+        // the whole 512-row batch at once (the default) took 2.6-8.2 s a step against 1.5-2.1 s
+        // in 64-row parts (docs/perf.md): rows past the caches cost more than the rows
+        log_prob_micro_batch_size_per_gpu: Some(64),
         optim: OptimConfig {
             lr: env_or("SEARCH_RL_LR_E4", 5) as f64 * 1e-4,
             weight_decay: 0.0,

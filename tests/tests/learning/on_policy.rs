@@ -109,28 +109,25 @@ fn train(name: &str, init_seed: u64, cfg: &ExperimentConfig) -> Run {
     }
     let (after, _) = trainer.validate().unwrap();
     let (b, a) = (before[key], after[key]);
-    let first = &steps[0];
+    // seconds of each phase over all steps (where the suite's time goes)
+    let phases: Vec<String> = steps[0]
+        .keys()
+        .filter_map(|k| k.strip_prefix("timing_s/"))
+        .map(|phase| {
+            let key = format!("timing_s/{phase}");
+            let total: f64 = steps.iter().filter_map(|m| m.get(&key)).sum();
+            format!("{phase} {total:.1}")
+        })
+        .collect();
     println!(
-        "{name} (init seed {init_seed}): held-out accuracy {:.1}% -> {:.1}% over {} steps (step 1: score {:.3}, gen {:.2}s, step {:.2}s); sample {:?}",
+        "{name} (init seed {init_seed}): held-out accuracy {:.1}% -> {:.1}% over {} steps (step 1: score {:.3}; seconds in all: {}); sample {:?}",
         b * 100.0,
         a * 100.0,
         steps.len(),
-        first["critic/score/mean"],
-        first["timing_s/gen"],
-        first["timing_s/step"],
+        steps[0]["critic/score/mean"],
+        phases.join(", "),
         samples.first()
     );
-    if std::env::var_os("PHASES").is_some() {
-        let mut keys: Vec<&String> = steps[0]
-            .keys()
-            .filter(|k| k.starts_with("timing_s/"))
-            .collect();
-        keys.sort();
-        for k in keys {
-            let tot: f64 = steps.iter().map(|s| s[k.as_str()]).sum();
-            println!("PHASE {name} {init_seed} {k} total {tot:.2}");
-        }
-    }
     Run {
         result: SeedResult {
             seed: init_seed,
