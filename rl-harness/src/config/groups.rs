@@ -428,7 +428,8 @@ impl MultiTurn {
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RefConfig {
-    /// Rows per reference forward; absent = all at once.
+    /// Rows per reference forward; absent = all at once (on a CPU, parts whose activations fit
+    /// the caches are faster for long sequences, as for the actor's old log-probs).
     pub log_prob_micro_batch_size_per_gpu: Option<usize>,
 }
 
