@@ -50,25 +50,49 @@ pub(crate) fn scaled_logits(lm: &CausalLm, h: &Tensor, temperature: f64) -> Tens
     logits
 }
 
-/// Log-probs of `labels` under f32 `logits` (`[..., vocab]`) and, when `entropy`, the
-/// entropies (with their graph when `entropy_grad`, else detached): the arithmetic of the plain
-/// head and of each fused chunk, row by row.
+/// What a forward computes of the per-token entropy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum EntropyOut {
+    /// None.
+    No,
+    /// For the loss: with its graph.
+    Loss,
+    /// Its value only (a metric): no graph is recorded for it, so a forward with gradients
+    /// keeps no full-vocabulary tensor for it.
+    Value,
+}
+
+impl EntropyOut {
+    /// `Loss` when the loss needs it, else `Value` when a metric does.
+    pub(crate) fn new(for_loss: bool, for_metric: bool) -> Self {
+        match (for_loss, for_metric) {
+            (true, _) => EntropyOut::Loss,
+            (false, true) => EntropyOut::Value,
+            (false, false) => EntropyOut::No,
+        }
+    }
+
+    /// Whether it is computed at all.
+    pub(crate) fn any(self) -> bool {
+        self != EntropyOut::No
+    }
+}
+
+/// Log-probs of `labels` under f32 `logits` (`[..., vocab]`) and the entropies as `entropy`
+/// says: the arithmetic of the plain head and of each fused chunk, row by row.
 pub(crate) fn head_log_probs(
     logits: &Tensor,
     labels: &Tensor,
-    entropy: bool,
-    entropy_grad: bool,
+    entropy: EntropyOut,
 ) -> (Tensor, Option<Tensor>) {
     let log_softmax = logits.log_softmax(-1, Kind::Float);
     let lp = log_softmax
         .gather(-1, &labels.unsqueeze(-1), false)
         .squeeze_dim(-1);
-    let ent = entropy.then(|| {
-        // without its graph, nothing of the entropy's arithmetic is kept for a backward
-        let ls = if entropy_grad {
-            log_softmax.shallow_clone()
-        } else {
-            log_softmax.detach()
+    let ent = entropy.any().then(|| {
+        let ls = match entropy {
+            EntropyOut::Value => log_softmax.detach(),
+            _ => log_softmax.shallow_clone(),
         };
         let p = ls.exp();
         -(p * &ls).sum_dim_intlist([-1].as_slice(), false, Kind::Float)
@@ -84,7 +108,11 @@ fn chunk(
     temperature: f64,
     entropy: bool,
 ) -> (Tensor, Option<Tensor>) {
-    head_log_probs(&scaled_logits(lm, h, temperature), labels, entropy, true)
+    head_log_probs(
+        &scaled_logits(lm, h, temperature),
+        labels,
+        EntropyOut::new(entropy, false),
+    )
 }
 
 /// Rows of `[rows, vocab]` logits per chunk.

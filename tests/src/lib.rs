@@ -244,6 +244,13 @@ pub fn fresh_tiny_policy(vocab: i64, seed: i64) -> AnyResult<SharedPolicy> {
     })
 }
 
+/// A step's `timing_s/<phase>` in seconds with `decimals` places, or `skipped` where the step
+/// ran no such phase (an on-policy update supplies the old log-probs: no separate forward).
+pub fn phase_seconds(m: &rl_core::StepMetrics, phase: &str, decimals: usize) -> String {
+    m.get(&format!("timing_s/{phase}"))
+        .map_or("skipped".to_owned(), |t| format!("{t:.decimals$}s"))
+}
+
 /// `f(seed)` for every seed, each in its own thread, results in the order of `seeds`. The
 /// learning tests train their seeds side by side: the machine's cores are used without
 /// raising any one run's intra-op thread count, which would change its arithmetic. The process

@@ -162,7 +162,7 @@ fn search_r1(seed: u64, sft_target_pct: u64, max_sft: u64, rl_steps: u64) -> Out
         ppo_mini_batch_size: env_or("SEARCH_RL_MINI", 32) as usize,
         ppo_micro_batch_size_per_gpu: Some(64),
         // the whole 512-row batch at once (the default) took 2.6-8.2 s a step against 1.5-2.1 s
-        // in 64-row parts (docs/perf.md): rows past the caches cost more than the rows
+        // in 64-row parts (docs/perf.md): 512 rows' activations do not stay in the caches
         log_prob_micro_batch_size_per_gpu: Some(64),
         optim: OptimConfig {
             lr: env_or("SEARCH_RL_LR_E4", 5) as f64 * 1e-4,
@@ -256,10 +256,7 @@ fn search_r1(seed: u64, sft_target_pct: u64, max_sft: u64, rl_steps: u64) -> Out
     let mut last = None;
     while trainer.global_step() < trainer.total_steps() {
         let m = trainer.step().unwrap();
-        // an on-policy update supplies the old log-probs: no separate forward ran
-        let old = m
-            .get("timing_s/old_log_prob")
-            .map_or("skipped".to_owned(), |t| format!("{t:.1}s"));
+        let old = phase_seconds(&m, "old_log_prob", 1);
         println!(
             "seed {seed} step {}: score {:.3} search_calls {:.2} turns {:.2} valid {:.2} gen {:.1} obs {:.1} ({:.1}s, generation {:.1}s, old log-probs {old}, update {:.1}s)",
             trainer.global_step(),

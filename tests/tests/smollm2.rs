@@ -87,10 +87,7 @@ fn grpo_on_smollm2_completes() {
     let mut trainer = build_on_policy(&exp, policy, None, &tokenizer).unwrap();
     for _ in 0..steps {
         let m = trainer.step().unwrap();
-        // an on-policy update supplies the old log-probs: no separate forward ran
-        let old = m
-            .get("timing_s/old_log_prob")
-            .map_or("skipped".to_owned(), |t| format!("{t:.2}s"));
+        let old = phase_seconds(&m, "old_log_prob", 2);
         println!(
             "smollm2 grpo step {}: step {:.2}s = gen {:.2}s + reward {:.2}s + old_log_prob {old} + ref {:.2}s + adv {:.3}s + update_actor {:.2}s; score {:.3}, response_length {:.1}, pg_loss {:.4}, grad_norm {:.3}",
             trainer.global_step(),

@@ -127,6 +127,16 @@ pub(crate) fn broadcast_from_rank0(
 }
 
 impl ActorWorker {
+    /// Whether an update over `rows` rows is one mini-batch for one epoch ([`is_on_policy`]).
+    fn updates_on_policy(&self, rows: usize) -> bool {
+        let world = self.data_parallel_ranks();
+        is_on_policy(
+            &self.cfg,
+            mini_batch_rows(&self.cfg, self.rollout_n, world),
+            rows,
+        )
+    }
+
     /// An actor over `lm`; `rollout_n` turns `ppo_mini_batch_size` (prompts) into rows.
     pub fn new(lm: SharedPolicy, cfg: ActorConfig, rollout_n: usize) -> rl_core::Result<Self> {
         cfg.validate("actor_rollout_ref.actor")
@@ -544,8 +554,18 @@ impl Actor for ActorWorker {
             .get(OLD_LOG_PROBS_FROM_UPDATE)
             .and_then(Value::as_bool)
             .unwrap_or(false);
+        if entropy_metric && !self.updates_on_policy(batch.len()) {
+            return Err(role_err("actor")(Error::invalid(
+                OLD_LOG_PROBS_FROM_UPDATE,
+                format!(
+                    "set on a batch of {} rows, which this update does not take in one \
+                     mini-batch for one epoch: its forwards would not run at the old weights",
+                    batch.len()
+                ),
+            )));
+        }
         // Σ entropy × mask and Σ mask over the micro-batches, in f64
-        let entropy_sums = std::cell::Cell::new((0.0f64, 0.0f64));
+        let (mut entropy_sum, mut entropy_count) = (0.0f64, 0.0f64);
         let packed = self.cfg.use_remove_padding;
         // LoRA dropout: one mask seed per micro-batch, a function of the optimiser's step (so
         // a resumed run drops what the uninterrupted one did)
@@ -575,13 +595,10 @@ impl Actor for ActorWorker {
                 };
                 if entropy_metric && let Some(e) = &ent {
                     let mask = keys::policy_mask(micro)?.to_kind(Kind::Double);
-                    let (sum, count) = entropy_sums.get();
-                    entropy_sums.set((
-                        sum + (e.detach().to_kind(Kind::Double) * &mask)
-                            .sum(Kind::Double)
-                            .double_value(&[]),
-                        count + mask.sum(Kind::Double).double_value(&[]),
-                    ));
+                    entropy_sum += (e.detach().to_kind(Kind::Double) * &mask)
+                        .sum(Kind::Double)
+                        .double_value(&[]);
+                    entropy_count += mask.sum(Kind::Double).double_value(&[]);
                 }
                 let entropy = if entropy { ent } else { None };
                 objective.loss(micro, &PolicyOutput { log_prob, entropy }, info)
@@ -597,20 +614,13 @@ impl Actor for ActorWorker {
         let mut out = out?;
         if entropy_metric {
             // the masked mean over this rank's rows, as the trainer takes it of the old forward's
-            let (sum, count) = entropy_sums.get();
-            out.push("actor/entropy", sum / count.max(1.0));
+            out.push("actor/entropy", entropy_sum / entropy_count.max(1.0));
         }
         Ok(out)
     }
 
     fn old_log_probs_from_update(&self, rows: usize) -> bool {
-        let world = self.data_parallel_ranks();
-        self.cfg.old_log_prob_from_update
-            && is_on_policy(
-                &self.cfg,
-                mini_batch_rows(&self.cfg, self.rollout_n, world),
-                rows,
-            )
+        self.cfg.old_log_prob_from_update && self.updates_on_policy(rows)
     }
 
     fn save_state(&self, dir: &Path) -> rl_core::Result<()> {

@@ -5,6 +5,7 @@ use rl_core::roles::{LogProbExtras, Metrics, MiniBatchInfo};
 use rl_core::{Batch, keys};
 use tch::{Device, Kind, Tensor};
 
+pub(crate) use crate::fused_head::EntropyOut;
 use crate::fused_head::{PendingHead, fused_log_probs, head_log_probs, scaled_logits};
 use crate::heads::{CausalLm, ValueModel};
 use crate::roles::role_err;
@@ -338,34 +339,6 @@ impl Packed {
     }
 }
 
-/// What a forward with gradients computes of the per-token entropy.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum EntropyOut {
-    /// None.
-    No,
-    /// For the loss: with its graph.
-    Loss,
-    /// Its value only (a metric): no graph is recorded for it, so the forward keeps no
-    /// full-vocabulary tensor for it.
-    Value,
-}
-
-impl EntropyOut {
-    /// `Loss` when the loss needs it, else `Value` when a metric does.
-    pub(crate) fn new(for_loss: bool, for_metric: bool) -> Self {
-        match (for_loss, for_metric) {
-            (true, _) => EntropyOut::Loss,
-            (false, true) => EntropyOut::Value,
-            (false, false) => EntropyOut::No,
-        }
-    }
-
-    /// Whether it is computed at all.
-    pub(crate) fn any(self) -> bool {
-        self != EntropyOut::No
-    }
-}
-
 /// Log-probs of `responses` (and per-token entropy as `entropy` says) under `lm`, logits
 /// divided by `temperature`, zero at masked positions. Gradients flow when the caller allows
 /// them.
@@ -381,12 +354,7 @@ pub(crate) fn log_probs(
     entropy: EntropyOut,
     packed: bool,
 ) -> rl_core::Result<(Tensor, Option<Tensor>)> {
-    let extras = LogProbExtras {
-        entropy: entropy.any(),
-        sum_pi_squared: false,
-    };
-    let grad = entropy == EntropyOut::Loss;
-    let out = log_probs_inner(lm, micro, temperature, extras, grad, packed)?;
+    let out = log_probs_inner(lm, micro, temperature, entropy, false, packed)?;
     Ok((out.log_prob, out.entropy))
 }
 
@@ -411,24 +379,32 @@ pub(crate) fn log_probs_with(
     extras: LogProbExtras,
     packed: bool,
 ) -> rl_core::Result<LogProbOutputs> {
-    log_probs_inner(lm, micro, temperature, extras, true, packed)
+    let entropy = EntropyOut::new(extras.entropy, false);
+    log_probs_inner(
+        lm,
+        micro,
+        temperature,
+        entropy,
+        extras.sum_pi_squared,
+        packed,
+    )
 }
 
-/// [`log_probs_with`]; the entropy carries a graph only when `entropy_grad`.
+/// [`log_probs_with`] with the entropy as `entropy` says.
 fn log_probs_inner(
     lm: &CausalLm,
     micro: &Batch,
     temperature: f64,
-    extras: LogProbExtras,
-    entropy_grad: bool,
+    entropy: EntropyOut,
+    with_sum_pi_squared: bool,
     packed: bool,
 ) -> rl_core::Result<LogProbOutputs> {
     // stage 3: the root unit (embeddings, head) stays gathered from the stack to the head
     let _root = lm.model().hold_root().map_err(role_err("actor"))?;
     let head = head_inputs(lm, micro, packed)?;
     let logits = scaled_logits(lm, &head.hidden, temperature);
-    let (lp, entropy) = head_log_probs(&logits, &head.responses, extras.entropy, entropy_grad);
-    let sum_pi_squared = extras.sum_pi_squared.then(|| sum_pi_squared(&logits));
+    let (lp, entropy) = head_log_probs(&logits, &head.responses, entropy);
+    let sum_pi_squared = with_sum_pi_squared.then(|| sum_pi_squared(&logits));
     Ok(LogProbOutputs {
         log_prob: head.back(lp),
         entropy: entropy.map(|t| head.back(t)),

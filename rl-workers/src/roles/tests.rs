@@ -570,7 +570,7 @@ fn fused_head_updates_equal_plain_ones() {
 /// at the batch's temperature), whole or in micro-batches, through the plain head or the fused
 /// one, and trains exactly as without the flag (the entropy is a value, not part of the loss).
 /// The actor offers to supply old log-probs only for one mini-batch of one epoch, and not when
-/// its config says no.
+/// its config says no; the flag on any other update is an error.
 #[test]
 fn an_on_policy_update_reports_the_entropy_the_old_forward_would_have() {
     let mut batch = skewed_batch();
@@ -620,9 +620,15 @@ fn an_on_policy_update_reports_the_entropy_the_old_forward_would_have() {
     // two mini-batches, two epochs, or the config's no: the trainer must run the forward
     let mut cfg = actor_cfg(None, false);
     cfg.ppo_mini_batch_size = rows / 4;
-    let actor = ActorWorker::new(copy_of(&base), cfg.clone(), 2).unwrap();
+    let mut actor = ActorWorker::new(copy_of(&base), cfg.clone(), 2).unwrap();
     assert!(!actor.old_log_probs_from_update(rows));
     assert!(actor.old_log_probs_from_update(rows / 2));
+    // the flag on such an update is refused, naming it, before any weight moves
+    let err = actor
+        .update(&flagged, &TokenMeanPg)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("old_log_probs_from_update"), "{err}");
     cfg.ppo_mini_batch_size = rows / 2;
     cfg.ppo_epochs = 2;
     let actor = ActorWorker::new(copy_of(&base), cfg.clone(), 2).unwrap();
