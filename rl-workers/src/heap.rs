@@ -38,13 +38,36 @@ pub fn keep_freed_memory() -> bool {
 
 #[cfg(test)]
 mod tests {
+    /// Set in the child process the test below runs itself in.
+    const ALONE: &str = "RL_WORKERS_HEAP_TEST_ALONE";
+
     /// The settings take: a large block is then served from a heap, not mapped from the kernel
-    /// (glibc's default maps any block above 32 MiB). No other thread can map one meanwhile:
-    /// the setting is the process's. (48 MiB: a thread other than the main one allocates from
-    /// heaps of at most 64 MiB, and maps a larger block whatever the setting.)
+    /// (glibc's default maps any block above 32 MiB). The allocator's statistics are the
+    /// process's, and the other tests of this binary map blocks of their own meanwhile, so the
+    /// test runs itself alone in a child process (the test binary, filtered to this test).
+    /// (48 MiB: a thread other than the main one allocates from heaps of at most 64 MiB, and
+    /// maps a larger block whatever the setting.)
     #[test]
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     fn large_blocks_come_from_the_heap() {
+        let name = concat!(module_path!(), "::large_blocks_come_from_the_heap");
+        let name = name.split_once("::").expect("a crate path").1;
+        if std::env::var_os(ALONE).is_none() {
+            let exe = std::env::current_exe().expect("the test binary's path");
+            let out = std::process::Command::new(exe)
+                .args([name, "--exact", "--test-threads=1", "--nocapture"])
+                .env(ALONE, "1")
+                .output()
+                .expect("the test binary runs");
+            let text = format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            assert!(out.status.success(), "{text}");
+            assert!(text.contains("1 passed"), "the child ran no test:\n{text}");
+            return;
+        }
         assert!(crate::ffi::malloc_keep_freed_memory());
         let before = crate::ffi::malloc_mapped_bytes();
         let block = std::hint::black_box(vec![1u8; 48 << 20]);
