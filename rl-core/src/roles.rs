@@ -102,8 +102,8 @@ pub const POLICY_VERSION: &str = "policy_version";
 
 /// The `meta_info` key (bool) of a batch whose `old_log_probs` the trainer did not compute
 /// because the actor's update supplies them ([`Actor::old_log_probs_from_update`]): the update
-/// then also reports `actor/entropy`, the masked mean of the per-token entropy of its forward,
-/// which the separate old-log-prob forward would have reported.
+/// then also reports `actor/entropy` of its forward ([`PolicyObjective::entropy_metric`]), which
+/// the separate old-log-prob forward would have reported.
 pub const OLD_LOG_PROBS_FROM_UPDATE: &str = "old_log_probs_from_update";
 
 /// What the actor computes with gradients for one micro-batch, handed to the objective.
@@ -140,6 +140,20 @@ pub trait PolicyObjective {
         out: &PolicyOutput,
         info: MiniBatchInfo,
     ) -> Result<(Tensor, Metrics)>;
+    /// The `actor/entropy` metric of a batch's per-token `entropy` over its `mask` (both
+    /// `[batch, response_len]`), as the trainer reports it of the old-log-prob forward (verl
+    /// aggregates it with the loss's `loss_agg_mode`); `None` when the mask holds no token.
+    /// Default: the mean over the masked tokens.
+    fn entropy_metric(&self, entropy: &Tensor, mask: &Tensor) -> Result<Option<f64>> {
+        let mask = mask.to_kind(tch::Kind::Double);
+        let tokens = mask.sum(tch::Kind::Double).double_value(&[]);
+        Ok((tokens > 0.0).then(|| {
+            (entropy.to_kind(tch::Kind::Double) * &mask)
+                .sum(tch::Kind::Double)
+                .double_value(&[])
+                / tokens
+        }))
+    }
 }
 
 /// A value objective for the critic: the loss of one micro-batch given predicted values.

@@ -208,6 +208,27 @@ fn two_ranks_of_the_quickstart_grpo_follow_one_rank_over_three_steps() {
     eprintln!("grpo: worst weight difference {d:e}");
 }
 
+/// The other loss aggregations: the loss and `actor/entropy` (each rank aggregates its own rows,
+/// the ranks' figures are combined as the mode aggregates the global batch: by sequences, or
+/// summed for Dr. GRPO's constant divisor), whether the update or a separate forward computes
+/// the entropy.
+#[test]
+fn two_ranks_of_grpo_aggregating_by_sequence_follow_one_rank_over_three_steps() {
+    let env = setup_warm();
+    for (mode, from_update) in [
+        ("seq-mean-token-sum-norm", true),
+        ("seq-mean-token-mean", false),
+    ] {
+        let agg = format!("actor_rollout_ref.actor.loss_agg_mode={mode}");
+        let skip = format!("actor_rollout_ref.actor.old_log_prob_from_update={from_update}");
+        let overrides: Vec<&str> = GRPO.iter().copied().chain([&*agg, &*skip]).collect();
+        let (d, m) = two_ranks_follow_one(&env, "quickstart", &overrides);
+        let entropies = m.keys().filter(|(_, k)| k == "actor/entropy").count();
+        assert_eq!(entropies, 3, "{mode}: {m:?}");
+        eprintln!("grpo {mode}: worst weight difference {d:e}");
+    }
+}
+
 #[test]
 fn two_ranks_of_sft_offline_dpo_and_spin_follow_one_rank_over_three_steps() {
     let env = setup();

@@ -264,6 +264,41 @@ fn an_on_policy_update_supplies_the_old_log_probs_unless_they_are_read_first() {
         );
     }
     assert!(s["actor/entropy"] > 0.1, "{}", s["actor/entropy"]);
+    // verl aggregates the metric with the loss's `loss_agg_mode`, on either path; the first
+    // step's entropies are the same whatever the mode (same weights, same rollout)
+    let token_mean = s["actor/entropy"];
+    for (name, mode) in [
+        ("seq_mean", "seq-mean-token-mean"),
+        ("sum_norm", "seq-mean-token-sum-norm"),
+    ] {
+        let kv = format!("actor_rollout_ref.actor.loss_agg_mode={mode}");
+        let skipped = &grpo(&env, &format!("skipped_{name}"), &[&kv])[&1];
+        let apart = &grpo(
+            &env,
+            &format!("apart_{name}"),
+            &[
+                &kv,
+                "actor_rollout_ref.actor.old_log_prob_from_update=false",
+            ],
+        )[&1];
+        let (x, y) = (skipped["actor/entropy"], apart["actor/entropy"]);
+        assert!(
+            (x - y).abs() <= 1e-5 * y.abs(),
+            "{mode}: {x} skipping the forward, {y} with it"
+        );
+        assert!(!skipped.contains_key("timing_s/old_log_prob"), "{mode}");
+        if mode == "seq-mean-token-sum-norm" {
+            // Σ entropy over the batch's 64 responses' tokens / the response width (6)
+            let tokens = 64.0 * skipped["response_length/mean"];
+            let want = token_mean * tokens / 6.0;
+            assert!(
+                (x - want).abs() <= 1e-5 * want,
+                "{mode}: {x}, the token mean {token_mean} x {tokens} tokens / 6 = {want}"
+            );
+        } else {
+            assert!(x > 0.1 && (x - token_mean).abs() > 1e-6, "{mode}: {x}");
+        }
+    }
     // two mini-batches, two epochs, or KL in the reward: the forward runs
     for (name, overrides) in [
         (

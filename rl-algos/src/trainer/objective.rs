@@ -83,9 +83,39 @@ pub struct RolloutLoss {
     pub diagnostics: bool,
 }
 
+/// verl's `actor/entropy`: the per-token `entropy` of a batch aggregated over `mask` with the
+/// loss's `loss_agg_mode` (and `loss_scale_factor`), normalised by the batch itself (the
+/// trainer's `agg_loss` call on the old-log-prob forward's entropies); `None` when the mask
+/// holds no token (verl's mean modes would give NaN).
+pub(crate) fn entropy_metric(
+    cfg: &ActorLossConfig,
+    entropy: &Tensor,
+    mask: &Tensor,
+) -> rl_core::Result<Option<f64>> {
+    if mask.count_nonzero(None).int64_value(&[]) == 0 {
+        return Ok(None);
+    }
+    let info = GlobalBatchInfo {
+        loss_scale_factor: cfg.loss_scale_factor,
+        ..GlobalBatchInfo::local()
+    };
+    let agg = agg::aggregate(
+        &entropy.detach().to_kind(tch::Kind::Double),
+        mask,
+        cfg.loss_agg_mode,
+        &info,
+    )
+    .map_err(wrap)?;
+    Ok(Some(agg.double_value(&[])))
+}
+
 impl PolicyObjective for PolicyLoss {
     fn needs_entropy(&self) -> bool {
         self.cfg.entropy_coeff != 0.0
+    }
+
+    fn entropy_metric(&self, entropy: &Tensor, mask: &Tensor) -> rl_core::Result<Option<f64>> {
+        entropy_metric(&self.cfg, entropy, mask)
     }
 
     fn loss(

@@ -17,6 +17,7 @@ use serde_json::Value;
 use tch::{Kind, Tensor};
 
 use crate::advantage::{self, AdvantageInputs};
+use crate::agg::LossAggMode;
 use crate::config::AdvEstimator;
 use crate::dapo;
 use crate::kl::{self, KlController};
@@ -24,7 +25,7 @@ use crate::rollout_corr;
 use crate::trainer::async_rollout::{self, AsyncRollout, SavedBatch};
 use crate::trainer::config::OnPolicyConfig;
 use crate::trainer::dp;
-use crate::trainer::objective::{PolicyLoss, RolloutLoss, ValueLoss};
+use crate::trainer::objective::{self, PolicyLoss, RolloutLoss, ValueLoss};
 use crate::trainer::reward::{SCORE_COLUMN, reward_metrics};
 use crate::trainer::source::BatchSource;
 
@@ -875,27 +876,35 @@ impl EnvTotals {
 }
 
 /// Keys whose per-rank figure is a mean over response tokens, weighted by tokens when ranks are
-/// combined (every other mean is weighted by rows).
+/// combined (every other mean is weighted by rows; `actor/entropy` as its aggregation says).
 fn token_weighted(key: &str) -> bool {
-    key == "actor/entropy"
-        || ["critic/advantages/", "critic/returns/", "critic/values/"]
-            .iter()
-            .any(|p| key.starts_with(p))
+    ["critic/advantages/", "critic/returns/", "critic/values/"]
+        .iter()
+        .any(|p| key.starts_with(p))
 }
 
 /// Combines one step's metrics over the ranks (means weighted by rows or response tokens,
 /// `*/max` and timings by maximum, `*/min` by minimum, token totals by sum), so every rank
 /// returns the figures of the global batch; the throughput is recomputed from the totals.
+/// `actor/entropy`, each rank's aggregate over its own rows with `entropy_agg`, is combined as
+/// that mode aggregates the global batch: weighted by tokens (`token-mean`) or by non-empty
+/// sequences (`seq-mean-*`), or summed (`seq-mean-token-sum-norm`, a sum over a constant).
 fn reduce_step_metrics(
     group: &SharedCollective,
     m: StepMetrics,
     batch: &Batch,
+    entropy_agg: LossAggMode,
 ) -> rl_core::Result<StepMetrics> {
     let rows = batch.len() as f64;
     // the token-weighted metrics are means over the loss tokens (observations excluded)
-    let tokens = keys::policy_mask(batch)?
+    let mask = keys::policy_mask(batch)?;
+    let tokens = mask.sum(Kind::Double).double_value(&[]);
+    let sequences = mask
+        .sum_dim_intlist([1].as_slice(), false, Kind::Double)
+        .gt(0.0)
         .sum(Kind::Double)
         .double_value(&[]);
+    let (entropy_weight, entropy_reduce) = entropy_reduce(entropy_agg, tokens, sequences);
     // the `env/*` metrics carry their own weights (the valid action ratio is over turns)
     let mut env = EnvTotals::default();
     env.add(batch);
@@ -905,13 +914,21 @@ fn reduce_step_metrics(
         .map(|(k, v)| {
             let w = match env.get(&k) {
                 Some(&(_, w)) => w,
+                None if k == ENTROPY => entropy_weight,
                 None if token_weighted(&k) => tokens,
                 None => rows,
             };
             (k, (v, w))
         })
         .collect();
-    let mut out = dist::reduce_metrics(&mut *dist::lock(group)?, &local, dist::default_reduce)?;
+    let how = |k: &str| {
+        if k == ENTROPY {
+            entropy_reduce
+        } else {
+            dist::default_reduce(k)
+        }
+    };
+    let mut out = dist::reduce_metrics(&mut *dist::lock(group)?, &local, how)?;
     if let (Some(t), Some(s)) = (
         out.get("perf/total_num_tokens").copied(),
         out.get("timing_s/step").copied(),
@@ -919,6 +936,23 @@ fn reduce_step_metrics(
         out.insert("perf/throughput".into(), t / s.max(1e-9));
     }
     Ok(out)
+}
+
+/// The actor's entropy metric (verl's name).
+const ENTROPY: &str = "actor/entropy";
+
+/// How the ranks' `actor/entropy` figures (each aggregated with `mode` over the rank's rows, of
+/// which `tokens` response tokens and `sequences` non-empty responses) combine into the global
+/// batch's: this rank's weight and the reduction.
+fn entropy_reduce(mode: LossAggMode, tokens: f64, sequences: f64) -> (f64, dist::MetricReduce) {
+    match mode {
+        LossAggMode::TokenMean => (tokens, dist::MetricReduce::Mean),
+        LossAggMode::SeqMeanTokenSum | LossAggMode::SeqMeanTokenMean => {
+            (sequences, dist::MetricReduce::Mean)
+        }
+        // a sum over a constant: the ranks' figures add up
+        LossAggMode::SeqMeanTokenSumNorm => (1.0, dist::MetricReduce::Sum),
+    }
 }
 
 impl Trainer for OnPolicyTrainer {
@@ -978,8 +1012,10 @@ impl Trainer for OnPolicyTrainer {
                 sum_pi_squared,
             };
             let old = self.roles.actor.compute_log_prob_with(&batch, extras)?;
-            if let Ok(ent) = old.get(keys::ENTROPYS) {
-                m.insert("actor/entropy".into(), masked_stats(ent, &mask).0);
+            if let Ok(ent) = old.get(keys::ENTROPYS)
+                && let Some(v) = objective::entropy_metric(&self.cfg.actor, ent, &mask)?
+            {
+                m.insert(ENTROPY.into(), v);
             }
             batch.union(old)?;
             timing.insert("old_log_prob", t.elapsed().as_secs_f64());
@@ -1074,7 +1110,7 @@ impl Trainer for OnPolicyTrainer {
         self.global_step += 1;
         m.insert("training/global_step".into(), self.global_step as f64);
         if let Some(g) = self.dp_group()? {
-            m = reduce_step_metrics(&g, m, &batch)?;
+            m = reduce_step_metrics(&g, m, &batch, self.cfg.actor.loss_agg_mode)?;
             if !self.replicas_checked {
                 self.check_replicas(&g)?;
                 self.replicas_checked = true;
@@ -1241,6 +1277,77 @@ impl Trainer for OnPolicyTrainer {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    /// `actor/entropy` is verl's `agg_loss` of the entropies with the loss's mode (checked by
+    /// hand on rows of 3, 1 and 0 tokens), and each rank's figure over its own rows, combined as
+    /// [`entropy_reduce`] says, is the figure of the whole batch, for every mode, with ranks
+    /// of unequal tokens and sequences.
+    #[test]
+    fn the_entropy_metric_follows_the_loss_aggregation_and_combines_over_ranks() {
+        use crate::trainer::config::ActorLossConfig;
+        let e = Tensor::from_slice(&[1.0f64, 2.0, 6.0, 4.0, 9.0, 9.0, 5.0, 7.0, 7.0]).view([3, 3]);
+        let m = Tensor::from_slice(&[1.0f64, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]).view([3, 3]);
+        let metric = |mode, scale: Option<f64>, e: &Tensor, m: &Tensor| {
+            let cfg = ActorLossConfig {
+                loss_agg_mode: mode,
+                loss_scale_factor: scale,
+                ..ActorLossConfig::default()
+            };
+            objective::entropy_metric(&cfg, e, m).unwrap()
+        };
+        for (mode, scale, want) in [
+            (LossAggMode::TokenMean, None, 13.0 / 4.0),
+            (LossAggMode::SeqMeanTokenSum, None, (9.0 + 4.0) / 2.0),
+            (LossAggMode::SeqMeanTokenMean, None, (3.0 + 4.0) / 2.0),
+            (LossAggMode::SeqMeanTokenSumNorm, None, 13.0 / 3.0),
+            (LossAggMode::SeqMeanTokenSumNorm, Some(10.0), 1.3),
+        ] {
+            let got = metric(mode, scale, &e, &m).unwrap();
+            assert!((got - want).abs() < 1e-6, "{mode}: {got}, want {want}");
+            assert_eq!(metric(mode, scale, &e, &m.zeros_like()), None, "{mode}");
+        }
+        // 7 rows of 0-5 tokens over two ranks of 3 and 4 rows
+        let e = Tensor::from_slice(
+            &(0..35)
+                .map(|i| (i * 7 % 11) as f64 / 3.0)
+                .collect::<Vec<_>>(),
+        )
+        .view([7, 5]);
+        let lengths = [5i64, 1, 3, 0, 2, 5, 4];
+        let m = Tensor::arange(5, (Kind::Double, tch::Device::Cpu))
+            .unsqueeze(0)
+            .lt_tensor(&Tensor::from_slice(&lengths).unsqueeze(1))
+            .to_kind(Kind::Double);
+        for mode in LossAggMode::ALL {
+            let whole = metric(mode, None, &e, &m).unwrap();
+            let (mut sum, mut weights) = (0.0, 0.0);
+            let mut reduce = None;
+            for (start, rows) in [(0, 3), (3, 4)] {
+                let (e, m) = (e.narrow(0, start, rows), m.narrow(0, start, rows));
+                let v = metric(mode, None, &e, &m).unwrap();
+                let tokens = m.sum(Kind::Double).double_value(&[]);
+                let sequences = m
+                    .sum_dim_intlist([1].as_slice(), false, Kind::Double)
+                    .gt(0.0);
+                let sequences = sequences.sum(Kind::Double).double_value(&[]);
+                let (w, how) = entropy_reduce(mode, tokens, sequences);
+                reduce = Some(how);
+                sum += match how {
+                    dist::MetricReduce::Sum => v,
+                    _ => v * w,
+                };
+                weights += w;
+            }
+            let combined = match reduce.unwrap() {
+                dist::MetricReduce::Sum => sum,
+                _ => sum / weights,
+            };
+            assert!(
+                (combined - whole).abs() < 1e-9 * whole.abs(),
+                "{mode}: ranks {combined}, whole batch {whole}"
+            );
+        }
+    }
 
     /// verl's formula on the masked tokens: a constant prediction explains nothing whatever
     /// its offset, a perfect one everything, and a half-way one the figure `torch.var` gives.

@@ -12,7 +12,7 @@ use rl_core::roles::{
 };
 use rl_core::{Batch, keys};
 use serde_json::Value;
-use tch::{Device, Kind};
+use tch::{Device, Kind, Tensor};
 
 use crate::error::{Error, Result};
 use crate::heads::CausalLm;
@@ -564,8 +564,8 @@ impl Actor for ActorWorker {
                 ),
             )));
         }
-        // Σ entropy × mask and Σ mask over the micro-batches, in f64
-        let (mut entropy_sum, mut entropy_count) = (0.0f64, 0.0f64);
+        // each micro-batch's entropies and mask, detached, for the objective's entropy metric
+        let mut entropies: Vec<(Tensor, Tensor)> = Vec::new();
         let packed = self.cfg.use_remove_padding;
         // LoRA dropout: one mask seed per micro-batch, a function of the optimiser's step (so
         // a resumed run drops what the uninterrupted one did)
@@ -594,11 +594,7 @@ impl Actor for ActorWorker {
                     micro::log_probs(&lm, micro, temperature, want, packed)?
                 };
                 if entropy_metric && let Some(e) = &ent {
-                    let mask = keys::policy_mask(micro)?.to_kind(Kind::Double);
-                    entropy_sum += (e.detach().to_kind(Kind::Double) * &mask)
-                        .sum(Kind::Double)
-                        .double_value(&[]);
-                    entropy_count += mask.sum(Kind::Double).double_value(&[]);
+                    entropies.push((e.detach(), keys::policy_mask(micro)?));
                 }
                 let entropy = if entropy { ent } else { None };
                 objective.loss(micro, &PolicyOutput { log_prob, entropy }, info)
@@ -612,9 +608,12 @@ impl Actor for ActorWorker {
         );
         lm.set_lora_dropout_seed(None);
         let mut out = out?;
-        if entropy_metric {
-            // the masked mean over this rank's rows, as the trainer takes it of the old forward's
-            out.push("actor/entropy", entropy_sum / entropy_count.max(1.0));
+        if entropy_metric && !entropies.is_empty() {
+            // over this rank's rows, as the trainer takes it of the old forward's
+            let (e, m): (Vec<Tensor>, Vec<Tensor>) = entropies.into_iter().unzip();
+            if let Some(v) = objective.entropy_metric(&Tensor::cat(&e, 0), &Tensor::cat(&m, 0))? {
+                out.push("actor/entropy", v);
+            }
         }
         Ok(out)
     }
