@@ -30,4 +30,4 @@ pub use batch::{Batch, MiniBatches};
 pub use error::{Error, Result};
 pub use roles::Metrics;
 pub use tool::{Observation, Tool};
-pub use trainer::{Sample, StepMetrics, Trainer};
+pub use trainer::{Sample, StepMetrics, Trainer, is_wall_clock};

@@ -14,6 +14,16 @@ use crate::error::Result;
 /// (`actor/pg_loss`, `val/test_score/<data_source>`, `timing_s/gen`, ...).
 pub type StepMetrics = BTreeMap<String, f64>;
 
+/// Whether a metric measures wall-clock time (`timing_s/*`, `timing_per_token_ms/*`,
+/// `perf/time_per_step`, `perf/throughput`): the one kind of figure two runs of the same config
+/// may differ in (the exact-resume contract below holds for every other).
+pub fn is_wall_clock(key: &str) -> bool {
+    key.starts_with("timing_s/")
+        || key.starts_with("timing_per_token_ms/")
+        || key == "perf/time_per_step"
+        || key == "perf/throughput"
+}
+
 /// A few generations logged as samples during validation.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Sample {

@@ -115,7 +115,7 @@ fn metrics(env: &Env, run: i64) -> BTreeMap<(i64, String), f64> {
     rt.block_on(store.all_metrics(run))
         .unwrap()
         .into_iter()
-        .filter(|(_, k, _, _)| !k.starts_with("timing_s/") && !k.starts_with("perf/throughput"))
+        .filter(|(_, k, _, _)| !rl_core::is_wall_clock(k))
         .map(|(s, k, v, _)| ((s, k), v))
         .collect()
 }

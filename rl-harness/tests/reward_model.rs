@@ -126,7 +126,7 @@ fn reward_model_trains_resumes_exactly_exports_and_scores_a_grpo_run() {
             .block_on(store.all_metrics(id))
             .unwrap()
             .into_iter()
-            .filter(|(_, k, _, _)| !k.starts_with("timing_s/"))
+            .filter(|(_, k, _, _)| !rl_core::is_wall_clock(k))
             .map(|(s, k, v, _)| (s, k, v))
             .collect();
         m.sort_by(|x, y| (x.0, &x.1).cmp(&(y.0, &y.1)));
@@ -234,7 +234,7 @@ fn two_ranks_train_the_reward_model_of_one_rank_step_for_step() {
         rt.block_on(store.all_metrics(run))
             .unwrap()
             .into_iter()
-            .filter(|(_, k, _, _)| !k.starts_with("timing_s/") && !k.starts_with("perf/"))
+            .filter(|(_, k, _, _)| !rl_core::is_wall_clock(k) && !k.starts_with("perf/"))
             .map(|(s, k, v, _)| ((s, k), v))
             .collect()
     };

@@ -206,6 +206,16 @@ fn bypass_mode_and_the_optimal_token_baseline_run_end_to_end() {
     {
         let m = &otb[&1];
         assert!(m.contains_key("timing_s/old_log_prob"), "OTB reads them");
+        // verl's variance proxies need sum_pi_squared: E[A² W] over the responses, and the
+        // noise is (that - ‖ḡ‖²) / (N - 1), at least 0
+        let signal = m["actor/grad_norm"].powi(2);
+        assert_eq!(m["variance_proxy/proxy1_signal_strength"], signal);
+        within(m, "variance_proxy/expected_a_squared", 0.0, 100.0);
+        // each token's 1 - 2π + Σπ² is (1 - π)² plus the other tokens' π², within [0, 2]; six tokens
+        within(m, "variance_proxy/expected_w", 1e-3, 12.0);
+        let total = m["variance_proxy/proxy2_total_power"];
+        let noise = ((total - signal) / 63.0).max(0.0);
+        assert!((m["variance_proxy/proxy3_pure_noise"] - noise).abs() <= 1e-12 * noise.max(1.0));
         within(m, "critic/advantages/mean", -10.0, 10.0);
         within(m, "critic/advantages/max", -10.0, 10.0);
         within(m, "actor/pg_loss", -1e3, 1e3);
@@ -244,6 +254,29 @@ fn an_on_policy_update_supplies_the_old_log_probs_unless_they_are_read_first() {
     );
     let (s, a) = (&skipped[&1], &apart[&1]);
     assert!(!s.contains_key("timing_s/old_log_prob"), "{s:?}");
+    // verl's data and timing metrics: no response is empty, so the non-aborted lengths are all
+    // of them; per-token timings over the response tokens (gen) or all tokens (the updates)
+    assert_eq!(s["response/aborted_ratio"], 0.0);
+    for stat in ["mean", "max", "min", "clip_ratio"] {
+        let key = format!("response_length_non_aborted/{stat}");
+        assert_eq!(s[&key], s[&format!("response_length/{stat}")], "{key}");
+    }
+    within(s, "prompt_length/clip_ratio", 0.0, 1.0);
+    assert_eq!(s["perf/time_per_step"], s["timing_s/step"]);
+    let response_tokens = 64.0 * s["response_length/mean"];
+    let all_tokens = s["perf/total_num_tokens"];
+    for (phase, tokens) in [("gen", response_tokens), ("update_actor", all_tokens)] {
+        let want = s[&format!("timing_s/{phase}")] * 1000.0 / tokens;
+        let got = s[&format!("timing_per_token_ms/{phase}")];
+        assert!(
+            (got - want).abs() <= 1e-9 * want,
+            "{phase}: {got} ms, want {want}"
+        );
+    }
+    assert!(
+        !s.contains_key("variance_proxy/expected_w"),
+        "no sum_pi_squared"
+    );
     assert!(a.contains_key("timing_s/old_log_prob"), "{a:?}");
     assert_eq!(
         s["actor/ppo_kl"], 0.0,

@@ -30,9 +30,7 @@ fn with_async(cfg: &ExperimentConfig, max_staleness: u64) -> ExperimentConfig {
 /// Everything but timings and the async run's own keys.
 fn comparable(m: &StepMetrics) -> Vec<(String, f64)> {
     m.iter()
-        .filter(|(k, _)| {
-            !k.starts_with("timing_s/") && !k.starts_with("async/") && *k != "perf/throughput"
-        })
+        .filter(|(k, _)| !rl_core::is_wall_clock(k) && !k.starts_with("async/"))
         .map(|(k, v)| (k.clone(), *v))
         .collect()
 }

@@ -981,7 +981,7 @@ fn saved_state(dir: &Path) -> (Value, u64) {
 /// Metrics without the wall-clock ones.
 fn comparable(m: &rl_core::StepMetrics) -> Vec<(String, f64)> {
     m.iter()
-        .filter(|(k, _)| !k.starts_with("timing_s/") && *k != "perf/throughput")
+        .filter(|(k, _)| !rl_core::is_wall_clock(k))
         .map(|(k, v)| (k.clone(), *v))
         .collect()
 }

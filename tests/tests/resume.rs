@@ -10,7 +10,7 @@ fn config(task: &TinyTask) -> ExperimentConfig {
 
 fn comparable(m: &StepMetrics) -> Vec<(String, f64)> {
     m.iter()
-        .filter(|(k, _)| !k.starts_with("timing_s/") && *k != "perf/throughput")
+        .filter(|(k, _)| !rl_core::is_wall_clock(k))
         .map(|(k, v)| (k.clone(), *v))
         .collect()
 }

@@ -203,6 +203,9 @@ pub struct OnPolicyConfig {
     pub temperature: f64,
     /// `actor_rollout_ref.rollout.response_length` (= `data.max_response_length`).
     pub max_response_length: i64,
+    /// `data.max_prompt_length`: a prompt of this length may have been truncated
+    /// (`prompt_length/clip_ratio`).
+    pub max_prompt_length: i64,
     /// `actor_rollout_ref.actor.ppo_mini_batch_size`: prompts per actor mini-batch.
     pub actor_ppo_mini_batch_size: usize,
     /// `critic.ppo_mini_batch_size`: prompts per critic mini-batch.
@@ -229,6 +232,7 @@ impl Default for OnPolicyConfig {
             rollout_n: 1,
             temperature: 1.0,
             max_response_length: 512,
+            max_prompt_length: 512,
             actor_ppo_mini_batch_size: 256,
             critic_ppo_mini_batch_size: 256,
             overlong_buffer: OverlongBufferConfig::default(),

@@ -16,6 +16,7 @@ mod reward_model;
 mod sft;
 mod source;
 mod spin;
+mod step_metrics;
 
 pub use config::{
     ActorLossConfig, AsyncTrainingConfig, CriticLossConfig, OnPolicyConfig, TrainerSection,

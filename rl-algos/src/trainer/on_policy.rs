@@ -28,6 +28,7 @@ use crate::trainer::dp;
 use crate::trainer::objective::{self, PolicyLoss, RolloutLoss, ValueLoss};
 use crate::trainer::reward::{SCORE_COLUMN, reward_metrics};
 use crate::trainer::source::BatchSource;
+use crate::trainer::step_metrics;
 
 /// Column a [`Reward`] role may add with each row's accuracy (DAPO's `acc` filter metric).
 pub const ACC_COLUMN: &str = "acc";
@@ -734,18 +735,33 @@ impl OnPolicyTrainer {
     fn data_metrics(&self, batch: &Batch, m: &mut StepMetrics) -> rl_core::Result<()> {
         let response_mask = batch.get(keys::RESPONSE_MASK)?;
         let mask = &keys::policy_mask(batch)?;
+        // from the attention mask, as verl: rollout correction's rejection zeroes response_mask
+        // tokens without shortening the response
+        let width = response_mask.size()[1];
+        let attention = batch.get(keys::ATTENTION_MASK)?;
+        let resp_len = attention
+            .narrow(1, attention.size()[1] - width, width)
+            .sum_dim_intlist([-1].as_slice(), false, Kind::Double);
+        // verl's aborted responses (nothing generated) count in no score or reward
+        let kept = resp_len.gt(0.0);
+        if kept.any().int64_value(&[]) == 0 {
+            return Err(role_err(
+                "trainer",
+                "every response of the batch is empty (nothing generated)",
+            ));
+        }
         let scores = batch.get(keys::TOKEN_LEVEL_SCORES)?.sum_dim_intlist(
             [-1].as_slice(),
             false,
             Kind::Double,
         );
-        put3(m, "critic/score", stats(&scores));
+        put3(m, "critic/score", stats(&scores.masked_select(&kept)));
         let rewards = batch.get(keys::TOKEN_LEVEL_REWARDS)?.sum_dim_intlist(
             [-1].as_slice(),
             false,
             Kind::Double,
         );
-        put3(m, "critic/rewards", stats(&rewards));
+        put3(m, "critic/rewards", stats(&rewards.masked_select(&kept)));
         put3(
             m,
             "critic/advantages",
@@ -764,13 +780,6 @@ impl OnPolicyTrainer {
                 m.insert("critic/vf_explained_var".into(), ev);
             }
         }
-        // from the attention mask, as verl: rollout correction's rejection zeroes response_mask
-        // tokens without shortening the response
-        let width = response_mask.size()[1];
-        let attention = batch.get(keys::ATTENTION_MASK)?;
-        let resp_len = attention
-            .narrow(1, attention.size()[1] - width, width)
-            .sum_dim_intlist([-1].as_slice(), false, Kind::Double);
         put3(m, "response_length", stats(&resp_len));
         if batch.contains(keys::LOSS_MASK) {
             // multi-turn: generated and observation tokens apart
@@ -783,18 +792,42 @@ impl OnPolicyTrainer {
             );
         }
         env_metrics(batch, m);
-        let clip = resp_len
-            .eq(self.cfg.max_response_length as f64)
-            .to_kind(Kind::Double)
-            .mean(Kind::Double)
-            .double_value(&[]);
-        m.insert("response_length/clip_ratio".into(), clip);
+        let clip_ratio = |lengths: &Tensor, limit: i64| {
+            lengths
+                .eq(limit as f64)
+                .to_kind(Kind::Double)
+                .mean(Kind::Double)
+                .double_value(&[])
+        };
+        let max_response = self.cfg.max_response_length;
+        m.insert(
+            "response_length/clip_ratio".into(),
+            clip_ratio(&resp_len, max_response),
+        );
+        let aborted = 1.0
+            - kept
+                .to_kind(Kind::Double)
+                .mean(Kind::Double)
+                .double_value(&[]);
+        m.insert("response/aborted_ratio".into(), aborted);
+        let generated = resp_len.masked_select(&kept);
+        put3(m, "response_length_non_aborted", stats(&generated));
+        m.insert(
+            "response_length_non_aborted/clip_ratio".into(),
+            clip_ratio(&generated, max_response),
+        );
         let prompt_len = batch.get(keys::PROMPTS)?.size()[1];
-        let prompt_lens = batch
-            .get(keys::ATTENTION_MASK)?
-            .narrow(1, 0, prompt_len)
-            .sum_dim_intlist([-1].as_slice(), false, Kind::Double);
+        let prompt_lens = attention.narrow(1, 0, prompt_len).sum_dim_intlist(
+            [-1].as_slice(),
+            false,
+            Kind::Double,
+        );
         put3(m, "prompt_length", stats(&prompt_lens));
+        // a prompt at the limit may have been truncated (verl pads every prompt to the limit)
+        m.insert(
+            "prompt_length/clip_ratio".into(),
+            clip_ratio(&prompt_lens, self.cfg.max_prompt_length),
+        );
         if let Some(acc) = f64_column(batch, ACC_COLUMN) {
             m.insert(
                 "critic/acc/mean".into(),
@@ -1096,6 +1129,10 @@ impl Trainer for OnPolicyTrainer {
         self.data_metrics(&batch, &mut m)?;
         // `reward/score/*` and each part of a combined reward (`reward/rm_score/*`, ...)
         m.extend(reward_metrics(&batch));
+        // the variance proxies' row means, for the optimal token baselines (sum_pi_squared)
+        if let Some(v) = step_metrics::variance_proxy(&batch)? {
+            m.extend(v);
+        }
         let step_s = t_step.elapsed().as_secs_f64();
         timing.insert("step", step_s);
         let tokens = batch
@@ -1109,13 +1146,18 @@ impl Trainer for OnPolicyTrainer {
         }
         self.global_step += 1;
         m.insert("training/global_step".into(), self.global_step as f64);
+        let mut sizes = step_metrics::batch_sizes(&batch)?;
         if let Some(g) = self.dp_group()? {
             m = reduce_step_metrics(&g, m, &batch, self.cfg.actor.loss_agg_mode)?;
+            dist::all_reduce_f64(&mut *dist::lock(&g)?, &mut sizes, dist::ReduceOp::Sum)?;
             if !self.replicas_checked {
                 self.check_replicas(&g)?;
                 self.replicas_checked = true;
             }
         }
+        // ratios of the global batch's figures
+        step_metrics::add_per_token_timings(&mut m, sizes);
+        step_metrics::finish_variance_proxy(&mut m, sizes);
         Ok(m)
     }
 

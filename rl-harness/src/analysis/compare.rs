@@ -99,7 +99,7 @@ pub async fn common_metrics(store: &Store, runs: &[RunRow]) -> Result<Vec<String
     Ok(common
         .unwrap_or_default()
         .into_iter()
-        .filter(|k| !k.starts_with("timing_s/"))
+        .filter(|k| !rl_core::is_wall_clock(k))
         .collect())
 }
 

@@ -31,6 +31,7 @@ pub fn on_policy_config(cfg: &ExperimentConfig, batches_per_epoch: usize) -> OnP
         rollout_n: arr.rollout.n,
         temperature: arr.rollout.temperature,
         max_response_length: arr.rollout.response_length,
+        max_prompt_length: cfg.data.max_prompt_length as i64,
         actor_ppo_mini_batch_size: arr.actor.ppo_mini_batch_size,
         critic_ppo_mini_batch_size: cfg.critic.worker.ppo_mini_batch_size,
         overlong_buffer: cfg.reward_model.own.overlong_buffer,

@@ -1470,7 +1470,10 @@ fn drive(
                 .step()
                 .with_context(|| format!("training step {}", before + 1))?;
             let step = trainer.global_step();
-            m.insert("timing_s/step".into(), started.elapsed().as_secs_f64());
+            // the step as the driver timed it (with the metrics' reduction over the ranks)
+            let seconds = started.elapsed().as_secs_f64();
+            m.insert("timing_s/step".into(), seconds);
+            m.insert("perf/time_per_step".into(), seconds);
             insert_device_memory(&mut m, device)?;
             let healthy = diverged.observe(step, &m);
             let mut stopped_early = None;

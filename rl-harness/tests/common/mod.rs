@@ -140,7 +140,7 @@ pub fn metrics_of(
     rt.block_on(store.all_metrics(run))
         .unwrap()
         .into_iter()
-        .filter(|(_, k, _, _)| !k.starts_with("timing_s/") && k != "perf/throughput")
+        .filter(|(_, k, _, _)| !rl_core::is_wall_clock(k))
         .map(|(s, k, v, _)| (s, k, v.to_bits()))
         .collect()
 }

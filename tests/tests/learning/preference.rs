@@ -592,7 +592,7 @@ impl Reward for FirstTokenReward {
 /// The metrics a resumed run must reproduce: everything but wall times.
 fn comparable(m: &StepMetrics) -> Vec<(String, f64)> {
     m.iter()
-        .filter(|(k, _)| !k.starts_with("timing_s/"))
+        .filter(|(k, _)| !rl_core::is_wall_clock(k))
         .map(|(k, v)| (k.clone(), *v))
         .collect()
 }

@@ -552,7 +552,7 @@ fn small_rm_trainer(task: &TinyTask, init: &RewardModel, steps: u64) -> AnyResul
 
 fn without_timing(m: &StepMetrics) -> StepMetrics {
     m.iter()
-        .filter(|(k, _)| !k.starts_with("timing_s/"))
+        .filter(|(k, _)| !rl_core::is_wall_clock(k))
         .map(|(k, v)| (k.clone(), *v))
         .collect()
 }
