@@ -211,21 +211,31 @@ fn two_ranks_of_the_quickstart_grpo_follow_one_rank_over_three_steps() {
 /// The other loss aggregations: the loss and `actor/entropy` (each rank aggregates its own rows,
 /// the ranks' figures are combined as the mode aggregates the global batch: by sequences, or
 /// summed for Dr. GRPO's constant divisor), whether the update or a separate forward computes
-/// the entropy.
+/// the entropy; and the optimal token baseline, whose variance proxies are means over the
+/// global batch's responses (its noise proxy is 0 on this task: the signal exceeds the total
+/// power, so the global count it divides by is left to the unit test).
 #[test]
-fn two_ranks_of_grpo_aggregating_by_sequence_follow_one_rank_over_three_steps() {
+fn two_ranks_of_grpo_with_other_aggregations_or_the_optimal_token_baseline_follow_one_rank() {
     let env = setup_warm();
-    for (mode, from_update) in [
-        ("seq-mean-token-sum-norm", true),
-        ("seq-mean-token-mean", false),
+    for extra in [
+        &[
+            "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm",
+            "actor_rollout_ref.actor.old_log_prob_from_update=true",
+        ][..],
+        &[
+            "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean",
+            "actor_rollout_ref.actor.old_log_prob_from_update=false",
+        ][..],
+        &["algorithm.adv_estimator=optimal_token_baseline"][..],
     ] {
-        let agg = format!("actor_rollout_ref.actor.loss_agg_mode={mode}");
-        let skip = format!("actor_rollout_ref.actor.old_log_prob_from_update={from_update}");
-        let overrides: Vec<&str> = GRPO.iter().copied().chain([&*agg, &*skip]).collect();
+        let overrides: Vec<&str> = GRPO.iter().chain(extra).copied().collect();
         let (d, m) = two_ranks_follow_one(&env, "quickstart", &overrides);
-        let entropies = m.keys().filter(|(_, k)| k == "actor/entropy").count();
-        assert_eq!(entropies, 3, "{mode}: {m:?}");
-        eprintln!("grpo {mode}: worst weight difference {d:e}");
+        let steps = |key: &str| m.keys().filter(|(_, k)| k == key).count();
+        assert_eq!(steps("actor/entropy"), 3, "{extra:?}: {m:?}");
+        if extra[0].contains("optimal_token_baseline") {
+            assert_eq!(steps("variance_proxy/proxy3_pure_noise"), 3, "{m:?}");
+        }
+        eprintln!("grpo {extra:?}: worst weight difference {d:e}");
     }
 }
 
