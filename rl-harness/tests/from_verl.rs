@@ -161,3 +161,62 @@ fn a_key_from_verl_that_does_not_exist_here_is_refused_and_the_exit_status_says_
     let err = env.fails(&["config", "from-verl", other.to_str().unwrap()]);
     assert!(err.contains("no verl entry point in it"), "{err}");
 }
+
+/// A run's config as Hydra saves it (`.hydra/config.yaml`: OmegaConf's interpolations as
+/// written, Hydra's `_target_`s, verl's profiler, tables switched off): every interpolation is
+/// resolved, nothing is refused, and the TOML trains here; what the harness cannot follow
+/// (another optimiser, a clip that differs from `grad_clip`, the original run's environment,
+/// a feature switched on) is refused naming its key.
+#[test]
+fn a_hydra_saved_config_resolves_its_interpolations_and_trains() {
+    let env = Env::new();
+    tiny_llm(&env, 32, 8);
+    let (ok, err) = convert(&env, "hydra_config.yaml", "hydra.toml");
+    assert!(ok, "{err}");
+    assert!(err.contains(", 0 refused;"), "{err}");
+    for line in [
+        // interpolations: relative, absolute, oc.select with and without the key, inside text
+        "mapped      critic.ppo_mini_batch_size = 8",
+        "mapped      trainer.experiment_name = \"hydra_verl_grpo_example\"",
+        "mapped      actor_rollout_ref.rollout.response_length = 8",
+        "mapped      actor_rollout_ref.actor.tau_pos = 1.0",
+        "no effect   actor_rollout_ref.actor.checkpoint.load_contents",
+        "no effect   actor_rollout_ref.actor.use_remove_padding: verl's config copies it",
+        "no effect   actor_rollout_ref.actor._target_: Hydra's class",
+        "no effect   global_profiler.save_path: verl's profiler",
+        "no effect   actor_rollout_ref.model.mtp.num_speculative_tokens: under `actor_rollout_ref.model.mtp`",
+        "no effect   algorithm.pf_ppo.weight_pow: under `algorithm.pf_ppo`",
+        "no effect   actor_rollout_ref.model.use_liger: false, null or empty",
+        "no effect   actor_rollout_ref.actor.optim.optimizer: the optimiser here is AdamW",
+        "no effect   actor_rollout_ref.actor.optim.clip_grad: the clip here is `actor_rollout_ref.actor.grad_clip` (1), the same",
+        "no effect   actor_rollout_ref.actor.router_replay.mode",
+    ] {
+        assert!(err.contains(line), "lacks {line:?}: {err}");
+    }
+    env.ok(&[
+        "train",
+        "hydra.toml",
+        "trainer.total_training_steps=1",
+        "trainer.val_before_train=false",
+    ]);
+    let yaml = env.file(
+        "other.yaml",
+        "actor_rollout_ref:\n  actor:\n    grad_clip: 1.0\n    optim:\n      optimizer: SGD\n      \
+         clip_grad: 0.5\n    router_replay:\n      mode: R3\n  model:\n    use_liger: true\n\
+         trainer:\n  default_local_dir: ${oc.env:HOME}/ckpt\n  project_name: ${no.such.key}\n",
+    );
+    let out = env.run(&["config", "from-verl", yaml.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    for line in [
+        "refused     actor_rollout_ref.actor.optim.optimizer: only `AdamW` is followed here",
+        "refused     actor_rollout_ref.actor.optim.clip_grad: `0.5` differs from `actor_rollout_ref.actor.grad_clip` (1)",
+        "refused     actor_rollout_ref.actor.router_replay.mode: only `disabled`",
+        "refused     actor_rollout_ref.model.use_liger: not a key of this harness",
+        "refused     trainer.default_local_dir: an interpolation not resolved here (the resolver `oc.env`",
+        "refused     trainer.project_name: an interpolation not resolved here (`${no.such.key}` names no key",
+        "6 verl key(s) refused",
+    ] {
+        assert!(err.contains(line), "lacks {line:?}: {err}");
+    }
+}

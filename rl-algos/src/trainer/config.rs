@@ -29,6 +29,11 @@ pub struct ActorLossConfig {
     pub loss_scale_factor: Option<f64>,
     /// The policy loss and its parameters.
     pub policy_loss: PolicyLossParams,
+    /// SAPO (`policy_loss.loss_mode = "sapo"`): the gate's temperature where the advantage is
+    /// positive, > 0. Default 1.0.
+    pub tau_pos: f64,
+    /// SAPO: the gate's temperature where the advantage is not positive, > 0. Default 1.05.
+    pub tau_neg: f64,
     /// Entropy bonus coefficient (the loss subtracts `entropy_coeff * entropy`). Default 0.
     pub entropy_coeff: f64,
     /// Add `kl_loss_coef * KL(policy || reference)` to the loss (GRPO). Default false.
@@ -54,6 +59,8 @@ impl Default for ActorLossConfig {
             loss_agg_mode: p.loss_agg_mode,
             loss_scale_factor: p.loss_scale_factor,
             policy_loss: p.policy_loss,
+            tau_pos: p.tau_pos,
+            tau_neg: p.tau_neg,
             entropy_coeff: 0.0,
             use_kl_loss: false,
             kl_loss_coef: 0.001,
@@ -73,6 +80,8 @@ impl ActorLossConfig {
         "loss_agg_mode",
         "loss_scale_factor",
         "policy_loss",
+        "tau_pos",
+        "tau_neg",
         "entropy_coeff",
         "use_kl_loss",
         "kl_loss_coef",
@@ -90,7 +99,8 @@ impl ActorLossConfig {
             loss_agg_mode: self.loss_agg_mode,
             loss_scale_factor: self.loss_scale_factor,
             policy_loss: self.policy_loss,
-            ..PolicyLossConfig::default()
+            tau_pos: self.tau_pos,
+            tau_neg: self.tau_neg,
         }
     }
 }
@@ -408,6 +418,20 @@ impl OnPolicyConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// verl keeps SAPO's temperatures beside the other actor loss keys; they reach the loss.
+    #[test]
+    fn sapos_temperatures_reach_the_policy_loss() {
+        let actor = ActorLossConfig {
+            tau_pos: 2.0,
+            tau_neg: 3.0,
+            ..ActorLossConfig::default()
+        };
+        let p = actor.policy_loss_config();
+        assert_eq!((p.tau_pos, p.tau_neg), (2.0, 3.0));
+        let d = ActorLossConfig::default().policy_loss_config();
+        assert_eq!((d.tau_pos, d.tau_neg), (1.0, 1.05), "verl's defaults");
+    }
 
     #[test]
     fn bad_configs_name_the_key() {

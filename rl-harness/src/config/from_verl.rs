@@ -1,6 +1,7 @@
 //! `harness config from-verl`: a verl run (a `main_ppo` command line, a script that runs one,
-//! or verl's resolved YAML config) as this harness's TOML, saying what it mapped, what has no
-//! effect here and what it refused.
+//! or its YAML config, resolved as verl prints it or as Hydra saves it with OmegaConf's
+//! interpolations, which are resolved here) as this harness's TOML, saying what it mapped, what
+//! has no effect here and what it refused.
 
 use anyhow::{Context, Result, bail};
 
@@ -49,13 +50,20 @@ type Pairs = Vec<(String, String)>;
 
 /// Translates `text`: verl's resolved YAML config when `yaml`, else a command line or script.
 pub fn translate(text: &str, yaml: bool) -> Result<Translation> {
+    let mut t = Translation::default();
     let (entry, pairs) = if yaml {
-        (None, yaml_pairs(text)?)
+        let (pairs, unresolved) = yaml_pairs(text)?;
+        for (key, why) in unresolved {
+            t.refused.push(format!(
+                "{key}: an interpolation not resolved here ({why}); set it in the TOML by hand"
+            ));
+        }
+        (None, pairs)
     } else {
         command_line_pairs(text)?
     };
     let known = known_keys();
-    let mut t = Translation::default();
+    let disabled = disabled_tables(&pairs);
     let mut overrides: Vec<Override> = Vec::new();
     if let Some(kind) = entry
         && !pairs.iter().any(|(k, _)| k == "trainer.algorithm")
@@ -67,7 +75,7 @@ pub fn translate(text: &str, yaml: bool) -> Result<Translation> {
         t.mapped
             .push(format!("trainer.algorithm = \"{kind}\" (the entry point)"));
     }
-    for (key, raw) in pairs {
+    for (key, raw) in &pairs {
         let o = Override::parse(&format!("{key}={raw}"))?;
         if raw.contains('$') {
             t.refused.push(format!(
@@ -98,9 +106,10 @@ pub fn translate(text: &str, yaml: bool) -> Result<Translation> {
             }
             continue;
         }
-        match verl::foreign(&o.key) {
-            Some(verl::Foreign::NoEffect(why)) => t.ignored.push(format!("{}: {why}", o.key)),
-            None => {
+        match foreign_verdict(&o, &pairs, &disabled) {
+            Ok(why) => t.ignored.push(format!("{}: {why}", o.key)),
+            Err(Some(why)) => t.refused.push(format!("{}: {why}", o.key)),
+            Err(None) => {
                 let hint = nearest_key(&o.key, &known)
                     .map(|n| format!(" (the nearest key here: `{n}`)"))
                     .unwrap_or_default();
@@ -234,16 +243,121 @@ fn shell_words(line: &str) -> Result<Vec<String>> {
     Ok(words)
 }
 
-/// verl's resolved YAML config flattened to `key.path` -> the value as a command line writes it.
-fn yaml_pairs(text: &str) -> Result<Pairs> {
-    let doc: serde_json::Value = serde_norway::from_str(text).context("parsing the YAML config")?;
-    Ok(super::flatten(&doc)
+/// verl's YAML config (resolved as verl prints it, or as Hydra saves it with OmegaConf's
+/// interpolations, which are resolved here) flattened to `key.path` -> the value as a command
+/// line writes it; and the keys whose interpolation was left as written, with why.
+fn yaml_pairs(text: &str) -> Result<(Pairs, Vec<(String, String)>)> {
+    let mut doc: serde_json::Value =
+        serde_norway::from_str(text).context("parsing the YAML config")?;
+    let unresolved = super::omegaconf::resolve(&mut doc);
+    let pairs = super::flatten(&doc)
         .into_iter()
+        .filter(|(k, _)| !unresolved.contains_key(k))
         .filter_map(|(k, v)| match v {
             // unset in verl: this harness's default stands
             serde_json::Value::Null => None,
             serde_json::Value::String(s) => Some((k, format!("'{}'", s.replace('\'', "")))),
             other => Some((k, other.to_string())),
         })
-        .collect())
+        .collect();
+    Ok((pairs, unresolved.into_iter().collect()))
+}
+
+/// What a verl key this harness does not have does here: `Ok(why)` it has no effect, `Err(Some
+/// (why))` it is refused for that reason, `Err(None)` it is no key of verl's this translation
+/// knows.
+fn foreign_verdict(
+    o: &Override,
+    pairs: &Pairs,
+    disabled: &[String],
+) -> Result<String, Option<String>> {
+    if let Some(verdict) = verl::one_value(&o.key, o.value.as_ref()) {
+        return verdict.map(str::to_owned).map_err(Some);
+    }
+    if let Some(group) = o.key.strip_suffix(".optim.clip_grad") {
+        // verl's newer workers clip by the optimiser's `clip_grad`, its older ones by the
+        // group's `grad_clip`: this harness has the latter, so the two must agree
+        let clip_key = format!("{group}.grad_clip");
+        let clip = pairs
+            .iter()
+            .rev()
+            .find(|(k, _)| *k == clip_key)
+            .and_then(|(_, raw)| verl::parse_value(raw));
+        let as_f64 = |v: Option<&toml::Value>| match v {
+            Some(toml::Value::Float(f)) => Some(*f),
+            Some(toml::Value::Integer(i)) => Some(*i as f64),
+            _ => None,
+        };
+        let (given, clip) = (
+            as_f64(o.value.as_ref()),
+            as_f64(clip.as_ref()).unwrap_or(1.0),
+        );
+        return if given == Some(clip) {
+            Ok(format!("the clip here is `{clip_key}` ({clip}), the same"))
+        } else {
+            Err(Some(format!(
+                "`{}` differs from `{clip_key}` ({clip}), the clip here: set that key to the clip meant",
+                o.value_text()
+            )))
+        };
+    }
+    match verl::foreign(&o.key) {
+        Some(verl::Foreign::NoEffect(why)) => Ok(why.to_owned()),
+        None => inert(&o.key, &o.value, disabled).ok_or(None),
+    }
+}
+
+/// The tables a verl config switches off (`X.enable = false`, `X.enabled = false`, or `use_X =
+/// false` beside `X`): every other key under `X` then asks for nothing.
+fn disabled_tables(pairs: &Pairs) -> Vec<String> {
+    pairs
+        .iter()
+        .filter(|(_, raw)| matches!(verl::parse_value(raw), Some(toml::Value::Boolean(false))))
+        .filter_map(|(k, _)| {
+            if let Some(t) = k
+                .strip_suffix(".enable")
+                .or_else(|| k.strip_suffix(".enabled"))
+            {
+                return Some(t.to_owned());
+            }
+            let (parent, last) = k.rsplit_once('.').unwrap_or(("", k));
+            let table = last.strip_prefix("use_")?;
+            Some(if parent.is_empty() {
+                table.to_owned()
+            } else {
+                format!("{parent}.{table}")
+            })
+        })
+        .collect()
+}
+
+/// Why a verl key this harness does not have asks for nothing, where it does not: Hydra's
+/// `_target_` (the class a table instantiates), verl's profiler, a key under a table the config
+/// switches off, or a value that switches nothing on (false, or empty).
+fn inert(key: &str, value: &Option<toml::Value>, disabled: &[String]) -> Option<String> {
+    if key == "_target_" || key.ends_with("._target_") {
+        return Some("Hydra's class to instantiate the table with, not a setting".into());
+    }
+    if key.starts_with("global_profiler.") || key.contains(".profiler.") {
+        return Some(
+            "verl's profiler (nsys, torch, npu): profiling changes no result; profile here with \
+             `perf` or `scripts/bench`"
+                .into(),
+        );
+    }
+    if let Some(table) = disabled.iter().find(|t| {
+        key.strip_prefix(t.as_str())
+            .is_some_and(|r| r.starts_with('.'))
+    }) {
+        return Some(format!("under `{table}`, which the config switches off"));
+    }
+    let off = match value {
+        None => true,
+        Some(toml::Value::Boolean(b)) => !b,
+        Some(toml::Value::String(s)) => s.is_empty(),
+        Some(toml::Value::Array(a)) => a.is_empty(),
+        Some(toml::Value::Table(t)) => t.is_empty(),
+        Some(_) => false,
+    };
+    off.then(|| "false, null or empty in the config: it switches nothing on".into())
 }

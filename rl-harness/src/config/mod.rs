@@ -958,6 +958,7 @@ pub mod checks;
 mod docs;
 pub mod from_verl;
 pub mod groups;
+mod omegaconf;
 pub mod verl;
 
 #[cfg(test)]

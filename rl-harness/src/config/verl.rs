@@ -46,7 +46,7 @@ pub fn parse_value(raw: &str) -> Option<toml::Value> {
 }
 
 /// `a, [b, c], 'd,e'` split at the commas outside brackets and quotes.
-fn split_top_level(s: &str) -> Vec<String> {
+pub(super) fn split_top_level(s: &str) -> Vec<String> {
     let (mut out, mut cur, mut depth, mut quote) = (Vec::new(), String::new(), 0i32, None);
     for ch in s.chars() {
         match (quote, ch) {
@@ -88,14 +88,65 @@ const REF_MB: &str = "the reference computes log-probabilities in micro-batches 
 const LOG_PROB_MB: &str = "log-probabilities are computed in micro-batches of the actor's \
                            `ppo_micro_batch_size_per_gpu`";
 
+const COPY_OF_N: &str = "verl's config copies it from actor_rollout_ref.rollout.n, which sets \
+                         it here";
+const NO_COMPILE: &str = "the model runs in libtorch's eager mode (no torch.compile); the fused \
+                          head is actor_rollout_ref.model.use_fused_kernels";
+const NO_MODEL_PARALLEL: &str = "there is no model parallelism here: each rank holds the whole \
+                                 model (a rollout server parallelises as it is started)";
+const WHOLE_CHECKPOINT: &str =
+    "checkpoints always hold the whole state (model, optimiser, data position, RNG)";
+const REWARD_MANAGER: &str = "rows are scored one by one as verl's naive manager scores them: by custom_reward_function (run in a Python worker pool), reward.remote_url, or the rule reward of each row's data_source (with reward_model.overlong_buffer, DAPO's manager), and the reward model; there are no reward managers to pick (docs/rewards.md)";
+const TEXT_ONLY: &str = "the models here read text only: no image or video inputs";
+const NO_RAY: &str =
+    "there is no Ray: ranks are processes started by `--nproc-per-node` or torchrun";
+
+/// verl's keys this harness follows for one value only, matched by their last parts (`optim.
+/// optimizer` in any group): the value, and why it is the only one.
+const ONE_VALUE: &[(&str, &str, &str)] = &[
+    (
+        "optim.optimizer",
+        "AdamW",
+        "the optimiser here is AdamW (torch's update rule)",
+    ),
+    (
+        "reward_manager.name",
+        "naive",
+        "rows are scored one by one, as verl's naive manager scores them (docs/rewards.md)",
+    ),
+    (
+        "router_replay.mode",
+        "disabled",
+        "there are no mixture-of-experts routers to replay",
+    ),
+];
+
+/// A verl key this harness follows for one value only ([`ONE_VALUE`]): `Some(Ok(why))` when
+/// `value` is that value (it then has no effect), `Some(Err(why))` when it is another.
+pub fn one_value(key: &str, value: Option<&toml::Value>) -> Option<Result<&'static str, String>> {
+    let (_, only, why) = ONE_VALUE
+        .iter()
+        .find(|(k, _, _)| key == *k || key.ends_with(&format!(".{k}")))?;
+    let given = match value {
+        Some(toml::Value::String(s)) => s.clone(),
+        Some(other) => other.to_string(),
+        None => return Some(Ok(why)),
+    };
+    Some(if given.eq_ignore_ascii_case(only) {
+        Ok(why)
+    } else {
+        Err(format!(
+            "only `{only}` is followed here ({why}), not `{given}`"
+        ))
+    })
+}
+
 /// verl's keys that have no counterpart here: an exact key, or a prefix ending in `.` for a
 /// whole group. Kept sorted by key.
 const FOREIGN: &[(&str, Foreign)] = &[
     (
         "actor_rollout_ref.actor.checkpoint.",
-        Foreign::NoEffect(
-            "checkpoints always hold the whole state (model, optimiser, data position, RNG)",
-        ),
+        Foreign::NoEffect(WHOLE_CHECKPOINT),
     ),
     (
         "actor_rollout_ref.actor.fsdp_config.",
@@ -227,21 +278,14 @@ const FOREIGN: &[(&str, Foreign)] = &[
             "dynamic sampling (algorithm.filter_groups) generates batches of data.train_batch_size prompts until enough groups are kept",
         ),
     ),
-    (
-        "ray_init.",
-        Foreign::NoEffect(
-            "there is no Ray: ranks are processes started by `--nproc-per-node` or torchrun",
-        ),
-    ),
+    ("ray_init.", Foreign::NoEffect(NO_RAY)),
     (
         "reward_model.model.fsdp_config.",
         Foreign::NoEffect(NO_FSDP),
     ),
     (
         "reward_model.reward_manager",
-        Foreign::NoEffect(
-            "rows are scored one by one as verl's naive manager scores them: by custom_reward_function (run in a Python worker pool), reward.remote_url, or the rule reward of each row's data_source (with reward_model.overlong_buffer, DAPO's manager), and the reward model; there are no reward managers to pick (docs/rewards.md)",
-        ),
+        Foreign::NoEffect(REWARD_MANAGER),
     ),
     ("reward_model.strategy", Foreign::NoEffect(NO_FSDP)),
     (
@@ -280,10 +324,162 @@ const FOREIGN: &[(&str, Foreign)] = &[
     ),
 ];
 
+/// verl's newer keys (its config of 2026) that have no counterpart here, as [`FOREIGN`]. Kept
+/// sorted by key.
+const FOREIGN_NEWER: &[(&str, Foreign)] = &[
+    (
+        "actor_rollout_ref.actor.optim.optimizer_impl",
+        Foreign::NoEffect(
+            "AdamW is torch's update rule here, written out (rl_workers::roles::optim)",
+        ),
+    ),
+    (
+        "actor_rollout_ref.actor.rollout_n",
+        Foreign::NoEffect(COPY_OF_N),
+    ),
+    (
+        "actor_rollout_ref.actor.use_fused_kernels",
+        Foreign::NoEffect(
+            "verl's config copies it from actor_rollout_ref.model.use_fused_kernels, which sets it here",
+        ),
+    ),
+    (
+        "actor_rollout_ref.actor.use_remove_padding",
+        Foreign::NoEffect(
+            "verl's config copies it from actor_rollout_ref.model.use_remove_padding, which sets it here",
+        ),
+    ),
+    (
+        "actor_rollout_ref.actor.use_torch_compile",
+        Foreign::NoEffect(NO_COMPILE),
+    ),
+    (
+        "actor_rollout_ref.model.fused_kernel_options.",
+        Foreign::NoEffect(
+            "the fused head has one implementation here (actor_rollout_ref.model.use_fused_kernels)",
+        ),
+    ),
+    (
+        "actor_rollout_ref.nccl_timeout",
+        Foreign::NoEffect(
+            "a collective that waits too long fails the run through the launcher's own checks (docs/distributed.md)",
+        ),
+    ),
+    (
+        "actor_rollout_ref.ref.rollout_n",
+        Foreign::NoEffect(COPY_OF_N),
+    ),
+    (
+        "actor_rollout_ref.ref.use_torch_compile",
+        Foreign::NoEffect(NO_COMPILE),
+    ),
+    (
+        "actor_rollout_ref.rollout.agent.",
+        Foreign::NoEffect(
+            "agent loops run in the trainer's process: multi-turn tool use is actor_rollout_ref.rollout.multi_turn",
+        ),
+    ),
+    (
+        "actor_rollout_ref.rollout.checkpoint_engine.",
+        Foreign::NoEffect(
+            "a rollout server loads the weights the trainer writes to actor_rollout_ref.rollout.weight_sync_dir (docs/serving.md)",
+        ),
+    ),
+    (
+        "actor_rollout_ref.rollout.data_parallel_size",
+        Foreign::NoEffect(NO_MODEL_PARALLEL),
+    ),
+    (
+        "actor_rollout_ref.rollout.enable_prefix_caching",
+        Foreign::NoEffect(NO_VLLM),
+    ),
+    (
+        "actor_rollout_ref.rollout.expert_parallel_size",
+        Foreign::NoEffect(NO_MODEL_PARALLEL),
+    ),
+    (
+        "actor_rollout_ref.rollout.logprobs_mode",
+        Foreign::NoEffect(
+            "the rollout's log-probs are those of the sampled distribution (after temperature), as verl's default",
+        ),
+    ),
+    (
+        "actor_rollout_ref.rollout.over_sample_rate",
+        Foreign::NoEffect("every rollout runs to its end: nothing is over-sampled and aborted"),
+    ),
+    (
+        "actor_rollout_ref.rollout.pipeline_model_parallel_size",
+        Foreign::NoEffect(NO_MODEL_PARALLEL),
+    ),
+    (
+        "actor_rollout_ref.rollout.prompt_length",
+        Foreign::NoEffect(
+            "verl's config copies it from data.max_prompt_length, which sets it here",
+        ),
+    ),
+    (
+        "actor_rollout_ref.rollout.scheduling_policy",
+        Foreign::NoEffect(NO_VLLM),
+    ),
+    (
+        "actor_rollout_ref.rollout.skip_dump_dir",
+        Foreign::NoEffect(NO_VLLM),
+    ),
+    (
+        "actor_rollout_ref.rollout.skip_tokenizer_init",
+        Foreign::NoEffect(NO_VLLM),
+    ),
+    ("critic.checkpoint.", Foreign::NoEffect(WHOLE_CHECKPOINT)),
+    (
+        "critic.forward_max_token_len_per_gpu",
+        Foreign::NoEffect(
+            "the critic computes values in its update's micro-batches: critic.ppo_micro_batch_size_per_gpu, or critic.ppo_max_token_len_per_gpu with use_dynamic_bsz",
+        ),
+    ),
+    (
+        "critic.model.tokenizer_path",
+        Foreign::NoEffect("the critic reads the token ids of the batch: it needs no tokenizer"),
+    ),
+    (
+        "critic.optim.optimizer_impl",
+        Foreign::NoEffect(
+            "AdamW is torch's update rule here, written out (rl_workers::roles::optim)",
+        ),
+    ),
+    ("critic.rollout_n", Foreign::NoEffect(COPY_OF_N)),
+    (
+        "data.filter_overlong_prompts_workers",
+        Foreign::NoEffect("prompts are filtered by the loader in this process"),
+    ),
+    ("data.image_key", Foreign::NoEffect(TEXT_ONLY)),
+    ("data.image_patch_size", Foreign::NoEffect(TEXT_ONLY)),
+    (
+        "data.return_multi_modal_inputs",
+        Foreign::NoEffect(TEXT_ONLY),
+    ),
+    ("data.video_key", Foreign::NoEffect(TEXT_ONLY)),
+    ("reward_manager.", Foreign::NoEffect(REWARD_MANAGER)),
+    (
+        "trainer.esi_redundant_time",
+        Foreign::NoEffect(
+            "checkpoints are taken at trainer.save_freq and when a signal stops the run",
+        ),
+    ),
+    (
+        "trainer.ray_wait_register_center_timeout",
+        Foreign::NoEffect(NO_RAY),
+    ),
+    (
+        "trainer.use_legacy_worker_impl",
+        Foreign::NoEffect("there is one worker implementation here"),
+    ),
+];
+
 /// What verl key `key` (one this harness does not know) does here, if it is one of verl's.
 pub fn foreign(key: &str) -> Option<Foreign> {
     FOREIGN
         .iter()
+        .chain(FOREIGN_NEWER)
         .find(|(k, _)| match k.strip_suffix('.') {
             Some(group) => key == group || key.starts_with(k),
             None => key == *k,
@@ -293,7 +489,7 @@ pub fn foreign(key: &str) -> Option<Foreign> {
 
 /// Every key [`foreign`] knows (for a test that none shadows one of ours).
 pub fn foreign_keys() -> impl Iterator<Item = &'static str> {
-    FOREIGN.iter().map(|(k, _)| *k)
+    FOREIGN.iter().chain(FOREIGN_NEWER).map(|(k, _)| *k)
 }
 
 /// The sinks verl's `trainer.logger` names, beside the run store and the console.
