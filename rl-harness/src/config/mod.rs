@@ -554,6 +554,11 @@ fn foreign_override(
             .map(|(key, v)| Override::set(&format!("trainer.{key}"), v))
             .collect());
     }
+    if let Some(verdict) = verl::one_value(&o.key, o.value.as_ref()) {
+        let why = verdict.map_err(|why| anyhow!("config key `{}`: {why}", o.key))?;
+        notes.push(format!("{} has no effect here: {why}", o.key));
+        return Ok(Vec::new());
+    }
     match verl::foreign(&o.key) {
         Some(verl::Foreign::NoEffect(why)) => {
             notes.push(format!("{} has no effect here: {why}", o.key));

@@ -248,6 +248,22 @@ fn verls_grpo_and_ppo_command_lines_load() {
     // a typo of a verl key is still an unknown key
     let err = format!("{:#}", load_with(&["trainer.nnode=1"]).unwrap_err());
     assert!(err.contains("unknown config key `trainer.nnode`"), "{err}");
+    // keys followed for one value: that value has no effect, another is refused naming it
+    load_with(&[
+        "actor_rollout_ref.actor.optim.optimizer=AdamW",
+        "critic.optim.optimizer=adamw",
+        "actor_rollout_ref.actor.router_replay.mode=disabled",
+    ])
+    .unwrap();
+    let err = format!(
+        "{:#}",
+        load_with(&["critic.optim.optimizer=SGD"]).unwrap_err()
+    );
+    assert!(
+        err.contains("`critic.optim.optimizer`: only `AdamW` is followed here")
+            && err.contains("`SGD`"),
+        "{err}"
+    );
 }
 
 /// No verl key taken for having no effect here shadows one of ours.
