@@ -1135,10 +1135,9 @@ impl Trainer for OnPolicyTrainer {
         }
         let step_s = t_step.elapsed().as_secs_f64();
         timing.insert("step", step_s);
-        let tokens = batch
-            .get(keys::ATTENTION_MASK)?
-            .sum(Kind::Double)
-            .double_value(&[]);
+        // [prompt tokens, response tokens, rows] of this rank's batch
+        let mut sizes = step_metrics::batch_sizes(&batch)?;
+        let tokens = sizes[0] + sizes[1];
         m.insert("perf/total_num_tokens".into(), tokens);
         m.insert("perf/throughput".into(), tokens / step_s.max(1e-9));
         for (k, v) in timing {
@@ -1146,7 +1145,6 @@ impl Trainer for OnPolicyTrainer {
         }
         self.global_step += 1;
         m.insert("training/global_step".into(), self.global_step as f64);
-        let mut sizes = step_metrics::batch_sizes(&batch)?;
         if let Some(g) = self.dp_group()? {
             m = reduce_step_metrics(&g, m, &batch, self.cfg.actor.loss_agg_mode)?;
             dist::all_reduce_f64(&mut *dist::lock(&g)?, &mut sizes, dist::ReduceOp::Sum)?;

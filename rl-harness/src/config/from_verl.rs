@@ -107,9 +107,9 @@ pub fn translate(text: &str, yaml: bool) -> Result<Translation> {
             continue;
         }
         match foreign_verdict(&o, &pairs, &disabled) {
-            Ok(why) => t.ignored.push(format!("{}: {why}", o.key)),
-            Err(Some(why)) => t.refused.push(format!("{}: {why}", o.key)),
-            Err(None) => {
+            Verdict::NoEffect(why) => t.ignored.push(format!("{}: {why}", o.key)),
+            Verdict::Refused(why) => t.refused.push(format!("{}: {why}", o.key)),
+            Verdict::Unknown => {
                 let hint = nearest_key(&o.key, &known)
                     .map(|n| format!(" (the nearest key here: `{n}`)"))
                     .unwrap_or_default();
@@ -263,16 +263,24 @@ fn yaml_pairs(text: &str) -> Result<(Pairs, Vec<(String, String)>)> {
     Ok((pairs, unresolved.into_iter().collect()))
 }
 
-/// What a verl key this harness does not have does here: `Ok(why)` it has no effect, `Err(Some
-/// (why))` it is refused for that reason, `Err(None)` it is no key of verl's this translation
-/// knows.
-fn foreign_verdict(
-    o: &Override,
-    pairs: &Pairs,
-    disabled: &[String],
-) -> Result<String, Option<String>> {
+/// What becomes of a verl key this harness does not have.
+enum Verdict {
+    /// It has no effect here, for this reason.
+    NoEffect(String),
+    /// It asks for something this harness does not do, for this reason.
+    Refused(String),
+    /// No key of verl's this translation knows.
+    Unknown,
+}
+
+/// The [`Verdict`] on `o`, a key this harness does not have, given the config's other `pairs`
+/// and the tables it switches off.
+fn foreign_verdict(o: &Override, pairs: &Pairs, disabled: &[String]) -> Verdict {
     if let Some(verdict) = verl::one_value(&o.key, o.value.as_ref()) {
-        return verdict.map(str::to_owned).map_err(Some);
+        return match verdict {
+            Ok(why) => Verdict::NoEffect(why.to_owned()),
+            Err(why) => Verdict::Refused(why),
+        };
     }
     if let Some(group) = o.key.strip_suffix(".optim.clip_grad") {
         // verl's newer workers clip by the optimiser's `clip_grad`, its older ones by the
@@ -293,17 +301,17 @@ fn foreign_verdict(
             as_f64(clip.as_ref()).unwrap_or(1.0),
         );
         return if given == Some(clip) {
-            Ok(format!("the clip here is `{clip_key}` ({clip}), the same"))
+            Verdict::NoEffect(format!("the clip here is `{clip_key}` ({clip}), the same"))
         } else {
-            Err(Some(format!(
+            Verdict::Refused(format!(
                 "`{}` differs from `{clip_key}` ({clip}), the clip here: set that key to the clip meant",
                 o.value_text()
-            )))
+            ))
         };
     }
     match verl::foreign(&o.key) {
-        Some(verl::Foreign::NoEffect(why)) => Ok(why.to_owned()),
-        None => inert(&o.key, &o.value, disabled).ok_or(None),
+        Some(verl::Foreign::NoEffect(why)) => Verdict::NoEffect(why.to_owned()),
+        None => inert(&o.key, &o.value, disabled).map_or(Verdict::Unknown, Verdict::NoEffect),
     }
 }
 
