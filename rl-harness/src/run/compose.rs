@@ -639,9 +639,14 @@ pub fn build_on_policy_in(
         .map_err(|_| anyhow!("the policy's lock is poisoned"))?
         .device();
     let background_policy = policy.clone();
+    let batches_per_epoch = train.0.batches_per_epoch();
+    let steps = cfg
+        .trainer
+        .total_training_steps
+        .unwrap_or(cfg.trainer.total_epochs * batches_per_epoch as u64);
     // the actor first: with mixed precision it casts the shared weights to their compute
     // dtype, which the reference's copy must have too
-    let mut actor = ActorWorker::new(policy, actor_config(cfg), n)?;
+    let mut actor = ActorWorker::new(policy, actor_config(cfg, steps), n)?;
     if let Some(g) = group {
         actor = actor.with_group(g.clone())?;
     }
@@ -660,6 +665,7 @@ pub fn build_on_policy_in(
         (true, Some(vm)) => {
             let mut ccfg = cfg.critic.worker.clone();
             ccfg.use_remove_padding = cfg.critic.model.use_remove_padding;
+            ccfg.optim = ccfg.optim.spanning(steps);
             let mut c = CriticWorker::new(vm, ccfg, n)?;
             if let Some(g) = group {
                 c = c.with_group(g.clone())?;
@@ -670,7 +676,6 @@ pub fn build_on_policy_in(
         _ => None,
     };
     let reward = reward_role(cfg, &policy_device, tokenizer)?;
-    let batches_per_epoch = train.0.batches_per_epoch();
     let roles = Roles {
         actor: Box::new(actor),
         rollout: Box::new(rollout),
@@ -817,7 +822,7 @@ pub fn build_sft_in(
         .chunks(val_bs)
         .map(|idx| val_source.batch(idx))
         .collect::<Result<Vec<_>>>()?;
-    let mut actor = ActorWorker::new(policy, actor_config(cfg), 1)?;
+    let mut actor = ActorWorker::new(policy, actor_config(cfg, total), 1)?;
     if let Some(g) = group {
         actor = actor.with_group(g.clone())?;
     }
@@ -994,7 +999,9 @@ pub fn build_reward_model_in(
             .add_lora_in(&lora, kind)
             .context("actor_rollout_ref.model.target_modules")?;
     }
-    let mut worker = RmWorker::new(model, rm.worker(cfg.preference_data.train_batch_size))?;
+    let mut wcfg = rm.worker(cfg.preference_data.train_batch_size);
+    wcfg.optim = wcfg.optim.spanning(steps);
+    let mut worker = RmWorker::new(model, wcfg)?;
     if let Some(g) = group {
         worker = worker.with_group(g.clone())?;
     }
@@ -1067,17 +1074,19 @@ impl BatchSource for PreferenceSource {
 }
 
 /// The actor of the pair trainers: one optimiser step per `ppo_mini_batch_size` pairs.
-fn pair_actor(cfg: &ExperimentConfig, policy: SharedPolicy) -> Result<ActorWorker> {
-    Ok(ActorWorker::new(policy, actor_config(cfg), 2)?)
+fn pair_actor(cfg: &ExperimentConfig, policy: SharedPolicy, steps: u64) -> Result<ActorWorker> {
+    Ok(ActorWorker::new(policy, actor_config(cfg, steps), 2)?)
 }
 
 /// The actor's worker config: `actor_rollout_ref.actor`, with `use_remove_padding` and
 /// `use_fused_kernels` from their verl place, `actor_rollout_ref.model`.
-fn actor_config(cfg: &ExperimentConfig) -> rl_workers::roles::ActorConfig {
+/// The actor's config, its LR schedule spanning the run's `steps`.
+fn actor_config(cfg: &ExperimentConfig, steps: u64) -> rl_workers::roles::ActorConfig {
     let arr = &cfg.actor_rollout_ref;
     rl_workers::roles::ActorConfig {
         use_remove_padding: arr.model.use_remove_padding,
         use_fused_kernels: arr.model.use_fused_kernels,
+        optim: arr.actor.optim.clone().spanning(steps),
         ..arr.actor.clone()
     }
 }
@@ -1134,7 +1143,7 @@ pub fn build_dpo_in(
     check_groups(cfg, TrainerKind::Dpo)?;
     let (source, val_batches) = preference_sources(cfg, tokenizer, group)?;
     let dcfg = dpo_config(cfg, source.sampler.batches_per_epoch())?;
-    let mut actor = pair_actor(cfg, policy)?;
+    let mut actor = pair_actor(cfg, policy, dcfg.total_training_steps)?;
     let reference = frozen_reference(cfg, &actor.policy(), group)?;
     if let Some(g) = group {
         actor = actor.with_group(g.clone())?;
@@ -1213,7 +1222,7 @@ pub fn build_online_dpo_in(
     let dcfg = dpo_config(cfg, train.0.batches_per_epoch())?;
     let rollout = rollout_worker(cfg, &policy, tokenizer, dcfg.n, progress)?;
     let pairs = cfg.actor_rollout_ref.actor.ppo_mini_batch_size;
-    let mut actor = pair_actor(cfg, policy)?;
+    let mut actor = pair_actor(cfg, policy, dcfg.total_training_steps)?;
     let reference = frozen_reference(cfg, &actor.policy(), group)?;
     if let Some(g) = group {
         actor = actor.with_group(g.clone())?;
@@ -1278,7 +1287,7 @@ pub fn build_spin_in(
     }
     let dcfg = dpo_config(cfg, train.batches_per_epoch())?;
     let rollout = rollout_worker(cfg, &policy, tokenizer, 1, progress)?;
-    let mut actor = pair_actor(cfg, policy.clone())?;
+    let mut actor = pair_actor(cfg, policy.clone(), dcfg.total_training_steps)?;
     if let Some(g) = group {
         actor = actor.with_group(g.clone())?;
     }

@@ -101,6 +101,16 @@ impl OptimConfig {
         Ok(())
     }
 
+    /// This schedule over a run of `steps` training steps: `total_training_steps` filled in
+    /// with `steps` where it is -1 (as verl's trainers set `optim.total_training_steps` from
+    /// the run's step count), kept where the config sets it.
+    pub fn spanning(mut self, steps: u64) -> Self {
+        if self.total_training_steps < 0 {
+            self.total_training_steps = i64::try_from(steps).unwrap_or(i64::MAX);
+        }
+        self
+    }
+
     /// Warmup steps: `lr_warmup_steps` when positive, else `ratio * total_training_steps`.
     pub fn warmup_steps(&self) -> i64 {
         if self.lr_warmup_steps > 0 {
@@ -481,6 +491,25 @@ mod tests {
             ..o
         };
         assert_eq!(k.lr_at(100), 1.0);
+        // the run's step count fills an unset span (warmup ratio and cosine both read it); a
+        // span the config sets is kept
+        let unset = OptimConfig {
+            lr: 1.0,
+            lr_warmup_steps_ratio: 0.25,
+            lr_scheduler_type: LrSchedule::Cosine,
+            ..OptimConfig::default()
+        };
+        assert_eq!(
+            unset.lr_at(1),
+            0.0,
+            "a span of 1: the cosine is done at once"
+        );
+        let run = unset.clone().spanning(8);
+        assert_eq!((run.total_training_steps, run.warmup_steps()), (8, 2));
+        assert_eq!(run.lr_at(1), 0.5);
+        assert!((run.lr_at(5) - 0.5).abs() < 1e-12);
+        assert!(run.lr_at(8).abs() < 1e-12);
+        assert_eq!(o.clone().spanning(100).total_training_steps, 14);
         let bad = ActorConfig {
             ppo_epochs: 0,
             ..ActorConfig::default()
