@@ -57,6 +57,11 @@ fn one_or_many<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<Vec<PathB
     })
 }
 
+/// A list that verl's YAML may leave `null` (read as empty).
+fn null_as_empty<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<Vec<String>, D::Error> {
+    Ok(Option::<Vec<String>>::deserialize(d)?.unwrap_or_default())
+}
+
 /// verl's `data:` group for RL trainers (PPO, GRPO, ...). Defaults are verl's
 /// (`verl/trainer/config/data/legacy_data.yaml`) except where a field says otherwise.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -223,8 +228,17 @@ pub struct SftDataConfig {
     pub val_files: Vec<PathBuf>,
     /// Prompt column (single-turn); a string or a message list.
     pub prompt_key: String,
-    /// Response column (single-turn); a string.
+    /// Fields to descend into inside the prompt column's value, in order (verl's
+    /// `prompt_dict_keys`: `prompt_key = extra_info`, `["question"]` reads
+    /// `extra_info.question`); empty = the column itself.
+    #[serde(deserialize_with = "null_as_empty")]
+    pub prompt_dict_keys: Vec<String>,
+    /// Response column (single-turn); a string (or a number, written as text).
     pub response_key: String,
+    /// Fields to descend into inside the response column's value (verl's
+    /// `response_dict_keys`); empty = the column itself.
+    #[serde(deserialize_with = "null_as_empty")]
+    pub response_dict_keys: Vec<String>,
     /// Multi-turn mode.
     pub multiturn: MultiturnConfig,
     /// Sequence limit in tokens (prompt + response).
@@ -243,7 +257,9 @@ impl Default for SftDataConfig {
             train_files: vec![PathBuf::from("~/data/gsm8k/train.parquet")],
             val_files: vec![PathBuf::from("~/data/gsm8k/test.parquet")],
             prompt_key: "question".into(),
+            prompt_dict_keys: Vec::new(),
             response_key: "answer".into(),
+            response_dict_keys: Vec::new(),
             multiturn: MultiturnConfig::default(),
             max_length: 1024,
             truncation: Truncation::Error,

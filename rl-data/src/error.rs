@@ -70,6 +70,25 @@ pub enum Error {
         /// The configured limit.
         max: usize,
     },
+    /// A tokenised SFT example (prompt and response) is longer than its limit with
+    /// `truncation = error`.
+    #[error(
+        "{}: row {row}: the example is {len} tokens (prompt and response), longer than \
+         {group}.max_length = {max} (set {group}.truncation to left or right to cut it)",
+        path.display()
+    )]
+    ExampleTooLong {
+        /// The file the row came from.
+        path: PathBuf,
+        /// Row index within the file (0-based).
+        row: usize,
+        /// The config group whose `max_length` and `truncation` apply (`data`, `sft`).
+        group: String,
+        /// Tokens after rendering.
+        len: usize,
+        /// The configured limit.
+        max: usize,
+    },
     /// Something in tokenizer.json / tokenizer_config.json is missing or malformed.
     #[error("{}: {message}", path.display())]
     Tokenizer {

@@ -11,12 +11,13 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use arrow::array::RecordBatch;
+use arrow::array::{Array, RecordBatch};
+use serde_json::Value;
 use tch::Tensor;
 
 use crate::config::{PreferenceDataConfig, SftDataConfig, Truncation};
 use crate::error::{Error, Result};
-use crate::parquet_io::{messages_at, read_columns, string_at};
+use crate::parquet_io::{json_at, messages_at, read_columns, string_at};
 use crate::tokenizer::{Message, Tokenizer};
 
 /// The columns of one parquet file held in memory (projected) with their file.
@@ -74,6 +75,53 @@ fn locate(tables: &[Table], mut i: usize) -> Option<(&Table, &RecordBatch, usize
         i -= t.rows.len();
     }
     None
+}
+
+/// The value of `arr` at `row` with `keys` descended into (struct fields or map keys), and its
+/// name (`column.key…`); `Err((name so far, expected, found))` where a key is missing.
+fn descend(
+    arr: &dyn Array,
+    row: usize,
+    column: &str,
+    keys: &[String],
+) -> std::result::Result<(String, Value), (String, String, String)> {
+    let mut name = column.to_string();
+    let mut value =
+        json_at(arr, row).map_err(|got| (name.clone(), "a readable value".into(), got))?;
+    for k in keys {
+        let next = match &value {
+            Value::Object(m) => m.get(k).cloned(),
+            _ => None,
+        };
+        let Some(next) = next else {
+            let got = match &value {
+                Value::Object(m) => format!(
+                    "the fields {}",
+                    m.keys().cloned().collect::<Vec<_>>().join(", ")
+                ),
+                other => other.to_string(),
+            };
+            return Err((name, format!("a field `{k}`"), got));
+        };
+        name = format!("{name}.{k}");
+        value = next;
+    }
+    Ok((name, value))
+}
+
+/// A prompt read as JSON: a string (one user message) or a list of `{role, content}`.
+fn messages_of(value: &Value) -> std::result::Result<Vec<Message>, String> {
+    match value {
+        Value::String(s) => Ok(vec![Message::user(s.clone())]),
+        Value::Array(items) => items
+            .iter()
+            .map(|m| match (m.get("role"), m.get("content")) {
+                (Some(Value::String(r)), Some(Value::String(c))) => Ok(Message::new(r, c)),
+                _ => Err(format!("{m} (not a {{role, content}} message)")),
+            })
+            .collect(),
+        other => Err(other.to_string()),
+    }
 }
 
 fn bad_value(t: &Table, row: usize, column: &str, expected: &str, got: String) -> Error {
@@ -371,13 +419,15 @@ pub fn collate_right_padded(
     })
 }
 
-/// verl's SFT datasets: single-turn (`prompt_key` + `response_key`) or multi-turn
-/// (`multiturn.messages_key`).
+/// verl's SFT datasets: single-turn (`prompt_key` + `response_key`, each optionally descended
+/// into by `prompt_dict_keys`/`response_dict_keys`) or multi-turn (`multiturn.messages_key`).
 #[derive(Debug)]
 pub struct SftDataset {
     tables: Vec<Table>,
     cfg: SftDataConfig,
     len: usize,
+    /// The config group errors name (`data` as verl's SFT config; `sft` in the harness).
+    group: String,
 }
 
 impl SftDataset {
@@ -394,7 +444,14 @@ impl SftDataset {
             tables,
             cfg: cfg.clone(),
             len,
+            group: "data".into(),
         })
+    }
+
+    /// Names `group` as the config group of `max_length` and `truncation` in errors.
+    pub fn in_group(mut self, group: &str) -> Self {
+        self.group = group.into();
+        self
     }
 
     /// Number of examples.
@@ -407,59 +464,86 @@ impl SftDataset {
         self.len == 0
     }
 
-    /// The messages of example `i` (single-turn: the prompt then an assistant response).
-    pub fn messages(&self, i: usize) -> Result<Vec<Message>> {
-        let (t, b, r, row) = locate(&self.tables, i).ok_or_else(|| Error::Config {
+    /// True for multi-turn conversations (`multiturn.enable`).
+    pub fn is_multiturn(&self) -> bool {
+        self.cfg.multiturn.enable
+    }
+
+    /// The file and the row in it of example `i`.
+    pub fn source(&self, i: usize) -> Result<(&Path, usize)> {
+        let (t, _, _, row) = self.locate(i)?;
+        Ok((&t.path, row))
+    }
+
+    fn locate(&self, i: usize) -> Result<(&Table, &RecordBatch, usize, usize)> {
+        locate(&self.tables, i).ok_or_else(|| Error::Config {
             key: "index".into(),
             message: format!("row {i} out of range"),
-        })?;
+        })
+    }
+
+    /// The messages of example `i` (single-turn: the prompt, a string as one user message, then
+    /// an assistant response).
+    pub fn messages(&self, i: usize) -> Result<Vec<Message>> {
+        let (t, b, r, row) = self.locate(i)?;
+        let column = |key: &str| {
+            b.column_by_name(key)
+                .ok_or_else(|| bad_value(t, row, key, "a column", "nothing".into()))
+        };
         if self.cfg.multiturn.enable {
             let key = &self.cfg.multiturn.messages_key;
-            let col = b
-                .column_by_name(key)
-                .ok_or_else(|| bad_value(t, row, key, "a column", "nothing".into()))?;
-            return messages_at(col.as_ref(), r)
+            return messages_at(column(key)?.as_ref(), r)
                 .map_err(|got| bad_value(t, row, key, "list<struct<role, content>>", got));
         }
         let (pk, rk) = (&self.cfg.prompt_key, &self.cfg.response_key);
-        let pcol = b
-            .column_by_name(pk)
-            .ok_or_else(|| bad_value(t, row, pk, "a column", "nothing".into()))?;
-        let rcol = b
-            .column_by_name(rk)
-            .ok_or_else(|| bad_value(t, row, rk, "a column", "nothing".into()))?;
-        let mut msgs = messages_at(pcol.as_ref(), r)
-            .map_err(|got| bad_value(t, row, pk, "string or messages", got))?;
-        let response = string_at(rcol.as_ref(), r)
-            .map_err(|got| bad_value(t, row, rk, "string", got))?
-            .ok_or_else(|| bad_value(t, row, rk, "string", "null".into()))?;
+        let (pcol, rcol) = (column(pk)?, column(rk)?);
+        let mut msgs = if self.cfg.prompt_dict_keys.is_empty() {
+            messages_at(pcol.as_ref(), r)
+                .map_err(|got| bad_value(t, row, pk, "string or messages", got))?
+        } else {
+            let (name, value) = descend(pcol.as_ref(), r, pk, &self.cfg.prompt_dict_keys)
+                .map_err(|(name, want, got)| bad_value(t, row, &name, &want, got))?;
+            messages_of(&value)
+                .map_err(|got| bad_value(t, row, &name, "string or messages", got))?
+        };
+        let (name, value) = descend(rcol.as_ref(), r, rk, &self.cfg.response_dict_keys)
+            .map_err(|(name, want, got)| bad_value(t, row, &name, &want, got))?;
+        let response = match value {
+            Value::String(s) => s,
+            Value::Number(n) => n.to_string(),
+            other => return Err(bad_value(t, row, &name, "string", other.to_string())),
+        };
         msgs.push(Message::assistant(response));
         Ok(msgs)
     }
 
     /// Tokenises example `i` under `max_length` and `truncation`.
     pub fn example(&self, i: usize, tok: &Tokenizer) -> Result<SftExample> {
+        self.example_masking(i, tok, &[])
+    }
+
+    /// [`example`](Self::example) with the `<tag>…</tag>` spans of `tags` in a single-turn
+    /// response masked out of the loss ([`tokenize_prompt_trace`]); a multi-turn conversation
+    /// trains its assistant turns ([`tokenize_conversation`]).
+    pub fn example_masking(
+        &self,
+        i: usize,
+        tok: &Tokenizer,
+        tags: &[String],
+    ) -> Result<SftExample> {
         let msgs = self.messages(i)?;
         let ex = if self.cfg.multiturn.enable {
             tokenize_conversation(tok, &msgs)?
         } else {
             let (prompt, resp) = msgs.split_at(msgs.len() - 1);
-            tokenize_prompt_response(tok, prompt, &resp[0].content)?
+            tokenize_prompt_trace(tok, prompt, &resp[0].content, tags)?
         };
-        let (t, _, _, row) = locate(&self.tables, i).ok_or_else(|| Error::Config {
-            key: "index".into(),
-            message: format!("row {i} out of range"),
-        })?;
-        let column = if self.cfg.multiturn.enable {
-            &self.cfg.multiturn.messages_key
-        } else {
-            &self.cfg.prompt_key
-        };
+        let (path, row) = self.source(i)?;
         truncate(ex, self.cfg.max_length, self.cfg.truncation, |len| {
-            Error::PromptTooLong {
-                path: t.path.to_path_buf(),
+            Error::ExampleTooLong {
+                path: path.to_path_buf(),
                 row,
-                column: column.clone(),
+                group: self.group.clone(),
                 len,
                 max: self.cfg.max_length,
             }

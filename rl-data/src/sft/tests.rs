@@ -134,7 +134,7 @@ fn single_turn_sft_masks_the_response_and_pads_right() {
     .unwrap();
     let e = strict.example(2, &tok).unwrap_err().to_string();
     assert!(
-        e.contains("sft.parquet") && e.contains("row 2") && e.contains("`question`"),
+        e.contains("sft.parquet") && e.contains("row 2") && e.contains("data.max_length = 256"),
         "{e}"
     );
 }
@@ -281,5 +281,113 @@ fn a_trace_is_tokenised_by_segment_and_its_observations_are_masked() {
     assert_eq!(
         tokenize_prompt_trace(&tok, &prompt, trace, &[]).unwrap(),
         plain
+    );
+}
+
+/// verl's GSM8K parquet as its SFT examples read it: `prompt_key = extra_info` with
+/// `prompt_dict_keys = [question]`, the answer likewise; a number is the response as text; a
+/// missing field, a wrong type or a null names the file, row and the path at fault.
+#[test]
+fn dict_keys_descend_into_struct_columns_as_verls_sft_dataset() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("gsm8k.parquet");
+    let record = |q: &str, a: serde_json::Value| RlRecord {
+        data_source: "openai/gsm8k".into(),
+        prompt: vec![Message::user(format!("{q} Think step by step."))],
+        ability: "math".into(),
+        style: "rule".into(),
+        ground_truth: serde_json::json!(7),
+        extra_info: serde_json::json!({"question": q, "answer": a, "index": 0})
+            .as_object()
+            .unwrap()
+            .clone(),
+    };
+    write_rl_parquet(
+        &f,
+        &[
+            record("What is 3 + 4?", serde_json::json!("3 + 4 = 7. #### 7")),
+            record("What is 1 + 1?", serde_json::json!("#### 2")),
+        ],
+    )
+    .unwrap();
+    let tok = tokenizer("smollm2");
+    let cfg = SftDataConfig {
+        prompt_key: "extra_info".into(),
+        prompt_dict_keys: vec!["question".into()],
+        response_key: "extra_info".into(),
+        response_dict_keys: vec!["answer".into()],
+        ..SftDataConfig::default()
+    };
+    let ds = SftDataset::open(std::slice::from_ref(&f), &cfg).unwrap();
+    assert_eq!(
+        ds.messages(0).unwrap(),
+        vec![
+            Message::user("What is 3 + 4?"),
+            Message::assistant("3 + 4 = 7. #### 7")
+        ]
+    );
+    let ex = ds.example(1, &tok).unwrap();
+    assert_eq!(trained_text(&tok, &ex), "#### 2<|im_end|>");
+
+    // the RL columns: the messages of `prompt`, the number in `reward_model.ground_truth`
+    let rl = SftDataset::open(
+        std::slice::from_ref(&f),
+        &SftDataConfig {
+            prompt_key: "prompt".into(),
+            response_key: "reward_model".into(),
+            response_dict_keys: vec!["ground_truth".into()],
+            ..SftDataConfig::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(
+        rl.messages(1).unwrap(),
+        vec![
+            Message::user("What is 1 + 1? Think step by step."),
+            Message::assistant("7")
+        ]
+    );
+
+    let err = |cfg: SftDataConfig| {
+        SftDataset::open(std::slice::from_ref(&f), &cfg)
+            .and_then(|d| d.messages(1))
+            .unwrap_err()
+            .to_string()
+    };
+    let e = err(SftDataConfig {
+        prompt_dict_keys: vec!["query".into()],
+        ..cfg.clone()
+    });
+    assert!(
+        e.contains("gsm8k.parquet")
+            && e.contains("row 1")
+            && e.contains("`extra_info`")
+            && e.contains("expected a field `query`, got the fields")
+            && e.contains("question"),
+        "{e}"
+    );
+    let e = err(SftDataConfig {
+        response_dict_keys: vec!["answer".into(), "text".into()],
+        ..cfg.clone()
+    });
+    assert!(
+        e.contains("`extra_info.answer`") && e.contains("expected a field `text`, got \"#### 2\""),
+        "{e}"
+    );
+    let e = err(SftDataConfig {
+        response_dict_keys: vec![],
+        ..cfg.clone()
+    });
+    assert!(
+        e.contains("`extra_info`") && e.contains("expected string"),
+        "{e}"
+    );
+    let e = err(SftDataConfig {
+        prompt_dict_keys: vec!["index".into()],
+        ..cfg
+    });
+    assert!(
+        e.contains("`extra_info.index`") && e.contains("string or messages"),
+        "{e}"
     );
 }

@@ -97,7 +97,8 @@ pub struct TinyAddition {
 }
 
 /// Writes `dir/{train,test}.parquet` of `a+b=` prompts (`data_source = "arithmetic"`, ground
-/// truth the sum as a string, `extra_info.answer` the SFT target as written). Test prompts never
+/// truth the sum as a string, `extra_info.answer` the SFT target as written, `extra_info.question`
+/// the prompt's text, as verl's GSM8K preprocessing keeps them). Test prompts never
 /// repeat a train prompt.
 pub fn generate_tiny_addition(
     dir: &Path,
@@ -141,13 +142,15 @@ pub fn generate_tiny_addition(
                 return None;
             }
             let answer = format!("{:0answer_width$}", a + b);
+            let question = format!("{a:0width$}+{b:0width$}=");
             let mut extra = Map::new();
             extra.insert("split".into(), split.into());
             extra.insert("index".into(), index.into());
             extra.insert("answer".into(), answer.clone().into());
+            extra.insert("question".into(), question.clone().into());
             Some(RlRecord {
                 data_source: "arithmetic".into(),
-                prompt: vec![Message::user(format!("{a:0width$}+{b:0width$}="))],
+                prompt: vec![Message::user(question)],
                 ability: "math".into(),
                 style: "rule".into(),
                 ground_truth: Value::String((a + b).to_string()),
