@@ -9,9 +9,8 @@ use std::sync::Arc;
 use common::{Env, repo_root};
 use rl_algos::trainer::BatchSource;
 use rl_core::keys;
-use rl_harness::config::checks::ResponseKey;
 use rl_harness::config::{Sources, load};
-use rl_harness::run::compose::SftSource;
+use rl_harness::run::compose::{SftSource, sft_train_rows};
 
 #[test]
 fn search_r1_sft_trains_with_the_observations_masked() {
@@ -59,9 +58,9 @@ fn search_r1_sft_trains_with_the_observations_masked() {
         *f = env.path().join(&*f);
     }
     let tok = Arc::new(rl_data::Tokenizer::from_dir(env.path().join("models/tiny-llama")).unwrap());
-    let rows = Arc::new(rl_data::RlDataset::train(&data).unwrap());
-    let response = ResponseKey::parse(&cfg.sft.response_key).unwrap();
-    let mut source = SftSource::new(rows, tok.clone(), response, 8, 5)
+    let cfg = rl_harness::config::ExperimentConfig { data, ..cfg };
+    let rows = Arc::new(sft_train_rows(&cfg).unwrap());
+    let mut source = SftSource::new(rows, tok.clone(), 8, 5)
         .unwrap()
         .with_mask_tags(cfg.sft.mask_tags.clone());
     let batch = source.next_batch().unwrap();

@@ -8,14 +8,14 @@ use std::sync::Arc;
 
 use rl_algos::AlgoConfig;
 use rl_algos::trainer::{OnPolicyTrainer, SftConfig, SftTrainer};
-use rl_data::{DataConfig, RlDataset, Tokenizer};
+use rl_data::{DataConfig, SftDataConfig, SftDataset, Tokenizer};
 use rl_workers::roles::{ActorConfig, ActorWorker, SharedPolicy, share};
 use rl_workers::{CausalLm, ValueModel};
 use serde_json::Value;
 use tch::{Device, Kind};
 
 pub use rl_harness::config::ExperimentConfig;
-pub use rl_harness::config::checks::{ResponseKey, on_policy_config};
+pub use rl_harness::config::checks::on_policy_config;
 pub use rl_harness::run::compose::{
     LoaderSource, PreferenceSource, SftSource, loaders, tiny_llama_config,
 };
@@ -179,19 +179,17 @@ pub fn check_on_policy(cfg: &ExperimentConfig) -> AnyResult<()> {
     )?)
 }
 
-/// SFT batches of the tiny task's parquet (target `extra_info.answer`), `batch_size` rows each.
-pub fn answer_source(
-    dataset: Arc<RlDataset>,
-    tokenizer: Arc<Tokenizer>,
-    batch_size: usize,
-    seed: u64,
-) -> AnyResult<SftSource> {
-    Ok(SftSource::new(
-        dataset,
-        tokenizer,
-        ResponseKey::ExtraInfo("answer".into()),
-        batch_size,
-        seed,
+/// The tiny task's SFT rows of `files`: the `prompt` messages and the target `extra_info.answer`.
+pub fn answer_rows(files: &[std::path::PathBuf]) -> AnyResult<SftDataset> {
+    Ok(SftDataset::open(
+        files,
+        &SftDataConfig {
+            prompt_key: "prompt".into(),
+            response_key: "extra_info".into(),
+            response_dict_keys: vec!["answer".into()],
+            max_length: usize::MAX,
+            ..SftDataConfig::default()
+        },
     )?)
 }
 
@@ -205,15 +203,15 @@ pub fn build_sft(
     seed: u64,
 ) -> AnyResult<SftTrainer> {
     let data = tiny_data_config(task, actor_cfg.ppo_mini_batch_size, seed);
-    let train = Arc::new(RlDataset::train(&data)?);
-    let val = Arc::new(RlDataset::val(&data)?);
-    let source = answer_source(
+    let train = Arc::new(answer_rows(&data.train_files)?);
+    let val = Arc::new(answer_rows(&data.val_files)?);
+    let source = SftSource::new(
         train,
         task.tokenizer.clone(),
         actor_cfg.ppo_mini_batch_size,
         seed,
     )?;
-    let val_source = answer_source(val.clone(), task.tokenizer.clone(), val.len(), seed)?;
+    let val_source = SftSource::new(val.clone(), task.tokenizer.clone(), val.len(), seed)?;
     let val_batch = val_source.batch(&(0..val.len()).collect::<Vec<_>>())?;
     let actor = ActorWorker::new(policy, actor_cfg, 1)?;
     Ok(SftTrainer::new(

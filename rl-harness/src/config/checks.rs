@@ -5,8 +5,6 @@
 
 use anyhow::{Result, anyhow, bail};
 use rl_algos::trainer::{DpoTrainerConfig, OnPolicyConfig, TrainerSection};
-use rl_data::RlRow;
-use serde_json::Value;
 
 use super::{ExperimentConfig, TrainerKind};
 
@@ -81,15 +79,7 @@ pub fn check_groups(cfg: &ExperimentConfig, kind: TrainerKind) -> Result<()> {
     };
     if matches!(kind, TrainerKind::Sft | TrainerKind::Spin) {
         divides("sft.train_batch_size", cfg.sft.train_batch_size)?;
-        ResponseKey::parse(&cfg.sft.response_key)?;
-        if let Some(bad) = cfg.sft.mask_tags.iter().find(|t| {
-            t.is_empty()
-                || t.contains(|c: char| c == '<' || c == '>' || c == '/' || c.is_whitespace())
-        }) {
-            bail!(
-                "config key `sft.mask_tags`: {bad:?} is not a tag name (write `information` for `<information>…</information>`)"
-            );
-        }
+        check_sft(cfg, kind)?;
     }
     if kind == TrainerKind::Dpo {
         divides(
@@ -250,49 +240,62 @@ fn check_multi_turn(cfg: &ExperimentConfig, kind: TrainerKind) -> Result<()> {
     Ok(())
 }
 
-/// Where an SFT row's target response is (`sft.response_key`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ResponseKey {
-    /// `extra_info.<field>`.
-    ExtraInfo(String),
-    /// `reward_model.ground_truth`.
-    GroundTruth,
+/// A column, or `column.field…` inside a struct column, as (column, fields): the form of
+/// `sft.prompt_key` and `sft.response_key` (verl's `prompt_key` + `prompt_dict_keys`).
+pub fn column_path(key: &str, value: &str) -> Result<(String, Vec<String>)> {
+    let mut parts = value.split('.');
+    let column = parts.next().unwrap_or_default().to_string();
+    let fields: Vec<String> = parts.map(str::to_string).collect();
+    if column.is_empty() || fields.iter().any(String::is_empty) {
+        bail!(
+            "config key `{key}`: {value:?} is not a column or `column.field` (e.g. `answer`, \
+             `extra_info.answer`)"
+        );
+    }
+    Ok((column, fields))
 }
 
-impl ResponseKey {
-    /// Parses `extra_info.<field>` or `reward_model.ground_truth`.
-    pub fn parse(key: &str) -> Result<Self> {
-        if key == "reward_model.ground_truth" {
-            return Ok(ResponseKey::GroundTruth);
+/// The checks of the `sft` group for trainer `kind` (SFT or SPIN).
+fn check_sft(cfg: &ExperimentConfig, kind: TrainerKind) -> Result<()> {
+    let sft = &cfg.sft;
+    column_path("sft.response_key", &sft.response_key)?;
+    if let Some(p) = &sft.prompt_key {
+        column_path("sft.prompt_key", p)?;
+    }
+    if let Some(bad) = sft.mask_tags.iter().find(|t| {
+        t.is_empty() || t.contains(|c: char| c == '<' || c == '>' || c == '/' || c.is_whitespace())
+    }) {
+        bail!(
+            "config key `sft.mask_tags`: {bad:?} is not a tag name (write `information` for `<information>…</information>`)"
+        );
+    }
+    if let Some(m) = &sft.messages_key {
+        if m.is_empty() {
+            bail!("config key `sft.messages_key`: empty (unset it for single-turn SFT)");
         }
-        match key.strip_prefix("extra_info.") {
-            Some(field) if !field.is_empty() => Ok(ResponseKey::ExtraInfo(field.into())),
-            _ => bail!(
-                "config key `sft.response_key`: {key:?} is neither `extra_info.<field>` nor \
-                 `reward_model.ground_truth`"
-            ),
+        if kind == TrainerKind::Spin {
+            bail!(
+                "config key `sft.messages_key`: SPIN answers single-turn prompts \
+                 (`sft.prompt_key`, `sft.response_key`); unset it"
+            );
+        }
+        if !sft.mask_tags.is_empty() {
+            bail!(
+                "config keys `sft.messages_key` and `sft.mask_tags`: a conversation trains its \
+                 assistant turns and no others; tags mask spans of a single-turn response only"
+            );
         }
     }
-
-    /// The row's target response: the text (or number) this key names in `row`.
-    pub fn text(&self, row: &RlRow) -> Result<String> {
-        let (value, name) = match self {
-            ResponseKey::ExtraInfo(f) => (row.extra_info.get(f), format!("extra_info.{f}")),
-            ResponseKey::GroundTruth => {
-                (Some(&row.ground_truth), "reward_model.ground_truth".into())
-            }
-        };
-        match value {
-            Some(Value::String(s)) => Ok(s.clone()),
-            Some(Value::Number(n)) => Ok(n.to_string()),
-            other => bail!(
-                "{} row {}: `{name}` (sft.response_key) is {}, expected a string",
-                row.source.path.display(),
-                row.source.row,
-                other.map_or("absent".to_string(), Value::to_string)
-            ),
-        }
+    if sft.max_length == Some(0) {
+        bail!("config key `sft.max_length`: 0 leaves no token (unset it for no limit)");
     }
+    if sft.truncation == rl_data::Truncation::Middle {
+        bail!(
+            "config key `sft.truncation`: `middle` is not a choice for SFT examples (error, left \
+             or right, as verl's SFT dataset)"
+        );
+    }
+    Ok(())
 }
 
 /// The preference trainers' config: `dpo` with the step count of `trainer`

@@ -668,14 +668,32 @@ impl From<RewardModelGroup> for Merged<RewardModelConfig, RewardModelOwn> {
     }
 }
 
-/// `sft`: supervised fine-tuning on the `data` group's files (`trainer.algorithm = "sft"`).
+/// `sft`: supervised fine-tuning on the `data` group's files (`trainer.algorithm = "sft"`), read
+/// as verl's SFT datasets read them: a prompt and a response per row, or a conversation.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct SftGroup {
-    /// Where each row's target response is: `extra_info.<field>` (verl's GSM8K and arithmetic
-    /// parquet keep the worked answer there) or `reward_model.ground_truth`. Default
+    /// Where each row's prompt is: a column holding a string (one user message) or a list of
+    /// `{role, content}` messages, or `column.field…` inside a struct column
+    /// (`extra_info.question`: verl's `prompt_key = extra_info` with `prompt_dict_keys =
+    /// [question]`). Unset = `data.prompt_key` (verl's RL `prompt` messages).
+    pub prompt_key: Option<String>,
+    /// Where each row's target response is: a column or `column.field…` holding a string (or a
+    /// number): `extra_info.answer` (verl's GSM8K and arithmetic parquet keep the worked answer
+    /// there), `reward_model.ground_truth`, or a plain column (`answer`). Default
     /// `extra_info.answer`.
     pub response_key: String,
+    /// Multi-turn SFT (verl's `data.multiturn.messages_key` with `multiturn.enable`): the column
+    /// of each row's whole conversation, a list of `{role, content}` messages; every assistant
+    /// turn is trained, the other turns are not. Unset = single-turn (`prompt_key` and
+    /// `response_key`).
+    pub messages_key: Option<String>,
+    /// Prompt + response limit in tokens, after the chat template (verl's `data.max_length`).
+    /// Unset = no limit.
+    pub max_length: Option<usize>,
+    /// What to do with a longer example (verl's `data.truncation`): `error` (naming the file and
+    /// row), `left` (drop its first tokens, from the prompt) or `right` (drop its last).
+    pub truncation: rl_data::Truncation,
     /// Rows per optimiser step. Default 32.
     pub train_batch_size: usize,
     /// Tags whose `<tag>…</tag>` spans in the responses (with the whitespace around them, as a
@@ -687,7 +705,11 @@ pub struct SftGroup {
 impl Default for SftGroup {
     fn default() -> Self {
         SftGroup {
+            prompt_key: None,
             response_key: "extra_info.answer".into(),
+            messages_key: None,
+            max_length: None,
+            truncation: rl_data::Truncation::Error,
             train_batch_size: 32,
             mask_tags: Vec::new(),
         }

@@ -19,7 +19,8 @@ use rl_core::{Batch, Trainer, keys};
 use rl_data::reward::RewardRegistry;
 use rl_data::reward::role::RuleReward;
 use rl_data::{
-    DataLoader, LoaderOptions, LoaderState, PreferenceDataset, RlDataset, Sampler, Tokenizer,
+    DataLoader, LoaderOptions, LoaderState, MultiturnConfig, PreferenceDataset, RlDataset, Sampler,
+    SftDataConfig, SftDataset, Tokenizer,
 };
 use rl_workers::roles::{
     ActorWorker, BackgroundWorker, CriticWorker, ProgressHook, ReferenceWorker, RewardModelWorker,
@@ -29,7 +30,7 @@ use rl_workers::{CausalLm, RewardModel, TextCodec, ToolEnv, ValueModel};
 use serde_json::Value;
 use tch::{Device, Kind, Tensor};
 
-use crate::config::checks::{ResponseKey, check, check_groups, dpo_config, on_policy_config};
+use crate::config::checks::{check, check_groups, column_path, dpo_config, on_policy_config};
 use crate::config::{ExperimentConfig, TrainerKind};
 
 /// A trainer ready to drive, with the model it trains (to export it at the end).
@@ -420,14 +421,14 @@ pub fn rollout_layout(prompts: &[Vec<u32>], responses: &[Vec<u32>], pad: u32) ->
     Ok(batch)
 }
 
-/// SFT batches from an RL parquet: the prompt rendered with the chat template and the
-/// generation prompt, the response the row's target (`sft.response_key`) plus eos, in the
-/// rollout layout so the actor's SFT loss reads `response_mask`.
+/// SFT batches from a parquet read as [`sft_rows`] reads it: the prompt rendered with the chat
+/// template and the generation prompt, the response the row's target plus eos (or a whole
+/// conversation, split before its first trained token), in the rollout layout so the actor's
+/// SFT loss reads `response_mask` (and `loss_mask` where some response tokens are not trained).
 #[derive(Debug)]
 pub struct SftSource {
-    dataset: Arc<RlDataset>,
+    dataset: Arc<SftDataset>,
     tokenizer: Arc<Tokenizer>,
-    response: ResponseKey,
     sampler: Sampler,
     /// `sft.mask_tags`: tool observations in the responses, masked out of the loss.
     mask_tags: Vec<String>,
@@ -436,9 +437,8 @@ pub struct SftSource {
 impl SftSource {
     /// Shuffled batches of `batch_size` rows per epoch, seeded with `seed`.
     pub fn new(
-        dataset: Arc<RlDataset>,
+        dataset: Arc<SftDataset>,
         tokenizer: Arc<Tokenizer>,
-        response: ResponseKey,
         batch_size: usize,
         seed: u64,
     ) -> Result<Self> {
@@ -446,7 +446,6 @@ impl SftSource {
         Ok(SftSource {
             dataset,
             tokenizer,
-            response,
             sampler,
             mask_tags: Vec::new(),
         })
@@ -471,21 +470,25 @@ impl SftSource {
         let mut responses = Vec::with_capacity(idx.len());
         let mut trained = Vec::with_capacity(idx.len());
         for &i in idx {
-            let row = self.dataset.row(i)?;
-            let answer = self.response.text(&row)?;
-            let ex = rl_data::tokenize_prompt_trace(
-                &self.tokenizer,
-                &row.prompt,
-                &answer,
-                &self.mask_tags,
-            )?;
+            let ex = self
+                .dataset
+                .example_masking(i, &self.tokenizer, &self.mask_tags)?;
             let (p, r) = split_example(&ex);
+            if p.is_empty() {
+                let (path, row) = self.dataset.source(i)?;
+                bail!(
+                    "{}: row {row}: no prompt token is left before the first trained token (the \
+                     response alone is longer than `sft.max_length` under `sft.truncation = \
+                     \"left\"`, or the conversation starts with an assistant turn)",
+                    path.display()
+                );
+            }
             trained.push(ex.loss_mask[p.len()..].to_vec());
             prompts.push(p);
             responses.push(r);
         }
         let mut batch = rollout_layout(&prompts, &responses, self.tokenizer.pad_id_or_eos()?)?;
-        if !self.mask_tags.is_empty() {
+        if trained.iter().flatten().any(|&m| m == 0) {
             let seq_len = batch.get(keys::INPUT_IDS)?.size()[1];
             let prompt_len = (seq_len - batch.get(keys::RESPONSES)?.size()[1]) as usize;
             let mut loss = vec![0i64; idx.len() * seq_len as usize];
@@ -499,6 +502,62 @@ impl SftSource {
         }
         Ok(batch)
     }
+}
+
+/// The SFT rows of `files` (`data.train_files` or `data.val_files`, at most `cap`), read as
+/// the `sft` group says: a prompt (`sft.prompt_key`, else `data.prompt_key`) and a response
+/// (`sft.response_key`) per row, or a conversation (`sft.messages_key`), under
+/// `sft.max_length` and `sft.truncation`.
+pub fn sft_rows(
+    cfg: &ExperimentConfig,
+    files: &[PathBuf],
+    files_key: &str,
+    cap: Option<usize>,
+) -> Result<SftDataset> {
+    if files.is_empty() {
+        bail!("config key `{files_key}`: no files given");
+    }
+    let sft = &cfg.sft;
+    let prompt_key = sft.prompt_key.as_deref().unwrap_or(&cfg.data.prompt_key);
+    let (prompt_key, prompt_dict_keys) = column_path("sft.prompt_key", prompt_key)?;
+    let (response_key, response_dict_keys) = column_path("sft.response_key", &sft.response_key)?;
+    let data = SftDataConfig {
+        train_files: Vec::new(),
+        val_files: Vec::new(),
+        prompt_key,
+        prompt_dict_keys,
+        response_key,
+        response_dict_keys,
+        multiturn: MultiturnConfig {
+            enable: sft.messages_key.is_some(),
+            messages_key: sft.messages_key.clone().unwrap_or_default(),
+        },
+        max_length: sft.max_length.unwrap_or(usize::MAX),
+        truncation: sft.truncation,
+        train_batch_size: sft.train_batch_size,
+        train_max_samples: cap.map_or(-1, |c| c as i64),
+    };
+    Ok(SftDataset::open(files, &data)?.in_group("sft"))
+}
+
+/// [`sft_rows`] of `data.train_files` (capped by `data.train_max_samples`).
+pub fn sft_train_rows(cfg: &ExperimentConfig) -> Result<SftDataset> {
+    sft_rows(
+        cfg,
+        &cfg.data.train_files,
+        "data.train_files",
+        cfg.data.train_cap(),
+    )
+}
+
+/// [`sft_rows`] of `data.val_files` (capped by `data.val_max_samples`).
+pub fn sft_val_rows(cfg: &ExperimentConfig) -> Result<SftDataset> {
+    sft_rows(
+        cfg,
+        &cfg.data.val_files,
+        "data.val_files",
+        cfg.data.val_cap(),
+    )
 }
 
 impl BatchSource for SftSource {
@@ -795,14 +854,13 @@ pub fn build_sft_in(
     group: Option<&SharedCollective>,
 ) -> Result<SftTrainer> {
     check_groups(cfg, TrainerKind::Sft)?;
-    let response = ResponseKey::parse(&cfg.sft.response_key)?;
     let seed = cfg.data.seed.unwrap_or(cfg.trainer.seed);
     let bs = cfg.sft.train_batch_size;
-    let train = Arc::new(RlDataset::train(&cfg.data)?);
-    let val = Arc::new(RlDataset::val(&cfg.data)?);
+    let train = Arc::new(sft_train_rows(cfg)?);
+    let val = Arc::new(sft_val_rows(cfg)?);
     let tags = cfg.sft.mask_tags.clone();
-    let mut source = SftSource::new(train, tokenizer.clone(), response.clone(), bs, seed)?
-        .with_mask_tags(tags.clone());
+    let mut source =
+        SftSource::new(train, tokenizer.clone(), bs, seed)?.with_mask_tags(tags.clone());
     let (rank, world) = rank_world(group)?;
     if group.is_some() {
         source
@@ -814,8 +872,7 @@ pub fn build_sft_in(
         .trainer
         .total_training_steps
         .unwrap_or(cfg.trainer.total_epochs * source.batches_per_epoch() as u64);
-    let val_source =
-        SftSource::new(val.clone(), tokenizer.clone(), response, bs, seed)?.with_mask_tags(tags);
+    let val_source = SftSource::new(val.clone(), tokenizer.clone(), bs, seed)?.with_mask_tags(tags);
     let val_bs = cfg.data.val_batch_size.unwrap_or(bs).max(1);
     let all: Vec<usize> = (0..val.len()).collect();
     let val_batches = all
@@ -1269,12 +1326,10 @@ pub fn build_spin_in(
 ) -> Result<SpinTrainer> {
     check_groups(cfg, TrainerKind::Spin)?;
     let (_, val) = loaders(cfg, tokenizer)?;
-    let response = ResponseKey::parse(&cfg.sft.response_key)?;
     let seed = cfg.data.seed.unwrap_or(cfg.trainer.seed);
     let mut train = SftSource::new(
-        Arc::new(RlDataset::train(&cfg.data)?),
+        Arc::new(sft_train_rows(cfg)?),
         tokenizer.clone(),
-        response,
         cfg.sft.train_batch_size,
         seed,
     )?;

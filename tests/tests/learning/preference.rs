@@ -312,8 +312,8 @@ fn build_spin(
         ..ExperimentConfig::default()
     };
     let (_, val) = loaders(&exp, &tok)?;
-    let train = answer_source(
-        Arc::new(RlDataset::train(&w.data)?),
+    let train = SftSource::new(
+        Arc::new(answer_rows(&w.data.train_files)?),
         tok.clone(),
         prompts,
         seed,
@@ -367,8 +367,8 @@ fn spin_reference_is_the_policy_after_each_update_and_frozen_between() {
     let w = &warm(init_seeds()[0]);
     let policy = load_policy(&w.ckpt).unwrap();
     let mut t = build_spin(w, policy.clone(), cfg, 8, 1e-3, w.seed).unwrap();
-    let sft = answer_source(
-        Arc::new(RlDataset::val(&w.data).unwrap()),
+    let sft = SftSource::new(
+        Arc::new(answer_rows(&w.data.val_files).unwrap()),
         w.task.tokenizer.clone(),
         8,
         w.seed,
