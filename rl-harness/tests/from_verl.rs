@@ -220,3 +220,157 @@ fn a_hydra_saved_config_resolves_its_interpolations_and_trains() {
         assert!(err.contains(line), "lacks {line:?}: {err}");
     }
 }
+
+/// verl's SFT trainer (`fsdp_sft_trainer`, its gsm8k example with LoRA): the question and
+/// answer inside `extra_info` become `sft.prompt_key`/`sft.response_key` paths, verl's SFT
+/// defaults are written out (cosine with 10% warmup, betas (0.9, 0.95), 1024 tokens), nothing is
+/// refused, and the TOML trains here with the cosine spanning the run. Over-long examples and a
+/// field that is not there are errors naming the file, row and key.
+#[test]
+fn verls_sft_command_line_converts_and_trains_with_its_schedule() {
+    let env = Env::new();
+    tiny_llm(&env, 32, 8);
+    let (ok, err) = convert(&env, "sft_gsm8k.sh", "sft.toml");
+    assert!(ok, "{err}");
+    assert!(err.contains(", 0 refused;"), "{err}");
+    for line in [
+        "mapped      trainer.algorithm = \"sft\" (the entry point)",
+        "mapped      sft.prompt_key = \"extra_info.question\" (verl's data.prompt_key with data.prompt_dict_keys)",
+        "mapped      sft.response_key = \"extra_info.answer\" (verl's data.response_key with data.response_dict_keys)",
+        "mapped      actor_rollout_ref.model.path = \"models/tiny-llama\" (verl's model.partial_pretrain)",
+        "mapped      actor_rollout_ref.model.lora_rank = 32 (verl's model.lora_rank)",
+        "mapped      actor_rollout_ref.model.use_remove_padding = true (verl's use_remove_padding)",
+        "mapped      actor_rollout_ref.actor.optim.lr_scheduler_type = \"cosine\" (verl's SFT default)",
+        "mapped      actor_rollout_ref.actor.optim.lr_warmup_steps_ratio = 0.1 (verl's SFT default)",
+        "mapped      sft.max_length = 1024 (verl's SFT default)",
+        "mapped      actor_rollout_ref.actor.ppo_mini_batch_size = 8 (the batch: verl's SFT trainer takes one optimiser step per batch)",
+    ] {
+        assert!(err.contains(line), "lacks {line:?}: {err}");
+    }
+    assert!(!err.contains("critic."), "{err}");
+    // 4 steps, no warmup (int(0.4) = 0), then lr 1e-4 x (1 + cos(pi k / 4)) / 2
+    let run = env.run(&[
+        "train",
+        "sft.toml",
+        "trainer.total_training_steps=4",
+        "trainer.test_freq=4",
+    ]);
+    // the step lines are the progress on stderr
+    let out = String::from_utf8_lossy(&run.stderr).into_owned();
+    assert!(run.status.success(), "{out}");
+    for lr in ["1.000e-4", "8.536e-5", "5.000e-5", "1.464e-5"] {
+        assert!(out.contains(&format!("actor/lr:{lr} ")), "lr {lr}: {out}");
+    }
+    assert!(out.contains("val/loss"), "{out}");
+    // an example longer than sft.max_length: an error naming the file, row and key; cut
+    // from the right it trains
+    let e = env.fails(&["train", "sft.toml", "sft.max_length=4"]);
+    assert!(
+        e.contains("data/tiny-addition/") && e.contains("row ") && e.contains("sft.max_length = 4"),
+        "{e}"
+    );
+    env.ok(&[
+        "train",
+        "sft.toml",
+        "sft.max_length=12",
+        "sft.truncation=right",
+        "trainer.total_training_steps=1",
+    ]);
+    let e = env.fails(&["train", "sft.toml", "sft.prompt_key=extra_info.query"]);
+    assert!(
+        e.contains(
+            ".parquet: row 0, column `extra_info`: expected a field `query`, got the fields"
+        ) && e.contains("question"),
+        "{e}"
+    );
+    let e = env.fails(&["train", "sft.toml", "sft.response_key=extra_info."]);
+    assert!(e.contains("config key `sft.response_key`"), "{e}");
+}
+
+/// verl's multi-turn SFT data (`data.multiturn.messages_key`): every assistant turn of a
+/// conversation is trained and nothing else, through `harness train`.
+#[test]
+fn a_multi_turn_conversation_trains_its_assistant_turns_only() {
+    use rl_core::keys;
+    use rl_data::{Message, RlRecord};
+    use rl_harness::run::compose::{SftSource, sft_train_rows};
+    use std::sync::Arc;
+
+    let env = Env::new();
+    tiny_llm(&env, 8, 4);
+    let convo = |a: u32, b: u32| RlRecord {
+        data_source: "arithmetic".into(),
+        prompt: vec![
+            Message::user(format!("{a}+{b}=")),
+            Message::assistant(format!("{}", a + b)),
+            Message::user(format!("{b}+{a}=")),
+            Message::assistant(format!("{}", a + b)),
+        ],
+        ability: "math".into(),
+        style: "rule".into(),
+        ground_truth: serde_json::Value::Null,
+        extra_info: serde_json::Map::new(),
+    };
+    let rows: Vec<RlRecord> = (0..8).map(|i| convo(10 + i, 21 + 2 * i)).collect();
+    std::fs::create_dir_all(env.path().join("chat")).unwrap();
+    for f in ["chat/train.parquet", "chat/test.parquet"] {
+        rl_data::write_rl_parquet(&env.path().join(f), &rows).unwrap();
+    }
+    let toml = env.file(
+        "chat.toml",
+        "[trainer]\nalgorithm = \"sft\"\ntotal_training_steps = 2\n\
+         [data]\ntrain_files = \"chat/train.parquet\"\nval_files = \"chat/test.parquet\"\n\
+         [actor_rollout_ref.model]\npath = \"models/tiny-llama\"\n\
+         [actor_rollout_ref.actor]\nppo_mini_batch_size = 4\n\
+         [sft]\nmessages_key = \"prompt\"\ntrain_batch_size = 4\n",
+    );
+    let out = env.ok(&["train", toml.to_str().unwrap()]);
+    assert!(out.contains("val/loss"), "{out}");
+
+    // the batches it trains on: the loss mask covers the two answers (and their ends of turn)
+    let cfg = rl_harness::config::load(&rl_harness::config::Sources {
+        file: Some(toml.clone()),
+        env: false,
+        overrides: vec![],
+    })
+    .unwrap();
+    let mut cfg = cfg;
+    for f in cfg
+        .data
+        .train_files
+        .iter_mut()
+        .chain(cfg.data.val_files.iter_mut())
+    {
+        *f = env.path().join(&*f);
+    }
+    let tok = Arc::new(rl_data::Tokenizer::from_dir(env.path().join("models/tiny-llama")).unwrap());
+    let mut source =
+        SftSource::new(Arc::new(sft_train_rows(&cfg).unwrap()), tok.clone(), 4, 5).unwrap();
+    let batch = rl_algos::trainer::BatchSource::next_batch(&mut source).unwrap();
+    let ids = Vec::<Vec<i64>>::try_from(batch.get(keys::INPUT_IDS).unwrap()).unwrap();
+    let loss = Vec::<Vec<i64>>::try_from(batch.get(keys::LOSS_MASK).unwrap()).unwrap();
+    for (ids, loss) in ids.iter().zip(&loss) {
+        let trained: Vec<u32> = ids
+            .iter()
+            .zip(loss)
+            .filter(|(_, m)| **m == 1)
+            .map(|(t, _)| *t as u32)
+            .collect();
+        let text = tok.decode(&trained, false).unwrap();
+        let whole = tok
+            .decode(&ids.iter().map(|&t| t as u32).collect::<Vec<_>>(), false)
+            .unwrap();
+        let answer = whole
+            .split("=")
+            .nth(1)
+            .and_then(|r| r.get(..2))
+            .unwrap_or_else(|| panic!("{whole:?}"));
+        assert!(
+            text.matches(answer).count() == 2 && !text.contains('+') && !text.contains('='),
+            "trained on {text:?} of {whole:?}"
+        );
+    }
+    // SPIN answers single-turn prompts only
+    let e = env.fails(&["train", toml.to_str().unwrap(), "trainer.algorithm=spin"]);
+    assert!(e.contains("config key `sft.messages_key`"), "{e}");
+}

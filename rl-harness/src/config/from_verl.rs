@@ -1,7 +1,8 @@
 //! `harness config from-verl`: a verl run (a `main_ppo` command line, a script that runs one,
 //! or its YAML config, resolved as verl prints it or as Hydra saves it with OmegaConf's
 //! interpolations, which are resolved here) as this harness's TOML, saying what it mapped, what
-//! has no effect here and what it refused.
+//! has no effect here and what it refused. verl's SFT trainer's config is renamed to this
+//! harness's keys first ([`super::verl_sft`]).
 
 use anyhow::{Context, Result, bail};
 
@@ -46,7 +47,7 @@ const ENTRY_POINTS: &[(&str, &str)] = &[
 ];
 
 /// `key.path` -> the value as written.
-type Pairs = Vec<(String, String)>;
+pub(super) type Pairs = Vec<(String, String)>;
 
 /// Translates `text`: verl's resolved YAML config when `yaml`, else a command line or script.
 pub fn translate(text: &str, yaml: bool) -> Result<Translation> {
@@ -62,6 +63,18 @@ pub fn translate(text: &str, yaml: bool) -> Result<Translation> {
     } else {
         command_line_pairs(text)?
     };
+    // verl's SFT trainer lays out its config unlike the RL trainer: renamed to ours first
+    let sft_yaml = entry.is_none() && super::verl_sft::is_sft_config(&pairs);
+    let mut origins = std::collections::BTreeMap::new();
+    let (entry, pairs) = if entry == Some("sft") || sft_yaml {
+        let k = super::verl_sft::to_harness_keys(&pairs);
+        t.ignored.extend(k.ignored);
+        t.refused.extend(k.refused);
+        origins = k.notes;
+        (Some("sft"), k.pairs)
+    } else {
+        (entry, pairs)
+    };
     let known = known_keys();
     let disabled = disabled_tables(&pairs);
     let mut overrides: Vec<Override> = Vec::new();
@@ -72,8 +85,13 @@ pub fn translate(text: &str, yaml: bool) -> Result<Translation> {
             "trainer.algorithm",
             toml::Value::String(kind.into()),
         ));
+        let why = if sft_yaml {
+            "verl's SFT trainer config"
+        } else {
+            "the entry point"
+        };
         t.mapped
-            .push(format!("trainer.algorithm = \"{kind}\" (the entry point)"));
+            .push(format!("trainer.algorithm = \"{kind}\" ({why})"));
     }
     for (key, raw) in &pairs {
         let o = Override::parse(&format!("{key}={raw}"))?;
@@ -97,7 +115,12 @@ pub fn translate(text: &str, yaml: bool) -> Result<Translation> {
             });
             match checked {
                 Ok(os) => {
-                    t.mapped.push(format!("{} = {}", o.key, o.value_text()));
+                    let from = origins
+                        .get(&o.key)
+                        .map(|n| format!(" ({n})"))
+                        .unwrap_or_default();
+                    t.mapped
+                        .push(format!("{} = {}{from}", o.key, o.value_text()));
                     overrides.extend(os);
                 }
                 Err(e) => t
@@ -119,7 +142,7 @@ pub fn translate(text: &str, yaml: bool) -> Result<Translation> {
         }
     }
     // what verl's config fills in from other keys (`${oc.select:...}`) when not given
-    for (key, from) in INTERPOLATED {
+    for (key, from) in INTERPOLATED.iter().filter(|_| entry != Some("sft")) {
         if overrides.iter().any(|o| o.key == *key) {
             continue;
         }
@@ -204,7 +227,12 @@ fn command_line_pairs(text: &str) -> Result<(Option<&'static str>, Pairs)> {
         .filter_map(|w| {
             let (k, v) = w.split_once('=')?;
             let k = k.trim_start_matches('+');
-            (k.contains('.') || k.starts_with("trainer")).then(|| (k.to_string(), v.to_string()))
+            // a config key: dotted, or one of the SFT trainer's top-level ones
+            let key_like = !k.is_empty()
+                && !k.starts_with(|c: char| c.is_ascii_digit() || c == '.')
+                && k.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '.');
+            key_like.then(|| (k.to_string(), v.to_string()))
         })
         .collect();
     Ok((Some(entry), pairs))
@@ -345,6 +373,11 @@ fn disabled_tables(pairs: &Pairs) -> Vec<String> {
 fn inert(key: &str, value: &Option<toml::Value>, disabled: &[String]) -> Option<String> {
     if key == "_target_" || key.ends_with("._target_") {
         return Some("Hydra's class to instantiate the table with, not a setting".into());
+    }
+    if key == "defaults" {
+        return Some(
+            "Hydra's defaults list (the files the config is composed of), not a setting".into(),
+        );
     }
     if key.starts_with("global_profiler.") || key.contains(".profiler.") {
         return Some(

@@ -965,6 +965,7 @@ pub mod from_verl;
 pub mod groups;
 mod omegaconf;
 pub mod verl;
+mod verl_sft;
 
 #[cfg(test)]
 mod tests;

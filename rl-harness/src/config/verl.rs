@@ -294,6 +294,7 @@ const FOREIGN: &[(&str, Foreign)] = &[
             "each rank takes a consecutive share of the batch (no length balancing yet)",
         ),
     ),
+    ("trainer.checkpoint.", Foreign::NoEffect(WHOLE_CHECKPOINT)),
     (
         "trainer.default_hdfs_dir",
         Foreign::NoEffect("checkpoints go to <trainer.runs_dir>/<run>/checkpoints"),
