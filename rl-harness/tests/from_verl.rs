@@ -276,6 +276,17 @@ fn verls_sft_command_line_converts_and_trains_with_its_schedule() {
         "sft.truncation=right",
         "trainer.total_training_steps=1",
     ]);
+    // no validation files (verl's engine default): no validation, and no figure made up
+    let run = env.run(&[
+        "train",
+        "sft.toml",
+        "data.val_files=[]",
+        "trainer.total_training_steps=2",
+        "trainer.test_freq=1",
+    ]);
+    let out = String::from_utf8_lossy(&run.stderr).into_owned();
+    assert!(run.status.success() && out.contains("step:2/2"), "{out}");
+    assert!(!out.contains("val/loss"), "{out}");
     let e = env.fails(&["train", "sft.toml", "sft.prompt_key=extra_info.query"]);
     assert!(
         e.contains(
@@ -287,10 +298,11 @@ fn verls_sft_command_line_converts_and_trains_with_its_schedule() {
     assert!(e.contains("config key `sft.response_key`"), "{e}");
 }
 
-/// verl's multi-turn SFT data (`data.multiturn.messages_key`): every assistant turn of a
-/// conversation is trained and nothing else, through `harness train`.
+/// verl's engine SFT trainer on conversations (`data.messages_key`), from its e2e script:
+/// converted with the two things it asks for that are not followed here refused, it trains, and
+/// every assistant turn of a conversation is trained and nothing else.
 #[test]
-fn a_multi_turn_conversation_trains_its_assistant_turns_only() {
+fn verls_engine_sft_trains_the_assistant_turns_of_conversations() {
     use rl_core::keys;
     use rl_data::{Message, RlRecord};
     use rl_harness::run::compose::{SftSource, sft_train_rows};
@@ -316,15 +328,25 @@ fn a_multi_turn_conversation_trains_its_assistant_turns_only() {
     for f in ["chat/train.parquet", "chat/test.parquet"] {
         rl_data::write_rl_parquet(&env.path().join(f), &rows).unwrap();
     }
-    let toml = env.file(
-        "chat.toml",
-        "[trainer]\nalgorithm = \"sft\"\ntotal_training_steps = 2\n\
-         [data]\ntrain_files = \"chat/train.parquet\"\nval_files = \"chat/test.parquet\"\n\
-         [actor_rollout_ref.model]\npath = \"models/tiny-llama\"\n\
-         [actor_rollout_ref.actor]\nppo_mini_batch_size = 4\n\
-         [sft]\nmessages_key = \"prompt\"\ntrain_batch_size = 4\n",
-    );
-    let out = env.ok(&["train", toml.to_str().unwrap()]);
+    let (ok, err) = convert(&env, "sft_engine.sh", "chat.toml");
+    assert!(!ok, "{err}");
+    for line in [
+        "mapped      trainer.algorithm = \"sft\" (the entry point)",
+        "mapped      sft.messages_key = \"prompt\" (verl's data.messages_key)",
+        "mapped      actor_rollout_ref.actor.use_dynamic_bsz = true (verl's data.use_dynamic_bsz)",
+        "mapped      actor_rollout_ref.actor.optim.min_lr_ratio = 0.1 (verl's optim.min_lr_ratio)",
+        "mapped      actor_rollout_ref.actor.ppo_mini_batch_size = 4 (the batch",
+        "no effect   engine: Hydra's choice of verl's training engine",
+        "no effect   data.pad_mode: the batch layout follows",
+        "no effect   actor_rollout_ref.actor.fsdp_config.fsdp_size: FSDP is set here by `zero_stage`",
+        "refused     trainer.test_freq: `after_each_epoch` is not followed here",
+        "refused     trainer.logger: config key `trainer.logger`: `file` is not written",
+        ", 2 refused;",
+    ] {
+        assert!(err.contains(line), "lacks {line:?}: {err}");
+    }
+    let toml = env.path().join("chat.toml");
+    let out = env.ok(&["train", toml.to_str().unwrap(), "trainer.test_freq=2"]);
     assert!(out.contains("val/loss"), "{out}");
 
     // the batches it trains on: the loss mask covers the two answers (and their ends of turn)

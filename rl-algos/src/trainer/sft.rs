@@ -147,6 +147,10 @@ impl Trainer for SftTrainer {
     }
 
     fn validate(&mut self) -> rl_core::Result<(StepMetrics, Vec<Sample>)> {
+        if self.val.is_empty() {
+            // no validation set: nothing to report (every rank alike)
+            return Ok((StepMetrics::new(), Vec::new()));
+        }
         let (mut nll, mut tokens) = (0.0, 0.0);
         let (rank, world) = self.dp.as_ref().map_or((0, 1), |d| (d.rank, d.world));
         for b in &self.val {

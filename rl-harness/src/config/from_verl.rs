@@ -43,6 +43,8 @@ const ENTRY_POINTS: &[(&str, &str)] = &[
     ("verl.trainer.main_ppo", "on_policy"),
     ("recipe.dapo.main_dapo", "on_policy"),
     ("verl.trainer.fsdp_sft_trainer", "sft"),
+    // verl's engine SFT trainer (conversations); "sft" once its keys are renamed
+    ("verl.trainer.sft_trainer", "sft_engine"),
     ("recipe.spin.main_spin", "spin"),
 ];
 
@@ -64,10 +66,17 @@ pub fn translate(text: &str, yaml: bool) -> Result<Translation> {
         command_line_pairs(text)?
     };
     // verl's SFT trainer lays out its config unlike the RL trainer: renamed to ours first
-    let sft_yaml = entry.is_none() && super::verl_sft::is_sft_config(&pairs);
+    use super::verl_sft::SftTrainer;
+    let sft = match entry {
+        Some("sft") => Some(SftTrainer::Legacy),
+        Some("sft_engine") => Some(SftTrainer::Engine),
+        Some(_) => None,
+        None => super::verl_sft::sft_config_kind(&pairs),
+    };
+    let sft_yaml = entry.is_none() && sft.is_some();
     let mut origins = std::collections::BTreeMap::new();
-    let (entry, pairs) = if entry == Some("sft") || sft_yaml {
-        let k = super::verl_sft::to_harness_keys(&pairs);
+    let (entry, pairs) = if let Some(kind) = sft {
+        let k = super::verl_sft::to_harness_keys(kind, &pairs);
         t.ignored.extend(k.ignored);
         t.refused.extend(k.refused);
         origins = k.notes;

@@ -1,9 +1,13 @@
-//! verl's SFT trainer (`verl.trainer.fsdp_sft_trainer`, `sft_trainer.yaml`) in this harness's
-//! keys, for `harness config from-verl`: its `data`, `model` and `optim` groups are laid out
-//! unlike the RL trainer's, so its keys are renamed here before the shared mapping checks them.
-//! verl's SFT defaults that differ from this harness's (a batch of 256, lr 1e-5, a cosine
-//! schedule with 10% warmup, betas (0.9, 0.95), 4 epochs, 1024 tokens, the `question` and
-//! `answer` columns) are written out where the config leaves them to verl.
+//! verl's SFT trainers in this harness's keys, for `harness config from-verl`: the legacy one
+//! (`verl.trainer.fsdp_sft_trainer`, `sft_trainer.yaml`: single-turn columns or
+//! `data.multiturn`) and the engine one (`verl.trainer.sft_trainer`, `sft_trainer_engine.yaml`:
+//! conversations in `data.messages_key`, `model` as verl's `hf_model`, `engine` its FSDP
+//! engine). Their `data`, `model`, `optim` and `engine` groups are laid out unlike the RL
+//! trainer's, so their keys are renamed here before the shared mapping checks them. verl's SFT
+//! defaults that differ from this harness's (a batch of 256, micro-batches of 4, 1024 tokens, 4
+//! epochs; the legacy trainer's lr 1e-5, cosine with 10% warmup, betas (0.9, 0.95) and
+//! `question`/`answer` columns; the engine's lr 1e-3 and token-budget micro-batches) are
+//! written out where the config leaves them to verl.
 
 use std::collections::BTreeMap;
 
@@ -23,6 +27,17 @@ const RENAMED: &[(&str, &str, &str)] = &[
     ("data.max_length", "sft.max_length", ""),
     ("data.truncation", "sft.truncation", ""),
     ("model.partial_pretrain", "actor_rollout_ref.model.path", ""),
+    ("model.tokenizer_path", "data.tokenizer", ""),
+    (
+        "data.use_dynamic_bsz",
+        "actor_rollout_ref.actor.use_dynamic_bsz",
+        "",
+    ),
+    (
+        "data.max_token_len_per_gpu",
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+        "",
+    ),
     ("model.strategy", "actor_rollout_ref.actor.strategy", ""),
     ("optim.clip_grad", "actor_rollout_ref.actor.grad_clip", ""),
     (
@@ -47,23 +62,110 @@ const RENAMED_GROUPS: &[(&str, &str)] = &[
     ("model.fsdp_config.", "actor_rollout_ref.actor.fsdp_config."),
     ("model.", "actor_rollout_ref.model."),
     ("optim.", "actor_rollout_ref.actor.optim."),
+    ("engine.", "actor_rollout_ref.actor.fsdp_config."),
 ];
 
-/// verl's SFT keys with no effect here, and why.
+/// verl's SFT keys with no effect here, and why: an exact key, or a prefix ending in `.`.
 const NO_EFFECT: &[(&str, &str)] = &[
+    (
+        "engine",
+        "Hydra's choice of verl's training engine (FSDP, Megatron, VeOmni): there is one engine \
+         here, its sharding set by actor_rollout_ref.actor.zero_stage",
+    ),
+    (
+        "optim",
+        "Hydra's choice of verl's optimiser config: the optimiser here is AdamW, set by \
+         actor_rollout_ref.actor.optim.*",
+    ),
+    (
+        "checkpoint.",
+        "checkpoints always hold the whole state (model, optimiser, data position, RNG)",
+    ),
     (
         "data.balance_dp_token",
         "the SFT loss here is always the token mean of the whole batch over all ranks (as verl's \
          engine SFT trainer normalises it)",
     ),
     (
+        "data.enable_thinking_default",
+        "the chat template is rendered with its own defaults; a row's thinking switch is not read",
+    ),
+    (
+        "data.enable_thinking_key",
+        "the chat template is rendered with its own defaults; a row's thinking switch is not read",
+    ),
+    (
+        "data.ignore_input_ids_mismatch",
+        "a conversation is tokenised from renders of its growing prefixes; a chat template that \
+         does not preserve them is an error naming it",
+    ),
+    (
         "data.micro_batch_size",
         "deprecated in verl, which reads `data.micro_batch_size_per_gpu`",
     ),
+    (
+        "data.num_workers",
+        "rows are tokenised in the trainer's process as batches are drawn",
+    ),
+    (
+        "data.pad_mode",
+        "the batch layout follows actor_rollout_ref.model.use_remove_padding (verl's \
+         model.use_remove_padding): packed rows, or padded ones",
+    ),
+    (
+        "data.tools_key",
+        "the conversations are rendered with the chat template alone; a row's tool schemas are \
+         not read",
+    ),
     ("data.use_shm", "files are read where they are"),
+    (
+        "engine.dtype",
+        "verl's FSDP engine computes in this dtype under mixed precision; here the compute dtype \
+         is actor_rollout_ref.actor.mixed_precision.param_dtype (float32 unless set)",
+    ),
+    (
+        "trainer.profile_interval",
+        "verl's profiler: profiling changes no result; profile here with `perf` or `scripts/bench`",
+    ),
+    (
+        "profiler.",
+        "verl's profiler: profiling changes no result; profile here with `perf` or `scripts/bench`",
+    ),
 ];
 
-/// verl's SFT defaults where this harness's differ: (verl key, our key, value).
+/// Which of verl's SFT trainers a config is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum SftTrainer {
+    /// `verl.trainer.fsdp_sft_trainer` (`sft_trainer.yaml`).
+    Legacy,
+    /// `verl.trainer.sft_trainer` (`sft_trainer_engine.yaml`).
+    Engine,
+}
+
+/// The engine trainer's defaults where this harness's differ (optim from verl's `optim/fsdp.yaml`).
+const ENGINE_DEFAULTS: &[(&str, &str, &str)] = &[
+    ("data.train_batch_size", "sft.train_batch_size", "256"),
+    (
+        "data.micro_batch_size_per_gpu",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+        "4",
+    ),
+    (
+        "data.use_dynamic_bsz",
+        "actor_rollout_ref.actor.use_dynamic_bsz",
+        "true",
+    ),
+    (
+        "data.max_token_len_per_gpu",
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+        "8192",
+    ),
+    ("data.max_length", "sft.max_length", "1024"),
+    ("optim.lr", "actor_rollout_ref.actor.optim.lr", "1e-3"),
+    ("trainer.total_epochs", "trainer.total_epochs", "4"),
+];
+
+/// The legacy trainer's defaults where this harness's differ (`sft_trainer.yaml`).
 const DEFAULTS: &[(&str, &str, &str)] = &[
     ("data.train_batch_size", "sft.train_batch_size", "256"),
     (
@@ -111,13 +213,26 @@ impl SftKeys {
     }
 }
 
-/// Is this verl's SFT trainer config (as a YAML, which names no entry point)?
-pub(super) fn is_sft_config(pairs: &Pairs) -> bool {
-    pairs.iter().any(|(k, _)| k == "model.partial_pretrain")
+/// Which SFT trainer's config this is, if any (for a YAML, which names no entry point): the
+/// legacy one names its model `model.partial_pretrain`, the engine one reads conversations from
+/// `data.messages_key` and has no RL groups.
+pub(super) fn sft_config_kind(pairs: &Pairs) -> Option<SftTrainer> {
+    let has = |key: &str| pairs.iter().any(|(k, _)| k == key);
+    if has("model.partial_pretrain") {
+        Some(SftTrainer::Legacy)
+    } else if has("data.messages_key")
+        && !pairs
+            .iter()
+            .any(|(k, _)| k.starts_with("actor_rollout_ref."))
+    {
+        Some(SftTrainer::Engine)
+    } else {
+        None
+    }
 }
 
-/// verl's SFT trainer keys `pairs` in this harness's keys.
-pub(super) fn to_harness_keys(pairs: &Pairs) -> SftKeys {
+/// verl's SFT trainer keys `pairs` (of trainer `kind`) in this harness's keys.
+pub(super) fn to_harness_keys(kind: SftTrainer, pairs: &Pairs) -> SftKeys {
     let get = |key: &str| {
         pairs
             .iter()
@@ -126,16 +241,18 @@ pub(super) fn to_harness_keys(pairs: &Pairs) -> SftKeys {
             .map(|(_, v)| v.as_str())
     };
     let mut out = SftKeys::default();
-    let multiturn = matches!(
-        get("data.multiturn.enable").and_then(parse_value),
-        Some(toml::Value::Boolean(true))
-    );
+    let multiturn = kind == SftTrainer::Engine
+        || matches!(
+            get("data.multiturn.enable").and_then(parse_value),
+            Some(toml::Value::Boolean(true))
+        );
+    let messages_key = match kind {
+        SftTrainer::Legacy => "data.multiturn.messages_key",
+        SftTrainer::Engine => "data.messages_key",
+    };
     if multiturn {
-        let (raw, note) = match get("data.multiturn.messages_key") {
-            Some(raw) => (
-                raw.to_owned(),
-                "verl's data.multiturn.messages_key".to_owned(),
-            ),
+        let (raw, note) = match get(messages_key) {
+            Some(raw) => (raw.to_owned(), format!("verl's {messages_key}")),
             None => ("messages".to_owned(), "verl's SFT default".to_owned()),
         };
         out.push("sft.messages_key", raw, note);
@@ -178,12 +295,42 @@ pub(super) fn to_harness_keys(pairs: &Pairs) -> SftKeys {
             }
             continue;
         }
-        if let Some((_, why)) = NO_EFFECT.iter().find(|(k, _)| k == key) {
+        if key == "data.messages_key" {
+            continue;
+        }
+        if key == "trainer.test_freq"
+            && let Some(toml::Value::String(when)) = parse_value(raw)
+        {
+            out.refused.push(format!(
+                "{key}: `{when}` is not followed here: trainer.test_freq counts steps; set it to \
+                 the steps of an epoch (rows / sft.train_batch_size) to validate after each"
+            ));
+            continue;
+        }
+        if let Some((_, why)) = NO_EFFECT
+            .iter()
+            .find(|(k, _)| k == key || (k.ends_with('.') && key.starts_with(k)))
+        {
             out.ignored.push(format!("{key}: {why}"));
             continue;
         }
-        if key == "model.fsdp_config.model_dtype" {
-            model_dtype(raw, &mut out);
+        if key == "model.fsdp_config.model_dtype" || key == "engine.model_dtype" {
+            model_dtype(key, raw, &mut out);
+            continue;
+        }
+        if let Some(rest) = key.strip_prefix("model.lora.") {
+            // Megatron-Core's LoRA table of verl's hf_model: switched off unless its rank is set
+            let rank = get("model.lora.rank").and_then(parse_value);
+            if matches!(rank, None | Some(toml::Value::Integer(0))) {
+                out.ignored.push(format!(
+                    "{key}: verl's Megatron LoRA table, off (rank 0); LoRA here is model.lora_rank"
+                ));
+            } else if rest == "rank" {
+                out.refused.push(format!(
+                    "{key}: verl's Megatron LoRA is not followed here; set model.lora_rank (PEFT's \
+                     LoRA on the linear layers) instead"
+                ));
+            }
             continue;
         }
         if let Some((_, ours, why)) = RENAMED.iter().find(|(k, _, _)| k == key) {
@@ -197,7 +344,18 @@ pub(super) fn to_harness_keys(pairs: &Pairs) -> SftKeys {
         }
         out.pairs.push((key.clone(), raw.clone()));
     }
-    for (verl_key, ours, value) in DEFAULTS {
+    if kind == SftTrainer::Engine && get("data.val_files").is_none() {
+        out.push(
+            "data.val_files",
+            "[]".to_owned(),
+            "verl's engine SFT default, null: no validation".to_owned(),
+        );
+    }
+    let defaults = match kind {
+        SftTrainer::Legacy => DEFAULTS,
+        SftTrainer::Engine => ENGINE_DEFAULTS,
+    };
+    for (verl_key, ours, value) in defaults {
         if get(verl_key).is_none() {
             out.push(ours, (*value).to_owned(), "verl's SFT default".to_owned());
         }
@@ -219,27 +377,27 @@ pub(super) fn to_harness_keys(pairs: &Pairs) -> SftKeys {
     out
 }
 
-/// `model.fsdp_config.model_dtype`, the dtype verl's SFT trainer loads the weights in.
-fn model_dtype(raw: &str, out: &mut SftKeys) {
-    const KEY: &str = "model.fsdp_config.model_dtype";
+/// `key` (`model.fsdp_config.model_dtype`, or the engine's `engine.model_dtype`), the dtype
+/// verl's SFT trainer loads the weights in.
+fn model_dtype(key: &str, raw: &str, out: &mut SftKeys) {
     let given = match parse_value(raw) {
         Some(toml::Value::String(s)) => s,
         other => format!("{other:?}"),
     };
     match given.as_str() {
         "fp32" | "float32" => out.ignored.push(format!(
-            "{KEY}: the weights load in float32 here too (actor_rollout_ref.model.dtype); verl's \
-             legacy SFT trainer then computes in bf16 under FSDP's mixed precision, which is \
+            "{key}: the weights load in float32 here too (actor_rollout_ref.model.dtype); verl's \
+             SFT trainers then compute in bf16 under FSDP's mixed precision, which is \
              actor_rollout_ref.actor.mixed_precision.param_dtype = \"bf16\" here (float32 \
              unless set)"
         )),
         "bf16" | "bfloat16" => out.push(
             "actor_rollout_ref.model.dtype",
             "bfloat16".into(),
-            format!("verl's {KEY}"),
+            format!("verl's {key}"),
         ),
         _ => out.refused.push(format!(
-            "{KEY}: `{given}` is not a dtype the weights load in here (float32 or bfloat16)"
+            "{key}: `{given}` is not a dtype the weights load in here (float32 or bfloat16)"
         )),
     }
 }
@@ -327,19 +485,22 @@ mod tests {
     /// it leaves out takes verl's SFT defaults, and the mini-batch is the batch.
     #[test]
     fn verls_gsm8k_sft_example_renames_and_fills_verls_defaults() {
-        let k = to_harness_keys(&pairs(&[
-            ("data.prompt_key", "extra_info"),
-            ("data.response_key", "extra_info"),
-            ("optim.lr", "1e-4"),
-            ("data.prompt_dict_keys", "['question']"),
-            ("data.response_dict_keys", "['answer']"),
-            ("data.micro_batch_size_per_gpu", "4"),
-            ("model.partial_pretrain", "Qwen/Qwen2.5-0.5B-Instruct"),
-            ("model.lora_rank", "32"),
-            ("model.fsdp_config.cpu_offload", "False"),
-            ("trainer.total_epochs", "1"),
-            ("use_remove_padding", "true"),
-        ]));
+        let k = to_harness_keys(
+            SftTrainer::Legacy,
+            &pairs(&[
+                ("data.prompt_key", "extra_info"),
+                ("data.response_key", "extra_info"),
+                ("optim.lr", "1e-4"),
+                ("data.prompt_dict_keys", "['question']"),
+                ("data.response_dict_keys", "['answer']"),
+                ("data.micro_batch_size_per_gpu", "4"),
+                ("model.partial_pretrain", "Qwen/Qwen2.5-0.5B-Instruct"),
+                ("model.lora_rank", "32"),
+                ("model.fsdp_config.cpu_offload", "False"),
+                ("trainer.total_epochs", "1"),
+                ("use_remove_padding", "true"),
+            ]),
+        );
         assert!(k.refused.is_empty() && k.ignored.is_empty(), "{k:?}");
         for (key, v) in [
             ("sft.prompt_key", "'extra_info.question'"),
@@ -364,22 +525,96 @@ mod tests {
         );
         assert_eq!(k.notes["sft.train_batch_size"], "verl's SFT default");
         // nothing given: verl's columns
-        let k = to_harness_keys(&pairs(&[("model.partial_pretrain", "m")]));
+        let k = to_harness_keys(
+            SftTrainer::Legacy,
+            &pairs(&[("model.partial_pretrain", "m")]),
+        );
         assert_eq!(value(&k, "sft.prompt_key"), Some("'question'"));
         assert_eq!(value(&k, "sft.response_key"), Some("'answer'"));
+    }
+
+    /// verl's engine SFT trainer (its e2e script's FSDP variant): conversations in
+    /// `data.messages_key`, `model.path`, the engine's keys as FSDP's, token-budget
+    /// micro-batches; verl's engine defaults where the command line leaves them (lr 1e-3, no
+    /// validation files); Megatron's LoRA table off; `after_each_epoch` refused with the way.
+    #[test]
+    fn verls_engine_sft_trainer_reads_conversations() {
+        let k = to_harness_keys(
+            SftTrainer::Engine,
+            &pairs(&[
+                ("data.train_files", "a.parquet"),
+                ("data.use_dynamic_bsz", "True"),
+                ("data.max_token_len_per_gpu", "2048"),
+                ("data.messages_key", "messages"),
+                ("data.pad_mode", "no_padding"),
+                ("model.path", "m"),
+                ("model.use_remove_padding", "True"),
+                ("model.lora.rank", "0"),
+                ("model.lora.alpha", "32"),
+                ("engine", "fsdp"),
+                ("optim", "fsdp"),
+                ("optim.lr", "1e-5"),
+                ("optim.clip_grad", "1.0"),
+                ("engine.strategy", "fsdp"),
+                ("engine.model_dtype", "bf16"),
+                ("trainer.test_freq", "after_each_epoch"),
+            ]),
+        );
+        for (key, v) in [
+            ("sft.messages_key", "messages"),
+            ("actor_rollout_ref.model.path", "m"),
+            ("actor_rollout_ref.model.use_remove_padding", "True"),
+            ("actor_rollout_ref.actor.use_dynamic_bsz", "True"),
+            ("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", "2048"),
+            ("actor_rollout_ref.actor.optim.lr", "1e-5"),
+            ("actor_rollout_ref.actor.grad_clip", "1.0"),
+            ("actor_rollout_ref.actor.fsdp_config.strategy", "fsdp"),
+            ("actor_rollout_ref.model.dtype", "bfloat16"),
+            ("data.val_files", "[]"),
+            ("sft.train_batch_size", "256"),
+            ("actor_rollout_ref.actor.ppo_mini_batch_size", "256"),
+        ] {
+            assert_eq!(value(&k, key), Some(v), "{key}: {k:?}");
+        }
+        assert_eq!(value(&k, "sft.prompt_key"), None);
+        let (ignored, refused) = (k.ignored.join("\n"), k.refused.join("\n"));
+        for line in [
+            "data.pad_mode: the batch layout",
+            "model.lora.rank: verl's Megatron LoRA table, off",
+            "model.lora.alpha: verl's Megatron LoRA table, off",
+            "engine: Hydra's choice",
+            "optim: Hydra's choice",
+        ] {
+            assert!(ignored.contains(line), "{line}: {ignored}");
+        }
+        assert!(
+            refused.contains("trainer.test_freq: `after_each_epoch` is not followed here")
+                && k.refused.len() == 1,
+            "{refused}"
+        );
+        // the command line leaves the lr to verl: its engine's default
+        let k = to_harness_keys(SftTrainer::Engine, &pairs(&[("model.path", "m")]));
+        assert_eq!(value(&k, "actor_rollout_ref.actor.optim.lr"), Some("1e-3"));
+        assert_eq!(value(&k, "sft.messages_key"), Some("messages"));
+        // Megatron's LoRA switched on is refused
+        let k = to_harness_keys(SftTrainer::Engine, &pairs(&[("model.lora.rank", "8")]));
+        assert!(k.refused.join("").contains("set model.lora_rank"), "{k:?}");
     }
 
     /// A multi-turn config reads its messages column; the single-turn keys and the tools key
     /// are said to have no effect; a list of prompt columns is refused.
     #[test]
     fn multi_turn_and_unreadable_column_keys() {
-        let k = to_harness_keys(&pairs(&[
-            ("data.multiturn.enable", "true"),
-            ("data.multiturn.messages_key", "conversation"),
-            ("data.multiturn.tools_key", "tools"),
-            ("data.prompt_key", "question"),
-            ("data.train_batch_size", "16"),
-        ]));
+        let k = to_harness_keys(
+            SftTrainer::Legacy,
+            &pairs(&[
+                ("data.multiturn.enable", "true"),
+                ("data.multiturn.messages_key", "conversation"),
+                ("data.multiturn.tools_key", "tools"),
+                ("data.prompt_key", "question"),
+                ("data.train_batch_size", "16"),
+            ]),
+        );
         assert_eq!(value(&k, "sft.messages_key"), Some("conversation"));
         assert_eq!(value(&k, "sft.prompt_key"), None);
         assert_eq!(
@@ -392,12 +627,15 @@ mod tests {
                 && ignored.contains("data.prompt_key: a multi-turn config"),
             "{ignored}"
         );
-        let k = to_harness_keys(&pairs(&[
-            ("data.multiturn.enable", "false"),
-            ("data.multiturn.tools_key", "tools"),
-            ("data.prompt_key", "[a,b]"),
-            ("data.response_dict_keys", "[1]"),
-        ]));
+        let k = to_harness_keys(
+            SftTrainer::Legacy,
+            &pairs(&[
+                ("data.multiturn.enable", "false"),
+                ("data.multiturn.tools_key", "tools"),
+                ("data.prompt_key", "[a,b]"),
+                ("data.response_dict_keys", "[1]"),
+            ]),
+        );
         assert_eq!(value(&k, "sft.messages_key"), None);
         let (ignored, refused) = (k.ignored.join("\n"), k.refused.join("\n"));
         assert!(ignored.contains("switches off"), "{ignored}");

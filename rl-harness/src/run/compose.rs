@@ -857,7 +857,6 @@ pub fn build_sft_in(
     let seed = cfg.data.seed.unwrap_or(cfg.trainer.seed);
     let bs = cfg.sft.train_batch_size;
     let train = Arc::new(sft_train_rows(cfg)?);
-    let val = Arc::new(sft_val_rows(cfg)?);
     let tags = cfg.sft.mask_tags.clone();
     let mut source =
         SftSource::new(train, tokenizer.clone(), bs, seed)?.with_mask_tags(tags.clone());
@@ -872,13 +871,19 @@ pub fn build_sft_in(
         .trainer
         .total_training_steps
         .unwrap_or(cfg.trainer.total_epochs * source.batches_per_epoch() as u64);
-    let val_source = SftSource::new(val.clone(), tokenizer.clone(), bs, seed)?.with_mask_tags(tags);
-    let val_bs = cfg.data.val_batch_size.unwrap_or(bs).max(1);
-    let all: Vec<usize> = (0..val.len()).collect();
-    let val_batches = all
-        .chunks(val_bs)
-        .map(|idx| val_source.batch(idx))
-        .collect::<Result<Vec<_>>>()?;
+    // no validation files (verl's `val_files: null`): no validation
+    let val_batches = if cfg.data.val_files.is_empty() {
+        Vec::new()
+    } else {
+        let val = Arc::new(sft_val_rows(cfg)?);
+        let val_source =
+            SftSource::new(val.clone(), tokenizer.clone(), bs, seed)?.with_mask_tags(tags);
+        let val_bs = cfg.data.val_batch_size.unwrap_or(bs).max(1);
+        let all: Vec<usize> = (0..val.len()).collect();
+        all.chunks(val_bs)
+            .map(|idx| val_source.batch(idx))
+            .collect::<Result<Vec<_>>>()?
+    };
     let mut actor = ActorWorker::new(policy, actor_config(cfg, total), 1)?;
     if let Some(g) = group {
         actor = actor.with_group(g.clone())?;
