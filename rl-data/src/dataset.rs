@@ -501,6 +501,12 @@ impl RlDataset {
 
     /// Opens `cfg.val_files` with the validation options.
     pub fn val(cfg: &DataConfig) -> Result<Self> {
+        if cfg.val_files.is_empty() {
+            return Err(Error::Config {
+                key: "data.val_files".into(),
+                message: "no files given".into(),
+            });
+        }
         Self::open(&cfg.val_files, &ReadOptions::val(cfg))
     }
 

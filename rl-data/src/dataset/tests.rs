@@ -284,3 +284,17 @@ fn filter_overlong_prompts_drops_only_long_rows() {
     let kept: Vec<RlRow> = (0..ds.len()).map(|i| ds.row(i).unwrap()).collect();
     assert!(enc.encode(&kept, "prompt").is_ok());
 }
+
+/// No files is an error naming the key that gave none, training or validation.
+#[test]
+fn no_files_names_the_key() {
+    let cfg = DataConfig {
+        train_files: vec![],
+        val_files: vec![],
+        ..DataConfig::default()
+    };
+    let t = RlDataset::train(&cfg).unwrap_err().to_string();
+    let v = RlDataset::val(&cfg).unwrap_err().to_string();
+    assert!(t.contains("`data.train_files`: no files given"), "{t}");
+    assert!(v.contains("`data.val_files`: no files given"), "{v}");
+}
