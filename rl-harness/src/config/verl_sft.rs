@@ -233,13 +233,7 @@ pub(super) fn sft_config_kind(pairs: &Pairs) -> Option<SftTrainer> {
 
 /// verl's SFT trainer keys `pairs` (of trainer `kind`) in this harness's keys.
 pub(super) fn to_harness_keys(kind: SftTrainer, pairs: &Pairs) -> SftKeys {
-    let get = |key: &str| {
-        pairs
-            .iter()
-            .rev()
-            .find(|(k, _)| k == key)
-            .map(|(_, v)| v.as_str())
-    };
+    let get = |key: &str| last(pairs, key);
     let mut out = SftKeys::default();
     let multiturn = kind == SftTrainer::Engine
         || matches!(
@@ -361,13 +355,7 @@ pub(super) fn to_harness_keys(kind: SftTrainer, pairs: &Pairs) -> SftKeys {
         }
     }
     // one optimiser step per batch, as verl's SFT trainer takes
-    let batch = out
-        .pairs
-        .iter()
-        .rev()
-        .find(|(k, _)| k == "sft.train_batch_size")
-        .map(|(_, v)| v.clone());
-    if let Some(batch) = batch {
+    if let Some(batch) = last(&out.pairs, "sft.train_batch_size").map(str::to_owned) {
         out.push(
             "actor_rollout_ref.actor.ppo_mini_batch_size",
             batch,
@@ -375,6 +363,15 @@ pub(super) fn to_harness_keys(kind: SftTrainer, pairs: &Pairs) -> SftKeys {
         );
     }
     out
+}
+
+/// The value `pairs` give `key` last, as written.
+fn last<'a>(pairs: &'a Pairs, key: &str) -> Option<&'a str> {
+    pairs
+        .iter()
+        .rev()
+        .find(|(k, _)| k == key)
+        .map(|(_, v)| v.as_str())
 }
 
 /// `key` (`model.fsdp_config.model_dtype`, or the engine's `engine.model_dtype`), the dtype
@@ -406,13 +403,7 @@ fn model_dtype(key: &str, raw: &str, out: &mut SftKeys) {
 fn column_path(pairs: &Pairs, side: &str, out: &mut SftKeys) {
     let key = format!("data.{side}_key");
     let dict_key = format!("data.{side}_dict_keys");
-    let get = |k: &str| {
-        pairs
-            .iter()
-            .rev()
-            .find(|(kk, _)| kk == k)
-            .map(|(_, v)| v.as_str())
-    };
+    let get = |k: &str| last(pairs, k);
     let default = if side == "prompt" {
         "question"
     } else {
@@ -474,11 +465,7 @@ mod tests {
     }
 
     fn value<'a>(keys: &'a SftKeys, key: &str) -> Option<&'a str> {
-        keys.pairs
-            .iter()
-            .rev()
-            .find(|(k, _)| k == key)
-            .map(|(_, v)| v.as_str())
+        last(&keys.pairs, key)
     }
 
     /// verl's gsm8k example: the question and answer inside `extra_info`, a model, an lr; what
