@@ -258,6 +258,10 @@ pub(super) fn to_harness_keys(kind: SftTrainer, pairs: &Pairs) -> SftKeys {
     for (key, raw) in pairs {
         if let Some(rest) = key.strip_prefix("data.multiturn.") {
             match rest {
+                "enable" if !multiturn => out.ignored.push(format!(
+                    "{key}: single-turn, read from the prompt and response columns \
+                     (sft.prompt_key, sft.response_key)"
+                )),
                 "enable" | "messages_key" => {}
                 _ if !multiturn => out.ignored.push(format!(
                     "{key}: under `data.multiturn`, which the config switches off"
@@ -283,9 +287,8 @@ pub(super) fn to_harness_keys(kind: SftTrainer, pairs: &Pairs) -> SftKeys {
         .contains(&key.as_str())
         {
             if multiturn {
-                out.ignored.push(format!(
-                    "{key}: a multi-turn config reads `data.multiturn.messages_key`"
-                ));
+                out.ignored
+                    .push(format!("{key}: a multi-turn config reads `{messages_key}`"));
             }
             continue;
         }
@@ -625,7 +628,12 @@ mod tests {
         );
         assert_eq!(value(&k, "sft.messages_key"), None);
         let (ignored, refused) = (k.ignored.join("\n"), k.refused.join("\n"));
-        assert!(ignored.contains("switches off"), "{ignored}");
+        assert!(
+            ignored.contains(
+                "data.multiturn.tools_key: under `data.multiturn`, which the config switches off"
+            ) && ignored.contains("data.multiturn.enable: single-turn"),
+            "{ignored}"
+        );
         assert!(
             refused.contains("data.prompt_key: [\"a\", \"b\"] is not one column")
                 && refused.contains("data.response_dict_keys: [1] is not a list of field names"),
