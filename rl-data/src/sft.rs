@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use arrow::array::{Array, RecordBatch};
+use serde::Deserialize;
 use serde_json::Value;
 use tch::Tensor;
 
@@ -89,22 +90,21 @@ fn descend(
     let mut value =
         json_at(arr, row).map_err(|got| (name.clone(), "a readable value".into(), got))?;
     for k in keys {
-        let next = match &value {
-            Value::Object(m) => m.get(k).cloned(),
-            _ => None,
-        };
-        let Some(next) = next else {
-            let got = match &value {
-                Value::Object(m) => format!(
+        let got = match value {
+            Value::Object(mut m) => match m.remove(k) {
+                Some(next) => {
+                    name = format!("{name}.{k}");
+                    value = next;
+                    continue;
+                }
+                None => format!(
                     "the fields {}",
                     m.keys().cloned().collect::<Vec<_>>().join(", ")
                 ),
-                other => other.to_string(),
-            };
-            return Err((name, format!("a field `{k}`"), got));
+            },
+            other => other.to_string(),
         };
-        name = format!("{name}.{k}");
-        value = next;
+        return Err((name, format!("a field `{k}`"), got));
     }
     Ok((name, value))
 }
@@ -115,9 +115,9 @@ fn messages_of(value: &Value) -> std::result::Result<Vec<Message>, String> {
         Value::String(s) => Ok(vec![Message::user(s.clone())]),
         Value::Array(items) => items
             .iter()
-            .map(|m| match (m.get("role"), m.get("content")) {
-                (Some(Value::String(r)), Some(Value::String(c))) => Ok(Message::new(r, c)),
-                _ => Err(format!("{m} (not a {{role, content}} message)")),
+            .map(|m| {
+                Message::deserialize(m)
+                    .map_err(|e| format!("{m} (not a {{role, content}} message: {e})"))
             })
             .collect(),
         other => Err(other.to_string()),
@@ -462,11 +462,6 @@ impl SftDataset {
     /// True when empty.
     pub fn is_empty(&self) -> bool {
         self.len == 0
-    }
-
-    /// True for multi-turn conversations (`multiturn.enable`).
-    pub fn is_multiturn(&self) -> bool {
-        self.cfg.multiturn.enable
     }
 
     /// The file and the row in it of example `i`.
