@@ -272,6 +272,9 @@ pub enum ConfigCommand {
         /// Write the TOML here instead of standard output.
         #[arg(long)]
         out: Option<PathBuf>,
+        /// The script's arguments (`$1`, `$2`, ... and `"$@"`), as it would be run with them.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
     },
 }
 
@@ -571,8 +574,8 @@ pub(crate) fn run(cli: Cli) -> Result<()> {
             out!("{}", config::to_toml(&cfg)?);
         }
         Command::Config(ConfigCommand::Reference) => out!("{}", config::reference_markdown()),
-        Command::Config(ConfigCommand::FromVerl { input, out }) => {
-            from_verl(&input, out.as_deref())?
+        Command::Config(ConfigCommand::FromVerl { input, out, args }) => {
+            from_verl(&input, out.as_deref(), &args)?
         }
         Command::Data(d) => data(d)?,
         Command::Retriever(c) => crate::integrations::retriever::run(c)?,
@@ -739,7 +742,7 @@ async fn print_validation_summary(db: &Path, id: i64) -> Result<()> {
 }
 
 /// `harness config from-verl`.
-fn from_verl(input: &Path, out: Option<&Path>) -> Result<()> {
+fn from_verl(input: &Path, out: Option<&Path>, args: &[String]) -> Result<()> {
     let given = input.to_string_lossy();
     let text = if input == Path::new("-") {
         let mut s = String::new();
@@ -753,7 +756,16 @@ fn from_verl(input: &Path, out: Option<&Path>) -> Result<()> {
         std::fs::read_to_string(input).with_context(|| format!("reading {}", input.display()))?
     };
     let yaml = input.extension().is_some_and(|e| e == "yaml" || e == "yml");
-    let t = config::from_verl::translate(&text, yaml)
+    // a script reads the variables bash would give it here: the environment, this directory
+    let var = |name: &str| std::env::var(name).ok();
+    let env = config::from_verl::ShellEnv {
+        var: &var,
+        cwd: std::env::current_dir()
+            .ok()
+            .map(|d| d.to_string_lossy().into_owned()),
+        args,
+    };
+    let t = config::from_verl::translate(&text, yaml, env)
         .with_context(|| format!("translating {}", input.display()))?;
     let header = format!(
         "# From verl: {}\n# `harness config from-verl` mapped {} keys; {} have no effect here, {} \

@@ -94,22 +94,29 @@ fn a_key_from_verl_that_does_not_exist_here_is_refused_and_the_exit_status_says_
     let script = env.file(
         "run.sh",
         "python3 -m verl.trainer.main_ppo \\\n    data.train_batch_size=8 \\\n    \
-         actor_rollout_ref.actor.optim.lrr=1e-6 \\\n    data.val_files=$HOME/test.parquet \\\n    \
+         actor_rollout_ref.actor.optim.lrr=1e-6 \\\n    data.val_files=$NO_SUCH_DIR/test.parquet \\\n    \
          actor_rollout_ref.actor.use_kl_loss=maybe\n",
     );
-    let out = env.run(&[
-        "config",
-        "from-verl",
-        script.to_str().unwrap(),
-        "--out",
-        "x.toml",
-    ]);
+    let out = env
+        .cmd()
+        .args([
+            "config",
+            "from-verl",
+            script.to_str().unwrap(),
+            "--out",
+            "x.toml",
+        ])
+        .env_remove("NO_SUCH_DIR")
+        .output()
+        .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(
         err.contains("refused     actor_rollout_ref.actor.optim.lrr")
             && err.contains(
-                "refused     data.val_files: `$HOME/test.parquet` holds a shell variable"
+                "refused     data.val_files: `data.val_files=$NO_SUCH_DIR/test.parquet`: \
+                 `$NO_SUCH_DIR` is set neither by the script nor in the environment; set it in \
+                 the TOML by hand"
             )
             && err.contains("refused     actor_rollout_ref.actor.use_kl_loss")
             && err.contains("3 verl key(s) refused"),
@@ -160,6 +167,98 @@ fn a_key_from_verl_that_does_not_exist_here_is_refused_and_the_exit_status_says_
     let other = env.file("other.sh", "echo hello\n");
     let err = env.fails(&["config", "from-verl", other.to_str().unwrap()]);
     assert!(err.contains("no verl entry point in it"), "{err}");
+}
+
+/// A script as verl's examples write them (`tests/fixtures/verl/grpo_variables.sh`): its
+/// variables, `$HOME`, defaults, arithmetic, an `if`, the keys in bash arrays and `"$@"` are
+/// read as bash passes them to verl, the script's own arguments included, and the TOML trains.
+#[test]
+fn a_script_s_variables_and_arrays_are_read_as_bash_passes_them() {
+    let env = Env::new();
+    tiny_llm(&env, 32, 8);
+    let home = env.path().to_str().unwrap();
+    let convert = |args: &[&str], vars: &[(&str, &str)]| {
+        let mut c = env.cmd();
+        c.args([
+            "config",
+            "from-verl",
+            fixture("grpo_variables.sh").to_str().unwrap(),
+        ])
+        .args(["--out", "vars.toml"])
+        .args(args)
+        .env("HOME", home)
+        .env_remove("MODEL_PATH")
+        .env_remove("NGPUS");
+        for (k, v) in vars {
+            c.env(k, v);
+        }
+        let o = c.output().unwrap();
+        let toml = std::fs::read_to_string(env.path().join("vars.toml")).unwrap_or_default();
+        (
+            o.status.success(),
+            String::from_utf8_lossy(&o.stderr).into_owned(),
+            toml,
+        )
+    };
+    // `"$@"`: the script's arguments after it, as verl's scripts take overrides
+    let (ok, err, toml) = convert(
+        &["trainer.total_epochs=2", "trainer.project_name=mine"],
+        &[],
+    );
+    assert!(ok && err.contains(", 0 refused;"), "{err}");
+    for line in [
+        format!("train_files = [\"{home}/data/tiny-addition/train.parquet\"]"),
+        format!("path = \"{home}/models/tiny-llama\""),
+        "max_prompt_length = 64".to_owned(),
+        "n = 2".to_owned(),
+        "adv_estimator = \"grpo\"".to_owned(),
+        "total_epochs = 2".to_owned(),
+        "project_name = \"mine\"".to_owned(),
+        "ppo_mini_batch_size = 8".to_owned(),
+    ] {
+        assert!(toml.contains(&line), "vars.toml lacks {line:?}:\n{toml}");
+    }
+    // a mapped value from a variable says which word it came from
+    assert!(
+        err.contains("mapped      algorithm.adv_estimator = \"grpo\" (from `algorithm.adv_estimator=$adv_estimator`)"),
+        "{err}"
+    );
+    // `${MODEL_PATH:-...}` takes the environment's value where it is set
+    let (_, _, toml) = convert(&[], &[("MODEL_PATH", "/elsewhere/model")]);
+    assert!(toml.contains("path = \"/elsewhere/model\""), "{toml}");
+    env.ok(&[
+        "train",
+        "vars.toml",
+        &format!("actor_rollout_ref.model.path={home}/models/tiny-llama"),
+        "trainer.total_training_steps=1",
+        "trainer.val_before_train=false",
+    ]);
+    // keys lost as bash would lose them are said, not dropped: a `\` before a comment ends
+    // the command, and a key whose variable is unknown is refused with the reason
+    let script = env.file(
+        "cut.sh",
+        "NOW=$(date +%Y%m%d)\npython3 -m verl.trainer.main_ppo \\\n  algorithm.adv_estimator=gae \\  # or grpo\n  \
+         data.train_batch_size=8 \\\n  trainer.experiment_name=run_$NOW\n",
+    );
+    let err = env.fails(&["config", "from-verl", script.to_str().unwrap()]);
+    for line in [
+        "refused     (the verl command): it ends a line before line 4, where `data.train_batch_size=8` starts a command of its own",
+        "1 verl key(s) refused",
+    ] {
+        assert!(err.contains(line), "lacks {line:?}: {err}");
+    }
+    let script = env.file(
+        "date.sh",
+        "NOW=$(date +%Y%m%d)\npython3 -m verl.trainer.main_ppo trainer.experiment_name=run_$NOW\n",
+    );
+    let err = env.fails(&["config", "from-verl", script.to_str().unwrap()]);
+    assert!(
+        err.contains(
+            "refused     trainer.experiment_name: `trainer.experiment_name=run_$NOW`: `$NOW`, set on \
+             line 1: `$(date +%Y%m%d)` is a command's output, which is not run here"
+        ),
+        "{err}"
+    );
 }
 
 /// A run's config as Hydra saves it (`.hydra/config.yaml`: OmegaConf's interpolations as

@@ -6,6 +6,8 @@
 
 use anyhow::{Context, Result, bail};
 
+use super::shell::Arg;
+pub use super::shell::Env as ShellEnv;
 use super::{Override, Sources, known_keys, layered, load, verl};
 use crate::suggest::nearest_key;
 
@@ -51,9 +53,11 @@ const ENTRY_POINTS: &[(&str, &str)] = &[
 /// `key.path` -> the value as written.
 pub(super) type Pairs = Vec<(String, String)>;
 
-/// Translates `text`: verl's resolved YAML config when `yaml`, else a command line or script.
-pub fn translate(text: &str, yaml: bool) -> Result<Translation> {
+/// Translates `text`: verl's resolved YAML config when `yaml`, else a command line or a script
+/// (read as bash runs it with no arguments, its variables from the script and `env`).
+pub fn translate(text: &str, yaml: bool, env: ShellEnv<'_>) -> Result<Translation> {
     let mut t = Translation::default();
+    let mut expanded = std::collections::BTreeMap::new();
     let (entry, pairs) = if yaml {
         let (pairs, unresolved) = yaml_pairs(text)?;
         for (key, why) in unresolved {
@@ -63,7 +67,10 @@ pub fn translate(text: &str, yaml: bool) -> Result<Translation> {
         }
         (None, pairs)
     } else {
-        command_line_pairs(text)?
+        let c = command_line_pairs(text, env)?;
+        t.refused.extend(c.refused);
+        expanded = c.expanded;
+        (Some(c.entry), c.pairs)
     };
     // verl's SFT trainer lays out its config unlike the RL trainer: renamed to ours first
     use super::verl_sft::SftTrainer;
@@ -105,8 +112,10 @@ pub fn translate(text: &str, yaml: bool) -> Result<Translation> {
     for (key, raw) in &pairs {
         let o = Override::parse(&format!("{key}={raw}"))?;
         if raw.contains('$') {
+            // what bash passes on: a `${...}` in single quotes is OmegaConf's
             t.refused.push(format!(
-                "{}: `{raw}` holds a shell variable; set it in the TOML by hand",
+                "{}: `{raw}` holds `$`, an OmegaConf interpolation on verl's command line, \
+                 resolved here only in a YAML config; set the value in the TOML by hand",
                 o.key
             ));
             continue;
@@ -126,6 +135,7 @@ pub fn translate(text: &str, yaml: bool) -> Result<Translation> {
                 Ok(os) => {
                     let from = origins
                         .get(&o.key)
+                        .or(expanded.get(&o.key))
                         .map(|n| format!(" ({n})"))
                         .unwrap_or_default();
                     t.mapped
@@ -199,23 +209,23 @@ fn to_toml(overrides: &[Override]) -> Result<String> {
     Ok(toml::to_string(&root)?)
 }
 
-/// The `key=value` words of a verl command line or script, after its entry point (backslash
-/// continuations joined, comments dropped, quotes removed), and the trainer the entry point
-/// maps to.
-fn command_line_pairs(text: &str) -> Result<(Option<&'static str>, Pairs)> {
-    let joined = text.replace("\\\r\n", " ").replace("\\\n", " ");
-    let mut words = Vec::new();
-    for line in joined.lines() {
-        let line = line.trim_start();
-        if line.starts_with('#') {
-            continue;
-        }
-        words.extend(shell_words(line)?);
-    }
-    let start = words
-        .iter()
-        .position(|w| ENTRY_POINTS.iter().any(|(e, _)| w == e) || w.ends_with("main_ppo.py"));
-    let Some(start) = start else {
+/// A verl command line or script's keys.
+struct CommandLine {
+    /// The trainer its entry point maps to.
+    entry: &'static str,
+    pairs: Pairs,
+    /// `key: why` for arguments that could not be read, and the command's own condition.
+    refused: Vec<String>,
+    /// key -> `from `word`` where the value came out of the script's variables.
+    expanded: std::collections::BTreeMap<String, String>,
+}
+
+/// The `key=value` arguments of the verl command a command line or script runs, expanded as
+/// bash passes them ([`super::shell`]), and the trainer its entry point maps to.
+fn command_line_pairs(text: &str, env: ShellEnv<'_>) -> Result<CommandLine> {
+    let is_entry =
+        |w: &str| ENTRY_POINTS.iter().any(|(e, _)| w == *e) || w.ends_with("main_ppo.py");
+    let Some(launch) = super::shell::launch(text, env, &is_entry)? else {
         bail!(
             "no verl entry point in it (looked for {}); give a `python3 -m \
              verl.trainer.main_ppo key=value ...` command line, or its resolved YAML config \
@@ -229,55 +239,60 @@ fn command_line_pairs(text: &str) -> Result<(Option<&'static str>, Pairs)> {
     };
     let entry = ENTRY_POINTS
         .iter()
-        .find(|(e, _)| *e == words[start])
+        .find(|(e, _)| *e == launch.entry)
         .map_or("on_policy", |(_, k)| *k);
-    let pairs = words[start + 1..]
-        .iter()
-        .filter_map(|w| {
-            let (k, v) = w.split_once('=')?;
-            let k = k.trim_start_matches('+');
-            // a config key: dotted, or one of the SFT trainer's top-level ones
-            let key_like = !k.is_empty()
-                && !k.starts_with(|c: char| c.is_ascii_digit() || c == '.')
-                && k.chars()
-                    .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '.');
-            key_like.then(|| (k.to_string(), v.to_string()))
-        })
-        .collect();
-    Ok((Some(entry), pairs))
-}
-
-/// One line split as a shell does for plain words and '…'/"…" quotes (no expansion).
-fn shell_words(line: &str) -> Result<Vec<String>> {
-    let mut words = Vec::new();
-    let mut cur = String::new();
-    let mut quote: Option<char> = None;
-    let mut any = false;
-    for ch in line.chars() {
-        match (quote, ch) {
-            (Some(q), c) if c == q => quote = None,
-            (Some(_), c) => cur.push(c),
-            (None, '\'' | '"') => {
-                quote = Some(ch);
-                any = true;
-            }
-            (None, c) if c.is_whitespace() => {
-                if any || !cur.is_empty() {
-                    words.push(std::mem::take(&mut cur));
-                    any = false;
+    let mut c = CommandLine {
+        entry,
+        pairs: Vec::new(),
+        refused: Vec::new(),
+        expanded: Default::default(),
+    };
+    if let Some((line, word)) = launch.cut {
+        c.refused.push(format!(
+            "(the verl command): it ends a line before line {line}, where `{word}` starts a \
+             command of its own (a `\\` followed by blanks or a comment ends a command in bash): \
+             the keys from there on are not verl's; end each line of the command with `\\` alone"
+        ));
+    }
+    if let Some(why) = launch.conditional {
+        c.refused.push(format!(
+            "(the verl command): it runs only {why}; its keys are read as if it runs"
+        ));
+    }
+    for arg in launch.args {
+        match arg {
+            Arg::Text { text, from } => {
+                if let Some((k, v)) = config_pair(&text) {
+                    if let Some(word) = from {
+                        c.expanded.insert(k.clone(), format!("from `{word}`"));
+                    }
+                    c.pairs.push((k, v));
                 }
             }
-            (None, '#') if cur.is_empty() && !any => break,
-            (None, c) => cur.push(c),
+            Arg::Unread { raw, why } => {
+                let unquoted: String = raw.chars().filter(|c| !matches!(c, '"' | '\'')).collect();
+                c.refused.push(match config_pair(&unquoted).filter(|(k, _)| !k.contains('$')) {
+                    Some((k, _)) => format!("{k}: `{raw}`: {why}; set it in the TOML by hand"),
+                    None => format!(
+                        "`{raw}`: {why}; the keys it holds are left out (set them in the TOML by hand)"
+                    ),
+                });
+            }
         }
     }
-    if quote.is_some() {
-        bail!("an unclosed quote in: {line}");
-    }
-    if any || !cur.is_empty() {
-        words.push(cur);
-    }
-    Ok(words)
+    Ok(c)
+}
+
+/// A `key=value` argument of a config key (dotted, or one of the SFT trainer's top-level ones;
+/// Hydra's `+`/`++` dropped): (key, value as written). Options (`--config-path=...`) are not.
+fn config_pair(arg: &str) -> Option<(String, String)> {
+    let (k, v) = arg.split_once('=')?;
+    let k = k.trim_start_matches('+');
+    let key_like = !k.is_empty()
+        && !k.starts_with(|c: char| c.is_ascii_digit() || c == '.')
+        && k.chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '.');
+    key_like.then(|| (k.to_string(), v.to_string()))
 }
 
 /// verl's YAML config (resolved as verl prints it, or as Hydra saves it with OmegaConf's

@@ -964,6 +964,7 @@ mod docs;
 pub mod from_verl;
 pub mod groups;
 mod omegaconf;
+mod shell;
 pub mod verl;
 mod verl_sft;
 
