@@ -495,3 +495,66 @@ fn verls_engine_sft_trains_the_assistant_turns_of_conversations() {
     let e = env.fails(&["train", toml.to_str().unwrap(), "trainer.algorithm=spin"]);
     assert!(e.contains("config key `sft.messages_key`"), "{e}");
 }
+
+/// verl's DAPO overlong buffer in its reward manager's `reward_kwargs` (as its current recipe
+/// scripts write it) is this harness's `reward_model.overlong_buffer`, on a converted command
+/// line and on `harness train`'s own; `max_resp_len` must be the run's maximum response
+/// length; Megatron's engine and vLLM's engine arguments have no effect here.
+#[test]
+fn verls_reward_kwargs_and_megatron_keys_map() {
+    let env = Env::new();
+    let line = |max_resp_len: &str| {
+        format!(
+            "python3 -m verl.trainer.main_ppo data.max_response_length=8 \
+             +reward_model.reward_kwargs.overlong_buffer_cfg.enable=True \
+             +reward_model.reward_kwargs.overlong_buffer_cfg.len=4 \
+             +reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0 \
+             reward_model.reward_kwargs.max_resp_len={max_resp_len} \
+             actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4 \
+             +actor_rollout_ref.actor.megatron.override_transformer_config.recompute_method=uniform \
+             actor_rollout_ref.ref.megatron.param_offload=True \
+             actor_rollout_ref.rollout.engine_kwargs.vllm.disable_mm_preprocessor_cache=True"
+        )
+    };
+    let out = env.run(&["config", "from-verl", &line("8")]);
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(
+        out.status.success() && stderr.contains(", 0 refused"),
+        "{stderr}"
+    );
+    assert!(
+        stdout.contains(
+            "[reward_model.overlong_buffer]\nenable = true\nlen = 4\npenalty_factor = 1.0"
+        ),
+        "{stdout}"
+    );
+    for line in [
+        "mapped      reward_model.overlong_buffer.len = 4 (verl's reward_model.reward_kwargs.overlong_buffer_cfg.len)",
+        "no effect   reward_model.reward_kwargs.max_resp_len: the overlong penalty is measured against data.max_response_length (8), the same",
+        "no effect   actor_rollout_ref.actor.megatron.tensor_model_parallel_size: verl's Megatron engine",
+        "no effect   actor_rollout_ref.actor.megatron.override_transformer_config.recompute_method: verl's Megatron engine",
+        "no effect   actor_rollout_ref.rollout.engine_kwargs.vllm.disable_mm_preprocessor_cache: arguments of verl's vLLM or SGLang engine",
+    ] {
+        assert!(stderr.contains(line), "lacks {line:?}: {stderr}");
+    }
+    let err = env.fails(&["config", "from-verl", &line("16")]);
+    assert!(
+        err.contains(
+            "refused     reward_model.reward_kwargs.max_resp_len: `16` differs from \
+             data.max_response_length (8)"
+        ),
+        "{err}"
+    );
+    // `harness train`'s command line takes verl's name too
+    let toml = env.file("d.toml", "[trainer]\nseed = 1\n");
+    let shown = env.ok(&[
+        "config",
+        "show",
+        toml.to_str().unwrap(),
+        "reward_model.reward_kwargs.overlong_buffer_cfg.len=6",
+    ]);
+    assert!(shown.contains("len = 6"), "{shown}");
+}

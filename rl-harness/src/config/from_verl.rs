@@ -120,7 +120,8 @@ pub fn translate(text: &str, yaml: bool, env: ShellEnv<'_>) -> Result<Translatio
             ));
             continue;
         }
-        if super::is_config_key(&o.key, &known) || o.key == "trainer.logger" {
+        let alias = verl::alias(&o.key).filter(|k| super::is_config_key(k, &known));
+        if super::is_config_key(&o.key, &known) || o.key == "trainer.logger" || alias.is_some() {
             // each on its own, so that one bad value names itself
             let mut notes = Vec::new();
             let checked = super::foreign_override(&o, &known, &mut notes).and_then(|os| {
@@ -133,13 +134,14 @@ pub fn translate(text: &str, yaml: bool, env: ShellEnv<'_>) -> Result<Translatio
             });
             match checked {
                 Ok(os) => {
-                    let from = origins
-                        .get(&o.key)
-                        .or(expanded.get(&o.key))
+                    let verls = alias.as_ref().map(|_| format!("verl's {}", o.key));
+                    let from = [verls.as_ref(), origins.get(&o.key), expanded.get(&o.key)]
+                        .into_iter()
+                        .flatten()
                         .map(|n| format!(" ({n})"))
-                        .unwrap_or_default();
-                    t.mapped
-                        .push(format!("{} = {}{from}", o.key, o.value_text()));
+                        .collect::<String>();
+                    let key = alias.as_deref().unwrap_or(&o.key);
+                    t.mapped.push(format!("{key} = {}{from}", o.value_text()));
                     overrides.extend(os);
                 }
                 Err(e) => t
@@ -332,6 +334,29 @@ fn foreign_verdict(o: &Override, pairs: &Pairs, disabled: &[String]) -> Verdict 
         return match verdict {
             Ok(why) => Verdict::NoEffect(why.to_owned()),
             Err(why) => Verdict::Refused(why),
+        };
+    }
+    if o.key == "reward_model.reward_kwargs.max_resp_len" {
+        // verl's DAPO manager measures the overlong penalty against it; here the run's
+        // maximum response length is that measure
+        let max = pairs
+            .iter()
+            .rev()
+            .find(|(k, _)| k == "data.max_response_length")
+            .and_then(|(_, raw)| verl::parse_value(raw))
+            .and_then(|v| v.as_integer())
+            .unwrap_or(rl_data::DataConfig::default().max_response_length as i64);
+        let given = o.value.as_ref().and_then(|v| v.as_integer());
+        return if given == Some(max) {
+            Verdict::NoEffect(format!(
+                "the overlong penalty is measured against data.max_response_length ({max}), the same"
+            ))
+        } else {
+            Verdict::Refused(format!(
+                "`{}` differs from data.max_response_length ({max}), which the overlong penalty \
+                 is measured against here: make them one",
+                o.value_text()
+            ))
         };
     }
     if let Some(group) = o.key.strip_suffix(".optim.clip_grad") {

@@ -541,6 +541,13 @@ fn foreign_override(
     if is_config_key(&o.key, known) {
         return Ok(vec![o.clone()]);
     }
+    if let Some(ours) = verl::alias(&o.key).filter(|k| is_config_key(k, known)) {
+        notes.push(format!("{} is `{ours}` here", o.key));
+        return Ok(vec![Override {
+            key: ours,
+            value: o.value.clone(),
+        }]);
+    }
     if o.key == "trainer.logger" {
         let sinks = verl::logger(o.value.as_ref())?;
         notes.push(format!(

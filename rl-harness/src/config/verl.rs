@@ -83,6 +83,14 @@ const NO_VLLM: &str = "rollout runs on the built-in engine inside the trainer's 
                        chosen by actor_rollout_ref.rollout.name) set \
                        actor_rollout_ref.rollout.server_url";
 const NO_SP: &str = "there is no sequence parallelism here";
+const NO_MEGATRON: &str = "verl's Megatron engine (tensor, pipeline, context and expert \
+                           parallelism, offloading, recomputation, fused kernels, its checkpoint \
+                           format and weight bridge): each rank here holds the whole model, or \
+                           its shard under `zero_stage`, and computes the same math; MoE \
+                           settings apply to no model here (Llama and Qwen2 are dense)";
+const VLLM_ENGINE: &str = "arguments of verl's vLLM or SGLang engine: rollout here runs on \
+                           the built-in engine, or on a server at \
+                           actor_rollout_ref.rollout.server_url configured on its own side";
 const REF_MB: &str = "the reference computes log-probabilities in micro-batches of \
                       `actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu`";
 const LOG_PROB_MB: &str = "log-probabilities are computed in micro-batches of the actor's \
@@ -329,6 +337,10 @@ const FOREIGN: &[(&str, Foreign)] = &[
 /// sorted by key.
 const FOREIGN_NEWER: &[(&str, Foreign)] = &[
     (
+        "actor_rollout_ref.actor.megatron.",
+        Foreign::NoEffect(NO_MEGATRON),
+    ),
+    (
         "actor_rollout_ref.actor.optim.optimizer_impl",
         Foreign::NoEffect(
             "AdamW is torch's update rule here, written out (rl_workers::roles::optim)",
@@ -367,6 +379,10 @@ const FOREIGN_NEWER: &[(&str, Foreign)] = &[
         ),
     ),
     (
+        "actor_rollout_ref.ref.megatron.",
+        Foreign::NoEffect(NO_MEGATRON),
+    ),
+    (
         "actor_rollout_ref.ref.rollout_n",
         Foreign::NoEffect(COPY_OF_N),
     ),
@@ -395,8 +411,18 @@ const FOREIGN_NEWER: &[(&str, Foreign)] = &[
         Foreign::NoEffect(NO_VLLM),
     ),
     (
+        "actor_rollout_ref.rollout.engine_kwargs.",
+        Foreign::NoEffect(VLLM_ENGINE),
+    ),
+    (
         "actor_rollout_ref.rollout.expert_parallel_size",
         Foreign::NoEffect(NO_MODEL_PARALLEL),
+    ),
+    (
+        "actor_rollout_ref.rollout.layered_summon",
+        Foreign::NoEffect(
+            "the rollout reads the trained weights in place (verl gathers FSDP shards for vLLM layer by layer)",
+        ),
     ),
     (
         "actor_rollout_ref.rollout.logprobs_mode",
@@ -437,6 +463,7 @@ const FOREIGN_NEWER: &[(&str, Foreign)] = &[
             "the critic computes values in its update's micro-batches: critic.ppo_micro_batch_size_per_gpu, or critic.ppo_max_token_len_per_gpu with use_dynamic_bsz",
         ),
     ),
+    ("critic.megatron.", Foreign::NoEffect(NO_MEGATRON)),
     (
         "critic.model.tokenizer_path",
         Foreign::NoEffect("the critic reads the token ids of the batch: it needs no tokenizer"),
@@ -460,6 +487,7 @@ const FOREIGN_NEWER: &[(&str, Foreign)] = &[
     ),
     ("data.video_key", Foreign::NoEffect(TEXT_ONLY)),
     ("reward_manager.", Foreign::NoEffect(REWARD_MANAGER)),
+    ("reward_model.megatron.", Foreign::NoEffect(NO_MEGATRON)),
     (
         "trainer.esi_redundant_time",
         Foreign::NoEffect(
@@ -486,6 +514,21 @@ pub fn foreign(key: &str) -> Option<Foreign> {
             None => key == *k,
         })
         .map(|(_, f)| *f)
+}
+
+/// verl's keys that are one of this harness's under another name: (verl's prefix, ours).
+/// verl's DAPO reward manager now takes its overlong buffer in `reward_kwargs` (its recipe's
+/// earlier config, `reward_model.overlong_buffer`, is this harness's name).
+const ALIASES: &[(&str, &str)] = &[(
+    "reward_model.reward_kwargs.overlong_buffer_cfg.",
+    "reward_model.overlong_buffer.",
+)];
+
+/// This harness's name for a key verl names otherwise ([`ALIASES`]).
+pub fn alias(key: &str) -> Option<String> {
+    ALIASES
+        .iter()
+        .find_map(|(verl, ours)| key.strip_prefix(verl).map(|rest| format!("{ours}{rest}")))
 }
 
 /// Every key [`foreign`] knows (for a test that none shadows one of ours).
