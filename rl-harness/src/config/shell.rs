@@ -86,17 +86,6 @@ enum Join {
     Pipe,
 }
 
-#[derive(Debug)]
-enum Item {
-    Word(String, usize),
-    Array {
-        name: String,
-        append: bool,
-        items: Vec<String>,
-        line: usize,
-    },
-}
-
 struct Reader<'a, 'e> {
     shell: Shell<'e>,
     frames: Vec<Frame>,
@@ -120,27 +109,14 @@ pub(crate) fn launch(
         status: Some(true),
         is_entry,
     };
-    let mut cmd: Vec<Item> = Vec::new();
+    // a command's words and array assignments
+    let mut cmd: Vec<Tok> = Vec::new();
     let mut join = Join::Start;
     let mut toks = toks.into_iter();
     while let Some(tok) = toks.next() {
         let next = match tok {
-            Tok::Word(w, line) => {
-                cmd.push(Item::Word(w, line));
-                continue;
-            }
-            Tok::Array {
-                name,
-                append,
-                items,
-                line,
-            } => {
-                cmd.push(Item::Array {
-                    name,
-                    append,
-                    items,
-                    line,
-                });
+            Tok::Word(..) | Tok::Array { .. } => {
+                cmd.push(tok);
                 continue;
             }
             Tok::Func(name, _) => {
@@ -203,11 +179,11 @@ impl Reader<'_, '_> {
     }
 
     /// Reads one command; the launch if it is verl's.
-    fn command(&mut self, items: Vec<Item>, join: Join) -> Option<Launch> {
+    fn command(&mut self, items: Vec<Tok>, join: Join) -> Option<Launch> {
         let mut items = items.into_iter().peekable();
         let mut negate = false;
         // leading keywords
-        while let Some(Item::Word(w, line)) = items.peek() {
+        while let Some(Tok::Word(w, line)) = items.peek() {
             let (w, line) = (w.clone(), *line);
             match w.as_str() {
                 "if" | "elif" => {
@@ -224,10 +200,10 @@ impl Reader<'_, '_> {
                     }
                     let words: Vec<(String, usize)> = items
                         .by_ref()
-                        .take_while(|i| !matches!(i, Item::Word(w, _) if w == "then"))
+                        .take_while(|i| !matches!(i, Tok::Word(w, _) if w == "then"))
                         .filter_map(|i| match i {
-                            Item::Word(w, l) => Some((w, l)),
-                            Item::Array { .. } => None,
+                            Tok::Word(w, l) => Some((w, l)),
+                            _ => None,
                         })
                         .collect();
                     let text = words.iter().map(|(w, _)| w.as_str()).collect::<Vec<_>>();
@@ -283,8 +259,8 @@ impl Reader<'_, '_> {
                     // `function name() {` came as a function head already
                     if !matches!(self.frames.last(), Some(Frame::Func { open: false, .. })) {
                         let name =
-                            match items.next_if(|i| !matches!(i, Item::Word(w, _) if w == "{")) {
-                                Some(Item::Word(n, _)) => n,
+                            match items.next_if(|i| !matches!(i, Tok::Word(w, _) if w == "{")) {
+                                Some(Tok::Word(n, _)) => n,
                                 _ => String::new(),
                             };
                         self.frames.push(Frame::Func { name, open: false });
@@ -308,7 +284,7 @@ impl Reader<'_, '_> {
                 _ => break,
             }
         }
-        let items: Vec<Item> = items.collect();
+        let items: Vec<Tok> = items.collect();
         if items.is_empty() {
             return None;
         }
@@ -391,20 +367,22 @@ impl Reader<'_, '_> {
 
     /// Runs a command's assignments and builtins; its success where known, or `Err` with the
     /// launch when it runs verl.
-    fn run(&mut self, items: Vec<Item>, maybe: Option<String>) -> Result<Option<bool>, Launch> {
+    fn run(&mut self, items: Vec<Tok>, maybe: Option<String>) -> Result<Option<bool>, Launch> {
         let mut words: Vec<(String, usize)> = Vec::new();
         for item in items {
             match item {
-                Item::Array {
+                Tok::Array {
                     name,
                     append,
                     items,
                     line,
                 } => self.assign_array(&name, append, &items, line, &maybe),
-                Item::Word(w, line) if words.is_empty() && assignment(&w).is_some() => {
+                Tok::Word(w, line) if words.is_empty() && assignment(&w).is_some() => {
                     self.assign(&w, line, &maybe)
                 }
-                Item::Word(w, line) => words.push((w, line)),
+                Tok::Word(w, line) => words.push((w, line)),
+                // a command holds only words and array assignments
+                _ => {}
             }
         }
         let Some((first, line)) = words.first().cloned() else {
@@ -641,10 +619,10 @@ fn continues(word: &str) -> bool {
     })
 }
 
-fn line_of(items: &[Item]) -> usize {
+fn line_of(items: &[Tok]) -> usize {
     match items.first() {
-        Some(Item::Word(_, l) | Item::Array { line: l, .. }) => *l,
-        None => 0,
+        Some(Tok::Word(_, l) | Tok::Array { line: l, .. }) => *l,
+        _ => 0,
     }
 }
 

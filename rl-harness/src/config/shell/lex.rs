@@ -327,13 +327,7 @@ impl Lexer<'_> {
                     self.i += 1;
                     break;
                 }
-                Some('\\') => {
-                    self.i += 1;
-                    w.push('\\');
-                    if let Some(c) = self.bump() {
-                        w.push(c);
-                    }
-                }
+                Some('\\') => self.escaped(w),
                 Some('$') => self.dollar(w)?,
                 Some('`') => self.backticks(w)?,
                 Some(_) => w.push(self.bump().unwrap_or_default()),
@@ -347,20 +341,27 @@ impl Lexer<'_> {
         w.push('`');
         self.i += 1;
         loop {
-            match self.bump() {
+            match self.peek(0) {
                 None => return Err(self.fail("an unclosed backtick")),
-                Some('`') => break,
-                Some('\\') => {
-                    w.push('\\');
-                    if let Some(c) = self.bump() {
-                        w.push(c);
-                    }
+                Some('`') => {
+                    self.i += 1;
+                    break;
                 }
-                Some(c) => w.push(c),
+                Some('\\') => self.escaped(w),
+                Some(_) => w.push(self.bump().unwrap_or_default()),
             }
         }
         w.push('`');
         Ok(())
+    }
+
+    /// A backslash and the character it escapes, kept as written.
+    fn escaped(&mut self, w: &mut String) {
+        self.i += 1;
+        w.push('\\');
+        if let Some(c) = self.bump() {
+            w.push(c);
+        }
     }
 
     /// `$`, and whatever it opens: `$(...)`, `$((...))`, `${...}` read whole.
@@ -380,13 +381,7 @@ impl Lexer<'_> {
                 None => return Err(self.fail(&format!("an unclosed `${open}`"))),
                 Some('\'') => self.single_quoted(w)?,
                 Some('"') => self.double_quoted(w)?,
-                Some('\\') => {
-                    self.i += 1;
-                    w.push('\\');
-                    if let Some(c) = self.bump() {
-                        w.push(c);
-                    }
-                }
+                Some('\\') => self.escaped(w),
                 Some('$') => self.dollar(w)?,
                 Some(c) => {
                     if c == open {
