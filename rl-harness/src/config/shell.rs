@@ -73,8 +73,13 @@ enum Frame {
         name: String,
         open: bool,
     },
-    Brace,
-    Subshell,
+    /// `{ ...; }`, and whether it runs (after `&&` or `||`).
+    Brace(Branch),
+    /// `( ... )`: whether it runs, and the variables and arguments it restores when it ends.
+    Subshell {
+        branch: Branch,
+        saved: Box<(std::collections::HashMap<String, Var>, Vec<String>)>,
+    },
 }
 
 /// How a command joins the one before it.
@@ -92,6 +97,8 @@ struct Reader<'a, 'e> {
     /// The last command's success, where known.
     status: Option<bool>,
     is_entry: &'a dyn Fn(&str) -> bool,
+    /// A verl command inside a function's definition: the launch if no other runs.
+    in_function: Option<Launch>,
 }
 
 /// The first verl command `text` runs (a script, or a command line), with its arguments
@@ -108,6 +115,7 @@ pub(crate) fn launch(
         frames: Vec::new(),
         status: Some(true),
         is_entry,
+        in_function: None,
     };
     // a command's words and array assignments
     let mut cmd: Vec<Tok> = Vec::new();
@@ -138,9 +146,15 @@ pub(crate) fn launch(
             return Ok(Some(found));
         }
         match tok {
-            Tok::Open => r.frames.push(Frame::Subshell),
+            Tok::Open => {
+                let branch = r.joined(join, 0);
+                let saved = Box::new((r.shell.vars.clone(), r.shell.args.clone()));
+                r.frames.push(Frame::Subshell { branch, saved });
+            }
             Tok::Close => {
-                if matches!(r.frames.last(), Some(Frame::Subshell)) {
+                if let Some(Frame::Subshell { saved, .. }) = r.frames.last() {
+                    // a subshell's assignments end with it
+                    (r.shell.vars, r.shell.args) = (**saved).clone();
                     r.frames.pop();
                 }
             }
@@ -148,7 +162,7 @@ pub(crate) fn launch(
         }
         join = next;
     }
-    Ok(r.command(cmd, join))
+    Ok(r.command(cmd, join).or(r.in_function))
 }
 
 impl Reader<'_, '_> {
@@ -162,7 +176,8 @@ impl Reader<'_, '_> {
                     branch,
                     ..
                 } => branch.clone(),
-                Frame::If { .. } | Frame::Brace | Frame::Subshell => Branch::Run,
+                Frame::Brace(branch) | Frame::Subshell { branch, .. } => branch.clone(),
+                Frame::If { .. } => Branch::Run,
                 Frame::Loop(line) => Branch::Maybe(format!("inside the loop at line {line}")),
                 Frame::Case(line) => Branch::Maybe(format!("inside the `case` at line {line}")),
                 Frame::Func { name, .. } => Branch::Maybe(format!(
@@ -178,8 +193,20 @@ impl Reader<'_, '_> {
         maybe.map_or(Branch::Run, Branch::Maybe)
     }
 
+    /// Whether a command joined to the last one by `join` runs, by that command's success.
+    fn joined(&self, join: Join, line: usize) -> Branch {
+        match (join, self.status) {
+            (Join::And, Some(false)) | (Join::Or, Some(true)) => Branch::Skip,
+            (Join::And | Join::Or, None) => Branch::Maybe(format!(
+                "after `&&` or `||` on line {line}, following a command whose success is not known here"
+            )),
+            _ => Branch::Run,
+        }
+    }
+
     /// Reads one command; the launch if it is verl's.
     fn command(&mut self, items: Vec<Tok>, join: Join) -> Option<Launch> {
+        let mut joined = self.joined(join, line_of(&items));
         let mut items = items.into_iter().peekable();
         let mut negate = false;
         // leading keywords
@@ -270,7 +297,10 @@ impl Reader<'_, '_> {
                     items.next();
                     match self.frames.last_mut() {
                         Some(Frame::Func { open, .. }) if !*open => *open = true,
-                        _ => self.frames.push(Frame::Brace),
+                        // the group is what `&&`/`||` joined
+                        _ => self
+                            .frames
+                            .push(Frame::Brace(std::mem::replace(&mut joined, Branch::Run))),
                     }
                 }
                 "}" => {
@@ -297,14 +327,6 @@ impl Reader<'_, '_> {
             // a condition of more than one test: not followed
             *cond = None;
         }
-        let joined = match (join, self.status) {
-            (Join::And, Some(false)) | (Join::Or, Some(true)) => Branch::Skip,
-            (Join::And | Join::Or, None) => Branch::Maybe(format!(
-                "after `&&` or `||` on line {}, following a command whose success is not known here",
-                line_of(&items)
-            )),
-            _ => Branch::Run,
-        };
         let branch = match (self.branch(), joined) {
             (Branch::Skip, _) | (_, Branch::Skip) => Branch::Skip,
             (Branch::Maybe(w), _) | (_, Branch::Maybe(w)) => Branch::Maybe(w),
@@ -317,7 +339,9 @@ impl Reader<'_, '_> {
             Branch::Maybe(w) => Some(w.clone()),
             _ => None,
         };
+        self.shell.maybe = maybe.clone();
         let status = self.run(items, maybe);
+        self.shell.maybe = None;
         match status {
             Ok(status) => self.status = status.map(|s| s != negate),
             Err(launch) => return Some(launch),
@@ -369,33 +393,62 @@ impl Reader<'_, '_> {
     /// launch when it runs verl.
     fn run(&mut self, items: Vec<Tok>, maybe: Option<String>) -> Result<Option<bool>, Launch> {
         let mut words: Vec<(String, usize)> = Vec::new();
+        let mut prefix = Vec::new();
         for item in items {
             match item {
-                Tok::Array {
-                    name,
-                    append,
-                    items,
-                    line,
-                } => self.assign_array(&name, append, &items, line, &maybe),
-                Tok::Word(w, line) if words.is_empty() && assignment(&w).is_some() => {
-                    self.assign(&w, line, &maybe)
+                Tok::Word(w, line) if words.is_empty() && !is_assignment_word(&w) => {
+                    words.push((w, line))
                 }
+                Tok::Word(..) | Tok::Array { .. } if words.is_empty() => prefix.push(item),
                 Tok::Word(w, line) => words.push((w, line)),
                 // a command holds only words and array assignments
                 _ => {}
             }
         }
         let Some((first, line)) = words.first().cloned() else {
+            for item in prefix {
+                self.assign_item(item, &maybe);
+            }
             return Ok(Some(true));
         };
+        // `X=1 cmd`: `X` is set in the command's environment alone
+        if let Some(inner) = first.strip_prefix("((").and_then(|w| w.strip_suffix("))")) {
+            return Ok(self.arithmetic_command(inner, line));
+        }
         // verl's entry point, anywhere in the command (`python3 -m X`, `torchrun ... -m X`);
         // not in a function's definition, which runs only where it is called
         let defining = self.frames.iter().any(|f| matches!(f, Frame::Func { .. }));
-        for (k, (w, _)) in words.iter().enumerate().filter(|_| !defining) {
+        let mut before: Option<String> = None;
+        let command = self.shell.string(&first).unwrap_or_default();
+        let runs_python = !matches!(
+            command.rsplit('/').next().unwrap_or(""),
+            "pkill"
+                | "pgrep"
+                | "echo"
+                | "printf"
+                | "grep"
+                | "ps"
+                | "kill"
+                | "cat"
+                | "ls"
+                | "killall"
+        );
+        for (k, (w, _)) in words.iter().enumerate().filter(|_| runs_python) {
             let Ok(fields) = self.shell.fields(w) else {
+                before = None;
                 continue;
             };
-            if let Some(at) = fields.iter().position(|f| (self.is_entry)(f)) {
+            // `-m verl.trainer.main_ppo`, or a script `.../main_ppo.py`
+            let found = fields.iter().enumerate().position(|(j, f)| {
+                let prev = if j == 0 {
+                    before.as_deref()
+                } else {
+                    Some(fields[j - 1].as_str())
+                };
+                (self.is_entry)(f) && (prev == Some("-m") || f.ends_with(".py"))
+            });
+            before = fields.last().cloned();
+            if let Some(at) = found {
                 let mut args: Vec<Arg> = fields[at + 1..]
                     .iter()
                     .map(|f| Arg::Text {
@@ -419,12 +472,18 @@ impl Reader<'_, '_> {
                         }),
                     }
                 }
-                return Err(Launch {
+                let launch = Launch {
                     args,
                     entry: fields[at].clone(),
                     conditional: maybe,
                     cut: None,
-                });
+                };
+                if defining {
+                    // runs only where the function is called: the launch if no other runs
+                    self.in_function.get_or_insert(launch);
+                    return Ok(None);
+                }
+                return Err(launch);
             }
         }
         let name = self.shell.string(&first).unwrap_or_default();
@@ -474,11 +533,89 @@ impl Reader<'_, '_> {
                 let all: Vec<&str> = words.iter().map(|(w, _)| w.as_str()).collect();
                 self.test(&all)
             }
+            "set" if rest.first().is_some_and(|(w, _)| w == "--") => {
+                self.shell.args_unknown = Some(format!(
+                    "the script's arguments after `set --` on line {line}"
+                ));
+                Some(true)
+            }
             "true" | ":" | "echo" | "printf" | "mkdir" | "set" | "shopt" | "ulimit" | "trap"
-            | "shift" | "ray" | "nvidia-smi" | "pip" | "pip3" | "sleep" | "wait" => Some(true),
+            | "ray" | "nvidia-smi" | "pip" | "pip3" | "sleep" | "wait" => Some(true),
+            "shift" => {
+                let n = match rest.first() {
+                    Some((w, _)) => self
+                        .shell
+                        .string(w)
+                        .ok()
+                        .and_then(|n| n.parse::<usize>().ok()),
+                    None => Some(1),
+                };
+                match (n, &maybe) {
+                    (Some(n), None) => {
+                        let n = n.min(self.shell.args.len());
+                        self.shell.args.drain(..n);
+                    }
+                    _ => {
+                        self.shell.args_unknown = Some(format!(
+                            "the script's arguments after `shift` on line {line}{}",
+                            maybe
+                                .as_ref()
+                                .map(|m| format!(", which runs only {m}"))
+                                .unwrap_or_default()
+                        ))
+                    }
+                }
+                Some(true)
+            }
+
             "false" => Some(false),
             _ => None,
         })
+    }
+
+    /// An assignment before a command's words: a variable, an array or an array's element.
+    fn assign_item(&mut self, item: Tok, maybe: &Option<String>) {
+        match item {
+            Tok::Array {
+                name,
+                append,
+                items,
+                line,
+            } => self.assign_array(&name, append, &items, line, maybe),
+            Tok::Word(w, line) => match w.split_once('[').filter(|(n, _)| is_name(n)) {
+                Some((name, _)) if assignment(&w).is_none() => {
+                    let why =
+                        format!("`${name}` has an element set on line {line}, not followed here");
+                    self.shell.vars.insert(name.to_owned(), Var::Unknown(why));
+                }
+                _ => self.assign(&w, line, maybe),
+            },
+            _ => {}
+        }
+    }
+
+    /// `((...))`: a test, or arithmetic that changes variables, which is not followed.
+    fn arithmetic_command(&mut self, inner: &str, line: usize) -> Option<bool> {
+        let assigns = inner.contains("++")
+            || inner.contains("--")
+            || inner.char_indices().any(|(i, c)| {
+                c == '='
+                    && !matches!(inner[..i].chars().last(), Some('=' | '!' | '<' | '>'))
+                    && !inner[i + 1..].starts_with('=')
+            });
+        if !assigns {
+            return self.shell.arithmetic(inner).ok().map(|v| v != 0);
+        }
+        for name in inner
+            .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .filter(|n| is_name(n))
+        {
+            let why = format!(
+                "`${name}` may be changed by `(({inner}))` on line {line}, not followed here"
+            );
+            self.shell.vars.insert(name.to_owned(), Var::Unknown(why));
+        }
+        None
     }
 
     fn assign(&mut self, word: &str, line: usize, maybe: &Option<String>) {
@@ -489,8 +626,17 @@ impl Reader<'_, '_> {
             Some(m) => Var::Unknown(format!("`${name}` is set {m}")),
             None => match self.shell.string(raw) {
                 Ok(v) => match (append, self.shell.vars.get(name)) {
-                    (true, Some(Var::Str(old))) => Var::Str(format!("{old}{v}")),
                     (true, Some(Var::Unknown(why))) => Var::Unknown(why.clone()),
+                    (true, _) => Var::Str(format!(
+                        "{}{v}",
+                        self.shell.lookup_str(name).unwrap_or_default()
+                    )),
+                    // `a=v` on an array sets its first element
+                    (false, Some(Var::Array(items))) => Var::Array(
+                        std::iter::once(v)
+                            .chain(items.iter().skip(1).cloned())
+                            .collect(),
+                    ),
                     _ => Var::Str(v),
                 },
                 Err(why) => Var::Unknown(format!("`${name}`, set on line {line}: {why}")),
@@ -543,44 +689,56 @@ impl Reader<'_, '_> {
             "test" => rest,
             _ => return None,
         };
-        let mut args = Vec::new();
+        let (negate, body) = match body.split_first() {
+            Some((&"!", rest)) if double => (true, rest),
+            _ => (false, body),
+        };
         self.shell.unset_is_empty = true;
-        let expanded: Result<(), String> = body.iter().try_for_each(|raw| {
+        let read = self.test_args(body, double);
+        self.shell.unset_is_empty = false;
+        let read = read.ok()?;
+        let args: Vec<&str> = read.iter().map(String::as_str).collect();
+        let result = match (double, args.as_slice()) {
+            // `[[ $x == pat* ]]`: the right side is a pattern, but for its quoted parts
+            (true, [l, op @ ("=" | "==" | "!="), _]) => {
+                self.shell.unset_is_empty = true;
+                let p = self.shell.pattern(body[2]);
+                self.shell.unset_is_empty = false;
+                let p: Vec<char> = p.ok()?.chars().collect();
+                let matched = glob(&p, &l.chars().collect::<Vec<_>>());
+                Some(matched == (*op != "!="))
+            }
+            _ => eval_test(&read),
+        }?;
+        Some(result != negate)
+    }
+
+    /// A test's operands, expanded (`[[ ]]` splits no word).
+    fn test_args(&mut self, body: &[&str], double: bool) -> Result<Vec<String>, String> {
+        let mut args = Vec::new();
+        for raw in body {
             if double {
                 args.push(self.shell.string(raw)?);
             } else {
                 args.extend(self.shell.fields(raw)?);
             }
-            Ok(())
-        });
-        self.shell.unset_is_empty = false;
-        expanded.ok()?;
-        // `[[ $x == pat* ]]`: an unquoted right side is a glob
-        let pattern = double && body.len() == 3 && !body[2].contains(['"', '\'']);
-        eval_test(&args, pattern)
+        }
+        Ok(args)
     }
 }
 
-fn eval_test(args: &[String], pattern: bool) -> Option<bool> {
+fn eval_test(args: &[String]) -> Option<bool> {
     let a: Vec<&str> = args.iter().map(String::as_str).collect();
     let int = |s: &str| s.trim().parse::<i64>().ok();
     Some(match a.as_slice() {
         ["!", rest @ ..] => {
             let rest: Vec<String> = rest.iter().map(|s| s.to_string()).collect();
-            !eval_test(&rest, pattern)?
+            !eval_test(&rest)?
         }
         [] => false,
         [s] => !s.is_empty(),
         ["-z", s] => s.is_empty(),
         ["-n", s] => !s.is_empty(),
-        [l, "=" | "==", r] if pattern => glob(
-            &r.chars().collect::<Vec<_>>(),
-            &l.chars().collect::<Vec<_>>(),
-        ),
-        [l, "!=", r] if pattern => !glob(
-            &r.chars().collect::<Vec<_>>(),
-            &l.chars().collect::<Vec<_>>(),
-        ),
         [l, "=" | "==", r] => l == r,
         [l, "!=", r] => l != r,
         [l, "<", r] => l < r,
@@ -598,6 +756,13 @@ fn eval_test(args: &[String], pattern: bool) -> Option<bool> {
         }
         _ => return None,
     })
+}
+
+/// An assignment, or an array element's (`a[1]=v`), before a command's words.
+fn is_assignment_word(w: &str) -> bool {
+    assignment(w).is_some()
+        || w.split_once('[')
+            .is_some_and(|(n, rest)| is_name(n) && rest.contains("]="))
 }
 
 /// `name=value` or `name+=value` as written: (name, append, the value as written).

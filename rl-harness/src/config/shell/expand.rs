@@ -37,12 +37,20 @@ pub(super) struct Shell<'a> {
     pub(super) moved: Option<String>,
     /// An unset variable reads as empty (in a test, as `[ -z "$X" ]` means it), not as an error.
     pub(super) unset_is_empty: bool,
+    /// Why the command being read may not run (`${x:=v}` then sets `x` to an unknown value).
+    pub(super) maybe: Option<String>,
+    /// The script's arguments, as `shift` leaves them.
+    pub(super) args: Vec<String>,
+    /// Why the arguments are not known any more (`shift` in a branch, `set --`).
+    pub(super) args_unknown: Option<String>,
 }
 
-/// An expansion's value: one string, or a list (`"$@"`, `"${a[@]}"`).
+/// An expansion's value: one string, a list (`"$@"`, `"${a[@]}"`), or fields already split
+/// (an unquoted `${x:-word}`'s word, split where its own quotes allow).
 enum Val {
     Str(String),
     List(Vec<String>),
+    Fields(Vec<String>),
 }
 
 /// What a name holds.
@@ -160,10 +168,13 @@ impl<'a> Shell<'a> {
     pub(super) fn new(env: Env<'a>) -> Shell<'a> {
         Shell {
             vars: HashMap::new(),
+            args: env.args.to_vec(),
             env,
             opaque: None,
             moved: None,
             unset_is_empty: false,
+            maybe: None,
+            args_unknown: None,
         }
     }
 
@@ -203,8 +214,16 @@ impl<'a> Shell<'a> {
                     i += 2;
                 }
                 '$' => {
-                    let (val, next) = self.dollar(s, i)?;
+                    let (val, next) = self.dollar(s, i, split)?;
                     match val {
+                        Val::Fields(items) => {
+                            for (k, v) in items.iter().enumerate() {
+                                if k > 0 {
+                                    out.end();
+                                }
+                                out.lit(v);
+                            }
+                        }
                         Val::Str(v) if split => out.split(&v),
                         Val::Str(v) => out.lit(&v),
                         Val::List(items) if split => {
@@ -248,9 +267,10 @@ impl<'a> Shell<'a> {
                     i += 2;
                 }
                 '$' => {
-                    let (val, next) = self.dollar(s, i)?;
+                    let (val, next) = self.dollar(s, i, false)?;
                     match val {
                         Val::Str(v) => out.lit(&v),
+                        Val::Fields(items) => out.lit(&items.join(" ")),
                         Val::List(items) => {
                             list = true;
                             out.list(&items)
@@ -280,7 +300,7 @@ impl<'a> Shell<'a> {
     }
 
     /// The expansion starting at `s[i] == '$'`, and the index after it.
-    fn dollar(&mut self, s: &[char], i: usize) -> Result<(Val, usize), String> {
+    fn dollar(&mut self, s: &[char], i: usize, split: bool) -> Result<(Val, usize), String> {
         match s.get(i + 1) {
             Some('(') if s.get(i + 2) == Some(&'(') => {
                 let end = closing(s, i + 1);
@@ -307,7 +327,7 @@ impl<'a> Shell<'a> {
             Some('{') => {
                 let end = closing(s, i + 1);
                 let body = text(&s[i + 2..end.min(s.len())]);
-                Ok((self.braced(&body)?, end + 1))
+                Ok((self.braced(&body, split)?, end + 1))
             }
             Some(c) if c.is_ascii_alphabetic() || *c == '_' => {
                 let end = (i + 1..s.len())
@@ -341,7 +361,7 @@ impl<'a> Shell<'a> {
             return format!(
                 "`{shown}` is the script's argument {name}, and it was given {} (give them \
                  after the script: `harness config from-verl SCRIPT ARG...`)",
-                self.env.args.len()
+                self.args.len()
             );
         }
         let mut why = format!("`{shown}` is set neither by the script nor in the environment");
@@ -351,7 +371,7 @@ impl<'a> Shell<'a> {
         why
     }
 
-    fn lookup_str(&self, name: &str) -> Option<String> {
+    pub(super) fn lookup_str(&self, name: &str) -> Option<String> {
         match self.vars.get(name) {
             Some(Var::Str(s)) => Some(s.clone()),
             Some(Var::Array(a)) => a.first().cloned(),
@@ -361,10 +381,12 @@ impl<'a> Shell<'a> {
     }
 
     fn lookup(&self, name: &str, index: Option<&str>) -> Result<Lookup, String> {
-        let all = matches!(index, Some("@" | "*"));
         let at = |items: &[String]| -> Result<Lookup, String> {
-            if all {
-                return Ok(Lookup::Set(Val::List(items.to_vec())));
+            match index {
+                Some("@") => return Ok(Lookup::Set(Val::List(items.to_vec()))),
+                // `"${a[*]}"`: one word, the elements joined
+                Some("*") => return Ok(Lookup::Set(Val::Str(items.join(" ")))),
+                _ => {}
             }
             let n = match index {
                 None => 0,
@@ -377,9 +399,26 @@ impl<'a> Shell<'a> {
                 .get(n)
                 .map_or(Lookup::Unset, |v| Lookup::Set(Val::Str(v.clone()))))
         };
+        let positional =
+            name.chars().all(|c| c.is_ascii_digit()) || matches!(name, "@" | "*" | "#");
+        if let Some(why) = self
+            .args_unknown
+            .as_ref()
+            .filter(|_| positional && name != "0")
+        {
+            return Ok(Lookup::Unknown(why.clone()));
+        }
+        if let Some(why) = self
+            .moved
+            .as_ref()
+            .filter(|_| matches!(name, "PWD" | "OLDPWD"))
+        {
+            return Ok(Lookup::Unknown(format!("`${name}` after {why}")));
+        }
         match name {
-            "@" | "*" => return Ok(Lookup::Set(Val::List(self.env.args.to_vec()))),
-            "#" => return Ok(Lookup::Set(Val::Str(self.env.args.len().to_string()))),
+            "@" => return Ok(Lookup::Set(Val::List(self.args.clone()))),
+            "*" => return Ok(Lookup::Set(Val::Str(self.args.join(" ")))),
+            "#" => return Ok(Lookup::Set(Val::Str(self.args.len().to_string()))),
             "0" | "?" | "$" | "!" | "-" => {
                 return Ok(Lookup::Unknown(format!(
                     "`${name}` is known only while the script runs"
@@ -389,7 +428,7 @@ impl<'a> Shell<'a> {
                 let arg = name
                     .parse::<usize>()
                     .ok()
-                    .and_then(|n| self.env.args.get(n.checked_sub(1)?));
+                    .and_then(|n| self.args.get(n.checked_sub(1)?));
                 return at(&arg.into_iter().cloned().collect::<Vec<_>>());
             }
             _ => {}
@@ -406,7 +445,7 @@ impl<'a> Shell<'a> {
     }
 
     /// `${body}`.
-    fn braced(&mut self, body: &str) -> Result<Val, String> {
+    fn braced(&mut self, body: &str, split: bool) -> Result<Val, String> {
         let shown = format!("${{{body}}}");
         let unsupported = || format!("`{shown}`: a form of expansion not followed here");
         if let Some(name) = body
@@ -415,7 +454,7 @@ impl<'a> Shell<'a> {
         {
             return match self.value(name, None, &shown)? {
                 Val::Str(s) => Ok(Val::Str(s.chars().count().to_string())),
-                Val::List(l) => Ok(Val::Str(l.len().to_string())),
+                Val::List(l) | Val::Fields(l) => Ok(Val::Str(l.len().to_string())),
             };
         }
         let b: Vec<char> = body.chars().collect();
@@ -446,7 +485,7 @@ impl<'a> Shell<'a> {
         let op = text(rest);
         let set_value = |found: &Lookup| match found {
             Lookup::Set(Val::Str(s)) => Some(s.clone()),
-            Lookup::Set(Val::List(l)) => Some(l.join(" ")),
+            Lookup::Set(Val::List(l) | Val::Fields(l)) => Some(l.join(" ")),
             _ => None,
         };
         let colon = op.starts_with(':');
@@ -470,14 +509,18 @@ impl<'a> Shell<'a> {
         match plain.chars().next() {
             Some('-') => {
                 if is_unset(&found) {
-                    return Ok(Val::Str(self.string(&plain[1..])?));
+                    return self.word_val(&plain[1..], split);
                 }
                 Ok(self.value(&name, index.as_deref(), &shown)?)
             }
             Some('=') => {
                 if is_unset(&found) {
                     let v = self.string(&plain[1..])?;
-                    self.vars.insert(name, Var::Str(v.clone()));
+                    let var = match &self.maybe {
+                        Some(m) => Var::Unknown(format!("`${name}` is set {m}")),
+                        None => Var::Str(v.clone()),
+                    };
+                    self.vars.insert(name, var);
                     return Ok(Val::Str(v));
                 }
                 Ok(self.value(&name, index.as_deref(), &shown)?)
@@ -489,7 +532,7 @@ impl<'a> Shell<'a> {
                 if is_unset(&found) {
                     return Ok(Val::Str(String::new()));
                 }
-                Ok(Val::Str(self.string(&plain[1..])?))
+                self.word_val(&plain[1..], split)
             }
             Some('?') => {
                 if is_unset(&found) {
@@ -499,29 +542,44 @@ impl<'a> Shell<'a> {
                 Ok(self.value(&name, index.as_deref(), &shown)?)
             }
             _ if colon => {
-                // ${name:offset} / ${name:offset:length}
-                let v = set_value(&found).ok_or_else(|| self.unset(&name, &shown))?;
+                // ${name:offset} / ${name:offset:length}: characters of a string, elements of
+                // a list (`${@:2}` from the second argument on)
                 let mut parts = plain.splitn(2, ':');
-                let off: i64 = self.arithmetic(parts.next().unwrap_or("0"))?;
-                let chars: Vec<char> = v.chars().collect();
-                let len = chars.len() as i64;
-                let start = if off < 0 {
-                    (len + off).max(0)
-                } else {
-                    off.min(len)
-                } as usize;
-                let end = match parts.next() {
-                    Some(l) => {
-                        let l = self.arithmetic(l)?;
-                        if l < 0 {
-                            (len + l).max(start as i64)
-                        } else {
-                            (start as i64 + l).min(len)
+                let mut off: i64 = self.arithmetic(parts.next().unwrap_or("0"))?;
+                let count = parts.next().map(|l| self.arithmetic(l)).transpose()?;
+                let span = |len: usize, off: i64| {
+                    let len = len as i64;
+                    let start = if off < 0 {
+                        len.saturating_add(off).max(0)
+                    } else {
+                        off.min(len)
+                    };
+                    let end = match count {
+                        Some(l) if l < 0 => len.saturating_add(l).max(start),
+                        Some(l) => start.saturating_add(l).min(len),
+                        None => len,
+                    };
+                    start as usize..end.max(start) as usize
+                };
+                match found {
+                    Lookup::Set(Val::List(l)) => {
+                        if name == "@" {
+                            // `$@`'s offset counts `$0`, which is not among the arguments
+                            if off == 0 {
+                                return Err(format!(
+                                    "`{shown}`: `$0` is known only while the script runs"
+                                ));
+                            }
+                            off = if off > 0 { off - 1 } else { off };
                         }
+                        Ok(Val::List(l[span(l.len(), off)].to_vec()))
                     }
-                    None => len,
-                } as usize;
-                Ok(Val::Str(text(&chars[start..end.max(start)])))
+                    _ => {
+                        let v = set_value(&found).ok_or_else(|| self.unset(&name, &shown))?;
+                        let chars: Vec<char> = v.chars().collect();
+                        Ok(Val::Str(text(&chars[span(chars.len(), off)])))
+                    }
+                }
             }
             Some('#' | '%') => {
                 let suffix = op.starts_with('%');
@@ -533,14 +591,19 @@ impl<'a> Shell<'a> {
                 let trim = |v: &str| trim_glob(v, &pattern, suffix, longest);
                 match self.value(&name, index.as_deref(), &shown)? {
                     Val::Str(v) => Ok(Val::Str(trim(&v))),
-                    Val::List(l) => Ok(Val::List(l.iter().map(|v| trim(v)).collect())),
+                    Val::List(l) | Val::Fields(l) => {
+                        Ok(Val::List(l.iter().map(|v| trim(v)).collect()))
+                    }
                 }
             }
             Some('/') => {
                 let all = op.starts_with("//");
                 let spec = &op[if all { 2 } else { 1 }..];
                 let (pat, rep) = spec.split_once('/').unwrap_or((spec, ""));
-                if pat.starts_with(['#', '%']) || pat.contains(['*', '?', '[']) {
+                if pat.starts_with(['#', '%'])
+                    || pat.contains(['*', '?', '[', '\\'])
+                    || rep.contains('\\')
+                {
                     return Err(unsupported());
                 }
                 let (pat, rep) = (self.string(pat)?, self.string(rep)?);
@@ -555,7 +618,9 @@ impl<'a> Shell<'a> {
                 };
                 match self.value(&name, index.as_deref(), &shown)? {
                     Val::Str(v) => Ok(Val::Str(replace(&v))),
-                    Val::List(l) => Ok(Val::List(l.iter().map(|v| replace(v)).collect())),
+                    Val::List(l) | Val::Fields(l) => {
+                        Ok(Val::List(l.iter().map(|v| replace(v)).collect()))
+                    }
                 }
             }
             Some(',' | '^') if matches!(op.as_str(), ",," | "^^" | "," | "^") => {
@@ -578,6 +643,66 @@ impl<'a> Shell<'a> {
             }
             _ => Err(unsupported()),
         }
+    }
+
+    /// `raw` as a pattern of `[[ x == raw ]]`: its quoted parts literal (escaped), what it
+    /// expands to unquoted a pattern.
+    pub(super) fn pattern(&mut self, raw: &str) -> Result<String, String> {
+        let s: Vec<char> = raw.chars().collect();
+        let mut out = String::new();
+        let literal = |t: &str, out: &mut String| {
+            for c in t.chars() {
+                if matches!(c, '*' | '?' | '[' | ']' | '\\') {
+                    out.push('\\');
+                }
+                out.push(c);
+            }
+        };
+        let mut i = 0;
+        while i < s.len() {
+            match s[i] {
+                '\'' => {
+                    let end = find(&s, i + 1, '\'');
+                    literal(&text(&s[i + 1..end]), &mut out);
+                    i = end + 1;
+                }
+                '"' => {
+                    let end = dq_end(&s, i);
+                    let v = self.string(&text(&s[i..(end + 1).min(s.len())]))?;
+                    literal(&v, &mut out);
+                    i = end + 1;
+                }
+                '\\' => {
+                    if let Some(c) = s.get(i + 1) {
+                        literal(&c.to_string(), &mut out);
+                    }
+                    i += 2;
+                }
+                '$' => {
+                    let (val, next) = self.dollar(&s, i, false)?;
+                    out.push_str(&match val {
+                        Val::Str(v) => v,
+                        Val::List(l) | Val::Fields(l) => l.join(" "),
+                    });
+                    i = next;
+                }
+                c => {
+                    out.push(c);
+                    i += 1;
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// The word of `${x:-word}` or `${x:+word}`: split where its own quotes allow when the
+    /// expansion is unquoted, one string inside double quotes.
+    fn word_val(&mut self, word: &str, split: bool) -> Result<Val, String> {
+        Ok(if split {
+            Val::Fields(self.fields(word)?)
+        } else {
+            Val::Str(self.string(word)?)
+        })
     }
 
     /// `$((expr))`: integers with `+ - * / % **`, comparisons and parentheses; a name reads
@@ -629,14 +754,52 @@ fn trim_glob(v: &str, pattern: &[char], suffix: bool, longest: bool) -> String {
     v.to_owned()
 }
 
-/// Whether `s` matches the glob `p` (`*`, `?`, and literal characters).
+/// Whether `s` matches the glob `p`: `*`, `?`, `[...]` (ranges, `!`/`^` negation), `\x` a
+/// literal `x`, other characters themselves.
 pub(super) fn glob(p: &[char], s: &[char]) -> bool {
     match p.first() {
         None => s.is_empty(),
         Some('*') => (0..=s.len()).any(|k| glob(&p[1..], &s[k..])),
         Some('?') => !s.is_empty() && glob(&p[1..], &s[1..]),
+        Some('\\') if p.len() > 1 => s.first() == Some(&p[1]) && glob(&p[2..], &s[1..]),
+        Some('[') => match (class_end(p), s.first()) {
+            (Some(end), Some(c)) => in_class(&p[1..end], *c) && glob(&p[end + 1..], &s[1..]),
+            (Some(_), None) => false,
+            (None, _) => s.first() == Some(&'[') && glob(&p[1..], &s[1..]),
+        },
         Some(c) => s.first() == Some(c) && glob(&p[1..], &s[1..]),
     }
+}
+
+/// The index of the `]` closing the class opened at `p[0]`.
+fn class_end(p: &[char]) -> Option<usize> {
+    let mut i = 1;
+    if matches!(p.get(i), Some('!' | '^')) {
+        i += 1;
+    }
+    if p.get(i) == Some(&']') {
+        i += 1;
+    }
+    (i..p.len()).find(|&j| p[j] == ']')
+}
+
+fn in_class(class: &[char], c: char) -> bool {
+    let (negate, class) = match class.first() {
+        Some('!' | '^') => (true, &class[1..]),
+        _ => (false, class),
+    };
+    let mut i = 0;
+    let mut found = false;
+    while i < class.len() {
+        if i + 2 < class.len() && class[i + 1] == '-' {
+            found |= class[i] <= c && c <= class[i + 2];
+            i += 3;
+        } else {
+            found |= class[i] == c;
+            i += 1;
+        }
+    }
+    found != negate
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -660,7 +823,14 @@ fn arith_tokens(s: &str) -> Option<Vec<At>> {
             let end = (i..c.len())
                 .find(|&j| !c[j].is_ascii_digit())
                 .unwrap_or(c.len());
-            out.push(At::Num(text(&c[i..end]).parse().ok()?));
+            let digits = text(&c[i..end]);
+            // bash reads 010 as octal
+            let n = if digits.len() > 1 && digits.starts_with('0') {
+                i64::from_str_radix(&digits[1..], 8).ok()?
+            } else {
+                digits.parse().ok()?
+            };
+            out.push(At::Num(n));
             i = end;
         } else if c[i].is_ascii_alphabetic() || c[i] == '_' {
             let end = (i..c.len())
@@ -706,17 +876,25 @@ impl Arith<'_, '_, '_> {
     }
 
     fn compare(&mut self) -> Result<i64, String> {
+        let mut v = self.relation()?;
+        while let Some(op @ ("==" | "!=")) = self.peek_op() {
+            self.i += 1;
+            let r = self.relation()?;
+            v = i64::from(if op == "==" { v == r } else { v != r });
+        }
+        Ok(v)
+    }
+
+    fn relation(&mut self) -> Result<i64, String> {
         let mut v = self.sum()?;
-        while let Some(op @ ("<" | ">" | "<=" | ">=" | "==" | "!=")) = self.peek_op() {
+        while let Some(op @ ("<" | ">" | "<=" | ">=")) = self.peek_op() {
             self.i += 1;
             let r = self.sum()?;
             v = i64::from(match op {
                 "<" => v < r,
                 ">" => v > r,
                 "<=" => v <= r,
-                ">=" => v >= r,
-                "==" => v == r,
-                _ => v != r,
+                _ => v >= r,
             });
         }
         Ok(v)
@@ -769,7 +947,7 @@ impl Arith<'_, '_, '_> {
         match self.peek_op() {
             Some("-") => {
                 self.i += 1;
-                Ok(-self.unary()?)
+                self.unary()?.checked_neg().ok_or_else(|| self.bad())
             }
             Some("+") => {
                 self.i += 1;
@@ -796,7 +974,7 @@ impl Arith<'_, '_, '_> {
                     self.i += 1;
                     let v = match self.shell.value(&name, None, &name)? {
                         Val::Str(v) => v,
-                        Val::List(l) => l.first().cloned().unwrap_or_default(),
+                        Val::List(l) | Val::Fields(l) => l.first().cloned().unwrap_or_default(),
                     };
                     if self.depth > 8 {
                         return Err(self.bad());

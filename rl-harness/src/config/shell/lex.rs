@@ -33,6 +33,52 @@ pub(crate) enum Tok {
     Close,
 }
 
+/// Whether the next token starts a command (nothing, or a separator, before it).
+fn at_command_start(toks: &[Tok]) -> bool {
+    matches!(
+        toks.last(),
+        None | Some(Tok::Sep | Tok::And | Tok::Or | Tok::Pipe | Tok::Open | Tok::Close)
+    ) || matches!(toks.last(), Some(Tok::Word(w, _)) if matches!(w.as_str(), "then" | "do" | "else" | "{" | "!" | "if" | "elif" | "while" | "until"))
+}
+
+/// Whether the tokens so far are inside a `[[ ... ]]` of the current command.
+fn in_double_brackets(toks: &[Tok]) -> bool {
+    for t in toks.iter().rev() {
+        match t {
+            Tok::Word(w, _) if w == "]]" => return false,
+            Tok::Word(w, _) if w == "[[" => return true,
+            Tok::Word(..) => {}
+            _ => return false,
+        }
+    }
+    false
+}
+
+/// Whether `s` may name a function (bash takes hyphens and dots too).
+fn is_function_name(s: &str) -> bool {
+    !s.is_empty()
+        && !s.starts_with(|c: char| c.is_ascii_digit())
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.' | ':'))
+        && !matches!(
+            s,
+            "if" | "then"
+                | "elif"
+                | "else"
+                | "fi"
+                | "for"
+                | "while"
+                | "until"
+                | "do"
+                | "done"
+                | "case"
+                | "esac"
+                | "function"
+                | "{"
+                | "}"
+        )
+}
+
 /// Whether `s` is a shell variable's name.
 pub(crate) fn is_name(s: &str) -> bool {
     let mut chars = s.chars();
@@ -85,6 +131,7 @@ pub(crate) fn lex(text: &str) -> Result<Vec<Tok>> {
             '&' if lx.peek(1) == Some('&') => {
                 lx.i += 2;
                 toks.push(Tok::And);
+                lx.skip_to_operand();
             }
             '&' if lx.peek(1) == Some('>') => {
                 lx.i += 1;
@@ -97,10 +144,24 @@ pub(crate) fn lex(text: &str) -> Result<Vec<Tok>> {
             '|' if lx.peek(1) == Some('|') => {
                 lx.i += 2;
                 toks.push(Tok::Or);
+                lx.skip_to_operand();
             }
             '|' => {
                 lx.i += if lx.peek(1) == Some('&') { 2 } else { 1 };
                 toks.push(Tok::Pipe);
+                lx.skip_to_operand();
+            }
+            // `((...))`: an arithmetic command, one word
+            '(' if lx.peek(1) == Some('(') && at_command_start(&toks) => {
+                let line = lx.line;
+                let mut w = String::new();
+                lx.i += 1;
+                lx.dollar_like(&mut w)?;
+                if lx.peek(0) != Some(')') {
+                    return Err(lx.fail_at(line, "`((` without its closing `))`"));
+                }
+                lx.i += 1;
+                toks.push(Tok::Word(format!("({w})"), line));
             }
             '(' => {
                 lx.i += 1;
@@ -109,6 +170,11 @@ pub(crate) fn lex(text: &str) -> Result<Vec<Tok>> {
             ')' => {
                 lx.i += 1;
                 toks.push(Tok::Close);
+            }
+            // inside `[[ ]]`, `<` and `>` compare strings
+            '<' | '>' if in_double_brackets(&toks) => {
+                toks.push(Tok::Word(c.to_string(), lx.line));
+                lx.i += 1;
             }
             '<' | '>' => lx.redirect()?,
             _ => {
@@ -138,14 +204,24 @@ pub(crate) fn lex(text: &str) -> Result<Vec<Tok>> {
                         continue;
                     }
                 }
-                if is_name(&word) && lx.peek(0) == Some('(') && lx.after_spaces(1) == Some(')') {
-                    // `name()` or `name ( )`
-                    while lx.peek(0) != Some(')') {
+                if is_function_name(&word)
+                    && lx.after_spaces(0) == Some('(')
+                    && at_command_start(&toks)
+                {
+                    let open = lx.i + lx.chars[lx.i..].iter().position(|c| *c == '(').unwrap_or(0);
+                    let after = lx.chars[open + 1..]
+                        .iter()
+                        .copied()
+                        .find(|c| *c != ' ' && *c != '\t');
+                    if after == Some(')') {
+                        // `name()`, `name ()` or `name ( )`
+                        while lx.peek(0) != Some(')') {
+                            lx.i += 1;
+                        }
                         lx.i += 1;
+                        toks.push(Tok::Func(word, line));
+                        continue;
                     }
-                    lx.i += 1;
-                    toks.push(Tok::Func(word, line));
-                    continue;
                 }
                 toks.push(Tok::Word(word, line));
             }
@@ -165,6 +241,27 @@ impl Lexer<'_> {
             .iter()
             .copied()
             .find(|c| *c != ' ' && *c != '\t')
+    }
+
+    /// After `&&`, `||` or `|`: the command goes on past newlines and comments.
+    fn skip_to_operand(&mut self) {
+        loop {
+            match self.peek(0) {
+                Some(' ' | '\t' | '\r' | '\n') => {
+                    self.bump();
+                }
+                Some('\\') if self.peek(1) == Some('\n') => {
+                    self.i += 1;
+                    self.bump();
+                }
+                Some('#') => {
+                    while self.peek(0).is_some_and(|c| c != '\n') {
+                        self.i += 1;
+                    }
+                }
+                _ => return,
+            }
+        }
     }
 
     fn bump(&mut self) -> Option<char> {
@@ -266,7 +363,13 @@ impl Lexer<'_> {
                         self.i += 1;
                     }
                 }
-                Some(_) => items.push(self.word()?),
+                Some(c) => {
+                    let w = self.word()?;
+                    if w.is_empty() {
+                        return Err(self.fail(&format!("`{c}` inside an array is not read here")));
+                    }
+                    items.push(w)
+                }
             }
         }
     }
@@ -368,6 +471,11 @@ impl Lexer<'_> {
     fn dollar(&mut self, w: &mut String) -> Result<()> {
         w.push('$');
         self.i += 1;
+        self.dollar_like(w)
+    }
+
+    /// What a `$` opens, from the bracket at the current position (none: nothing).
+    fn dollar_like(&mut self, w: &mut String) -> Result<()> {
         let (open, close) = match self.peek(0) {
             Some('(') => ('(', ')'),
             Some('{') => ('{', '}'),

@@ -251,11 +251,18 @@ fn the_launch_that_runs_is_the_one_read() {
 /// The arguments bash itself passes to the entry point of `script`, run with `python3` as a
 /// function that prints them (in a fresh directory, `$HOME=/home/u`, nothing else set).
 fn bash_args(script: &str) -> Vec<String> {
+    bash_args_with(script, &[])
+}
+
+/// [`bash_args`] with the script run with `script_args`.
+fn bash_args_with(script: &str, script_args: &[&str]) -> Vec<String> {
     let dir = tempfile::tempdir().unwrap();
     let shim = "python3() { shift 2; printf '%s\\0' \"$@\"; exit 0; }\n";
     let out = std::process::Command::new("bash")
         .arg("-c")
         .arg(format!("{shim}{script}"))
+        .arg("script.sh")
+        .args(script_args)
         .current_dir(dir.path())
         .env_clear()
         .env("HOME", "/home/u")
@@ -301,4 +308,150 @@ fn bash_passes_the_same_arguments() {
         }
         assert_eq!(ours, bash, "{script}");
     }
+}
+
+/// Scripts a review found read otherwise than bash reads them: each now reads as bash.
+#[test]
+fn bash_agrees_on_what_a_review_found() {
+    let cases: &[(&str, &[&str])] = &[
+        // list slices
+        (
+            "python3 -m verl.trainer.main_ppo \"${@:2}\"\n",
+            &["4", "a.b=x y", "c.d=3"],
+        ),
+        (
+            "A=(a.b=1 c.d=2 e.f=3); python3 -m verl.trainer.main_ppo \"${A[@]:1:1}\" ${A[@]: -1}\n",
+            &[],
+        ),
+        // `||`/`&&` at the end of a line, a group after them, a subshell's assignments
+        (
+            "M=${1:-}\n[ -n \"$M\" ] || {\n  M=Qwen/Qwen2-7B\n}\nN=${N:-4}\n[ -z \"$N\" ] &&\n  N=8\n(X=b)\n\
+          python3 -m verl.trainer.main_ppo m=$M n=$N x=${X:-a}\n",
+            &["my/model"],
+        ),
+        (
+            "M=${1:-}\n[ -n \"$M\" ] || {\n  M=Qwen/Qwen2-7B\n}\npython3 -m verl.trainer.main_ppo m=$M\n",
+            &[],
+        ),
+        // `[[ ]]` patterns: quoted parts literal, classes, negation, string order
+        (
+            "M=Qwen2-7B; P=Qw; a=d\nif [[ $M == *\"Qwen\"* ]]; then S=yes; else S=no; fi\n\
+          if [[ $M == \"$P\"* ]]; then T=yes; else T=no; fi\n\
+          if [[ $M == [PQ]* ]]; then U=yes; else U=no; fi\n\
+          if [[ ! $M == fsdp* ]]; then V=yes; else V=no; fi\n\
+          if [[ $a < c ]]; then W=yes; else W=no; fi\n\
+          if [[ $M == \"*\" ]]; then Z=yes; else Z=no; fi\n\
+          python3 -m verl.trainer.main_ppo s=$S t=$T u=$U v=$V w=$W z=$Z\n",
+            &[],
+        ),
+        // a function defined with a space before its parentheses, or a hyphen in its name, is
+        // not run where it is defined
+        (
+            "run-it () {\n  python3 -m verl.trainer.main_ppo in_function=1\n}\n\
+          python3 -m verl.trainer.main_ppo a=1\n",
+            &[],
+        ),
+        // a quoted default stays one word; `${a[*]}` quoted is one word
+        (
+            "A=(a b)\npython3 -m verl.trainer.main_ppo d=${TRAIN:-\"[a.parquet, b.parquet]\"} \
+          \"e=${A[*]}\" f=${NONE:+\"p q\"}\n",
+            &[],
+        ),
+        // another command naming the entry point is not the launch
+        (
+            "pgrep -f verl.trainer.main_ppo >/dev/null || true\necho python3 -m verl.trainer.main_ppo x=1 >&2\n\
+          python3 -m verl.trainer.main_ppo a.b=1\n",
+            &[],
+        ),
+        // `shift`; an assignment before a command is that command's alone
+        (
+            "E=$1; shift; M=$1\nX=old; X=new python3 -m verl.trainer.main_ppo m=$M k=$X \"$@\"\n",
+            &["vllm", "Qwen/Qwen2-7B", "z.z=1"],
+        ),
+        (
+            "N=4 true; python3 -m verl.trainer.main_ppo k=${N:-unset}\n",
+            &[],
+        ),
+        // arithmetic: octal, precedence
+        (
+            "python3 -m verl.trainer.main_ppo a=$((010)) b=$((2 == 2 > 0)) c=$((3 - -2 * 2))\n",
+            &[],
+        ),
+    ];
+    for (script, script_args) in cases {
+        let given: Vec<String> = script_args.iter().map(|a| a.to_string()).collect();
+        let ours = args(&read_with(script, &[], &given));
+        assert_eq!(ours, bash_args_with(script, script_args), "{script}");
+    }
+}
+
+/// What bash would compute but this reader does not follow is said, never guessed, and no
+/// script hangs or panics it.
+#[test]
+fn what_is_not_followed_is_said_and_nothing_hangs() {
+    let got = args(&read(
+        "G=4; ((T=G*2)); ((G++))\ncd /tmp\nM=Qwen/Qwen2-7B\n\
+         if [ -f /nonexist ]; then : \"${N:=4}\"; fi\nA=(x y); A[1]=z\n\
+         python3 -m verl.trainer.main_ppo t=$T d=$PWD/x e=${M//\\//_} n=$N a=${A[1]} \
+         s=${M:1:9223372036854775807} o=$(( -(-9223372036854775807-1) ))\n",
+        &[],
+    ));
+    for (k, why) in [
+        (0, "`$T` may be changed by `((T=G*2))` on line 1"),
+        (1, "`$PWD` after `cd` (line 2)"),
+        (2, "a form of expansion not followed here"),
+        (
+            3,
+            "`$N` is set inside an `if` whose condition (`[ -f /nonexist ]`, line 4)",
+        ),
+        (4, "`$A` has an element set on line 5"),
+        (6, "not arithmetic followed here"),
+    ] {
+        assert!(
+            got[k].starts_with('!') && got[k].contains(why),
+            "{k}: {}",
+            got[k]
+        );
+    }
+    assert_eq!(got[5], "s=wen/Qwen2-7B");
+    // a variable a function sets may be set wherever it is called
+    let got = args(&read(
+        "X=1; setup () { X=2; }\npython3 -m verl.trainer.main_ppo a=$X\n",
+        &[],
+    ));
+    assert!(
+        got[0].contains("`$X` is set inside the function `setup`"),
+        "{}",
+        got[0]
+    );
+    // a process substitution inside an array is an error, not a hang
+    let err = launch(
+        "A=(<(echo hi))\npython3 -m verl.trainer.main_ppo\n",
+        Env {
+            var: &|_| None,
+            cwd: None,
+            args: &[],
+        },
+        &|w| w == ENTRY,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("line 1: `<` inside an array is not read here"),
+        "{err}"
+    );
+    // a verl command only inside a function: read, and said
+    let l = read(
+        "main() {\n  python3 -m verl.trainer.main_ppo a.b=1 \"$@\"\n}\nmain \"$@\"\n",
+        &[],
+    );
+    assert_eq!(args(&l), ["a.b=1"]);
+    assert!(
+        l.conditional
+            .as_deref()
+            .unwrap()
+            .contains("inside the function `main`"),
+        "{:?}",
+        l.conditional
+    );
 }
