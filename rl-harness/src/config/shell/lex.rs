@@ -243,7 +243,8 @@ impl Lexer<'_> {
             .find(|c| *c != ' ' && *c != '\t')
     }
 
-    /// After `&&`, `||` or `|`: the command goes on past newlines and comments.
+    /// Blanks, newlines, continuations and comments (after `&&`, `||` or `|` the command goes
+    /// on past them; so does an array's list).
     fn skip_to_operand(&mut self) {
         loop {
             match self.peek(0) {
@@ -351,18 +352,8 @@ impl Lexer<'_> {
                     self.i += 1;
                     return Ok(items);
                 }
-                Some(' ' | '\t' | '\r' | '\n') => {
-                    self.bump();
-                }
-                Some('\\') if self.peek(1) == Some('\n') => {
-                    self.i += 1;
-                    self.bump();
-                }
-                Some('#') => {
-                    while self.peek(0).is_some_and(|c| c != '\n') {
-                        self.i += 1;
-                    }
-                }
+                Some(' ' | '\t' | '\r' | '\n' | '#') => self.skip_to_operand(),
+                Some('\\') if self.peek(1) == Some('\n') => self.skip_to_operand(),
                 Some(c) => {
                     let w = self.word()?;
                     if w.is_empty() {
