@@ -53,8 +53,17 @@ const ENTRY_POINTS: &[(&str, &str)] = &[
 /// `key.path` -> the value as written.
 pub(super) type Pairs = Vec<(String, String)>;
 
+/// The value `pairs` give `key` last, as written.
+pub(super) fn last<'a>(pairs: &'a Pairs, key: &str) -> Option<&'a str> {
+    pairs
+        .iter()
+        .rev()
+        .find(|(k, _)| k == key)
+        .map(|(_, v)| v.as_str())
+}
+
 /// Translates `text`: verl's resolved YAML config when `yaml`, else a command line or a script
-/// (read as bash runs it with no arguments, its variables from the script and `env`).
+/// (read as bash runs it, with `env`'s environment, directory and arguments).
 pub fn translate(text: &str, yaml: bool, env: ShellEnv<'_>) -> Result<Translation> {
     let mut t = Translation::default();
     let mut expanded = std::collections::BTreeMap::new();
@@ -339,11 +348,8 @@ fn foreign_verdict(o: &Override, pairs: &Pairs, disabled: &[String]) -> Verdict 
     if o.key == "reward_model.reward_kwargs.max_resp_len" {
         // verl's DAPO manager measures the overlong penalty against it; here the run's
         // maximum response length is that measure
-        let max = pairs
-            .iter()
-            .rev()
-            .find(|(k, _)| k == "data.max_response_length")
-            .and_then(|(_, raw)| verl::parse_value(raw))
+        let max = last(pairs, "data.max_response_length")
+            .and_then(verl::parse_value)
             .and_then(|v| v.as_integer())
             .unwrap_or(rl_data::DataConfig::default().max_response_length as i64);
         let given = o.value.as_ref().and_then(|v| v.as_integer());
@@ -363,11 +369,7 @@ fn foreign_verdict(o: &Override, pairs: &Pairs, disabled: &[String]) -> Verdict 
         // verl's newer workers clip by the optimiser's `clip_grad`, its older ones by the
         // group's `grad_clip`: this harness has the latter, so the two must agree
         let clip_key = format!("{group}.grad_clip");
-        let clip = pairs
-            .iter()
-            .rev()
-            .find(|(k, _)| *k == clip_key)
-            .and_then(|(_, raw)| verl::parse_value(raw));
+        let clip = last(pairs, &clip_key).and_then(verl::parse_value);
         let as_f64 = |v: Option<&toml::Value>| match v {
             Some(toml::Value::Float(f)) => Some(*f),
             Some(toml::Value::Integer(i)) => Some(*i as f64),

@@ -1,10 +1,12 @@
-//! A verl launch script read as bash runs it with no arguments, as far as its verl command:
-//! the variables it sets (plain, `export`ed, arrays, `${x:-default}`, `$((...))`), the
-//! `if`/`elif`/`else` branches whose conditions are tests of strings and numbers, and the
-//! arguments of the first command that runs verl's entry point, expanded. Nothing is executed:
-//! another command's output, a branch whose condition is not a test, a loop or `case`, a
-//! function's body, or a file the script `source`s is not followed, and a variable that depends
-//! on one is reported as unknown with the reason, never guessed.
+//! A verl launch script read as bash runs it (with the arguments and environment [`Env`]
+//! gives), as far as its verl command: the variables it sets (plain, `export`ed, arrays,
+//! `${x:-default}`, `$((...))`), the `if`/`elif`/`else` branches whose conditions are tests of
+//! strings and numbers, and the arguments of the first command that runs verl's entry point,
+//! expanded. Nothing is executed: another command's output, a branch whose condition is not a
+//! test, a loop or `case`, a function's body, or a file the script `source`s is not followed,
+//! and a variable that depends on one is reported as unknown with the reason, never guessed
+//! (after a `source` or `eval`, a variable the script never sets is unknown; one it set before
+//! is taken as it set it).
 
 mod expand;
 mod lex;
@@ -225,15 +227,15 @@ impl Reader<'_, '_> {
                             prior: Prior::No,
                         });
                     }
-                    let words: Vec<(String, usize)> = items
+                    let words: Vec<String> = items
                         .by_ref()
                         .take_while(|i| !matches!(i, Tok::Word(w, _) if w == "then"))
                         .filter_map(|i| match i {
-                            Tok::Word(w, l) => Some((w, l)),
+                            Tok::Word(w, _) => Some(w),
                             _ => None,
                         })
                         .collect();
-                    let text = words.iter().map(|(w, _)| w.as_str()).collect::<Vec<_>>();
+                    let text = words.iter().map(String::as_str).collect::<Vec<_>>();
                     let cond = self.test(&text);
                     if let Some(Frame::If {
                         testing,
@@ -693,37 +695,30 @@ impl Reader<'_, '_> {
             Some((&"!", rest)) if double => (true, rest),
             _ => (false, body),
         };
+        // an unset variable reads as empty in a test (`[ -z "$X" ]`)
         self.shell.unset_is_empty = true;
-        let read = self.test_args(body, double);
+        let result = self.test_body(body, double);
         self.shell.unset_is_empty = false;
-        let read = read.ok()?;
-        let args: Vec<&str> = read.iter().map(String::as_str).collect();
-        let result = match (double, args.as_slice()) {
-            // `[[ $x == pat* ]]`: the right side is a pattern, but for its quoted parts
-            (true, [l, op @ ("=" | "==" | "!="), _]) => {
-                self.shell.unset_is_empty = true;
-                let p = self.shell.pattern(body[2]);
-                self.shell.unset_is_empty = false;
-                let p: Vec<char> = p.ok()?.chars().collect();
-                let matched = glob(&p, &l.chars().collect::<Vec<_>>());
-                Some(matched == (*op != "!="))
-            }
-            _ => eval_test(&read),
-        }?;
-        Some(result != negate)
+        Some(result? != negate)
     }
 
-    /// A test's operands, expanded (`[[ ]]` splits no word).
-    fn test_args(&mut self, body: &[&str], double: bool) -> Result<Vec<String>, String> {
+    /// A test's operands expanded (`[[ ]]` splits no word) and evaluated.
+    fn test_body(&mut self, body: &[&str], double: bool) -> Option<bool> {
+        // `[[ $x == pat* ]]`: the right side is a pattern, but for its quoted parts
+        if double && let [l, op @ ("=" | "==" | "!="), r] = body {
+            let l: Vec<char> = self.shell.string(l).ok()?.chars().collect();
+            let p: Vec<char> = self.shell.pattern(r).ok()?.chars().collect();
+            return Some(glob(&p, &l) == (*op != "!="));
+        }
         let mut args = Vec::new();
         for raw in body {
             if double {
-                args.push(self.shell.string(raw)?);
+                args.push(self.shell.string(raw).ok()?);
             } else {
-                args.extend(self.shell.fields(raw)?);
+                args.extend(self.shell.fields(raw).ok()?);
             }
         }
-        Ok(args)
+        eval_test(&args)
     }
 }
 

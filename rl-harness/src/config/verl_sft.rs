@@ -11,7 +11,7 @@
 
 use std::collections::BTreeMap;
 
-use super::from_verl::Pairs;
+use super::from_verl::{Pairs, last};
 use super::verl::parse_value;
 
 /// verl's SFT keys renamed to this harness's, with a word on each where it helps.
@@ -366,15 +366,6 @@ pub(super) fn to_harness_keys(kind: SftTrainer, pairs: &Pairs) -> SftKeys {
         );
     }
     out
-}
-
-/// The value `pairs` give `key` last, as written.
-fn last<'a>(pairs: &'a Pairs, key: &str) -> Option<&'a str> {
-    pairs
-        .iter()
-        .rev()
-        .find(|(k, _)| k == key)
-        .map(|(_, v)| v.as_str())
 }
 
 /// `key` (`model.fsdp_config.model_dtype`, or the engine's `engine.model_dtype`), the dtype
