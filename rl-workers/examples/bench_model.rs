@@ -8,8 +8,9 @@
 //! `n = 8` (one prefill per prompt shared by its samples); `BENCH_FWD_BWD=0` skips the
 //! forward+backward; `BENCH_FUSED=1` runs the forward+backward through the fused head
 //! (`rl_workers::fused_head`, verl's `use_fused_kernels`). The machine's matmul rate is probed
-//! right before and after the greedy generation (`greedy_probe_before`/`_after`, see
-//! [`matmul_rate`]) for the script's floor; `BENCH_PROBE=0` skips that (for profiling).
+//! right before and after each generation (`greedy_probe_before`/`_after`,
+//! `sampled_probe_before`/`_after`, see [`matmul_rate`]) for the script's floors;
+//! `BENCH_PROBE=0` skips that (for profiling).
 
 use std::time::Instant;
 
@@ -145,10 +146,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         };
         let mut opts = GenerateOptions::from_config(lm.config());
         opts.seed = 1234;
-        let probe_rows = input_ids.size()[0];
-        let probing = name == "greedy" && flag("BENCH_PROBE", true)?;
+        // the rows each decode step computes: every prompt's n samples
+        let probe_rows = input_ids.size()[0] * n;
+        let probing = flag("BENCH_PROBE", true)?;
         if probing {
-            report.insert("greedy_probe_before".to_owned(), probe(probe_rows));
+            report.insert(format!("{name}_probe_before"), probe(probe_rows));
         }
         if warm {
             // a rollout in a training loop is never the process's first: the same generation
@@ -167,7 +169,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let out = generate(&lm, &input_ids, &mask, &pos, &cfg, &mut opts)?;
         let secs = start.elapsed().as_secs_f64();
         if probing {
-            report.insert("greedy_probe_after".to_owned(), probe(probe_rows));
+            report.insert(format!("{name}_probe_after"), probe(probe_rows));
         }
         let tokens = out.response_mask.sum(Kind::Float).double_value(&[]);
         report.insert(format!("{name}_seconds"), secs.into());
