@@ -347,19 +347,18 @@ def main():
         load_hf = os.getloadavg()
         hf = json.loads(subprocess.run(hf_cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
         fl = floor(args.threads)
-        greedy_rows = rust.pop("greedy_responses")
-        same = cut(greedy_rows) == cut(hf.pop("greedy_responses"))
+        same = cut(rust.pop("greedy_responses")) == cut(hf.pop("greedy_responses"))
         gen_rows = len(questions) * args.samples
         m = 64 if gen_rows >= 64 else 32
         prompt_width = max(len(r) for r in rows)
         prompt_tokens = sum(len(r) for r in rows)
 
-        def gen_floor(dec_rate, prefill_rate, prefill_positions, decode_forwards, decode_steps):
+        def gen_floor(dec_rate, prefill_rate, prefill_rows, prefill_positions, decode_forwards, decode_steps):
             """Seconds the machine needs for a generation's products at the measured rates: the
             prefill (the decoder at every position, the head at each row's last) at the many-row
             rate, then the decode forwards (decoder and head) at the decode's row-count rate, or
             streaming the f32 weights once a step at the copy bandwidth, whichever is slower."""
-            prefill = 2 * (body * prefill_positions + head * gen_rows) / (prefill_rate * 1e9)
+            prefill = 2 * (body * prefill_positions + head * prefill_rows) / (prefill_rate * 1e9)
             decode = max(2 * (body + head) * decode_forwards / (dec_rate * 1e9),
                          4 * (body + head) * decode_steps / (fl["copy_gb_per_s"] * 1e9))
             return prefill + decode
@@ -383,9 +382,10 @@ def main():
                      for k in (f"matmul_gflops_m{m}", "matmul_gflops_m2048")}
             best = {k: max(v, fl[k]) for k, v in rates.items()}
             # the prompts a generation prefills: greedy's n copies of each, sampled's each once
-            copies = args.samples if name == "greedy" else 1
-            batch = (len(questions) * copies * prompt_width, gen_rows * (args.new_tokens - 1), args.new_tokens - 1)
-            tokens = (prompt_tokens * copies, rust[f"{name}_tokens"] - gen_rows, args.new_tokens - 1)
+            prefilled = len(questions) * (args.samples if name == "greedy" else 1)
+            batch = (prefilled, prefilled * prompt_width, gen_rows * (args.new_tokens - 1), args.new_tokens - 1)
+            tokens = (prefilled, prompt_tokens * prefilled // len(questions), rust[f"{name}_tokens"] - gen_rows,
+                      args.new_tokens - 1)
             at = lambda r, work: gen_floor(r[f"matmul_gflops_m{m}"], r["matmul_gflops_m2048"], *work)
             floors[name] = {
                 "probe_before": before, "probe_after": after,
@@ -395,8 +395,6 @@ def main():
                 "best_floor_seconds": at(best, batch),
                 "token_floor_seconds": at(rates, tokens),
             }
-        before, after = floors["greedy"]["probe_before"], floors["greedy"]["probe_after"]
-        gen_floor_s = floors["greedy"]["floor_seconds"]
         one = {
             "rust": rust, "transformers": hf, "floor": fl,
             "load_avg_before_rust": load_rust, "load_avg_before_transformers": load_hf,
@@ -419,10 +417,11 @@ def main():
                 "fwd_bwd_rust_over_floor": rust["fwd_bwd_seconds"] / fb_floor,
             })
         rounds.append(one)
+        g = floors["greedy"]
         print(f"round {r + 1}/{args.rounds}: load {load_rust[0]:.2f} / {load_hf[0]:.2f}, greedy "
               f"{rust['greedy_seconds']:.2f} s vs {hf['greedy_seconds']:.2f} s, {m}-row rate around ours "
-              f"{before[f'matmul_gflops_m{m}']:.0f} / {after[f'matmul_gflops_m{m}']:.0f} GFLOP/s, "
-              f"floor {gen_floor_s:.2f} s (tokens' {floors['greedy']['token_floor_seconds']:.2f} s)", file=sys.stderr)
+              f"{g['probe_before'][f'matmul_gflops_m{m}']:.0f} / {g['probe_after'][f'matmul_gflops_m{m}']:.0f} GFLOP/s, "
+              f"floor {g['floor_seconds']:.2f} s (tokens' {g['token_floor_seconds']:.2f} s)", file=sys.stderr)
 
     summary = {
         "params": params, "rounds": rounds, "threads": args.threads, "new_tokens": args.new_tokens,
