@@ -1,6 +1,8 @@
 //! Writes `rl-workers/tests/fixtures/peft/ours/` (a LoRA adapter in PEFT's format, by our
 //! writer) and `merged/` (the merged export, a plain Hugging Face folder) over the tiny-llama
-//! fixture, for PEFT and transformers to load (see that folder's `make_peft_fixtures.py`).
+//! fixture, and `ours_head/` and `merged_head/` (adapters on every linear layer and the head)
+//! over tiny-qwen2, whose head is tied to the embedding, for PEFT and transformers to load (see
+//! that folder's `make_peft_fixtures.py`).
 //!
 //! `cargo run -p rl-workers --example lora_fixture`
 
@@ -9,15 +11,14 @@ use std::path::Path;
 use rl_workers::{CausalLm, LoraConfig, TargetModules, seeded};
 use tch::{Device, Kind, Tensor};
 
-fn main() -> rl_workers::Result<()> {
-    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
-    let lm = seeded(22, || -> rl_workers::Result<CausalLm> {
-        let mut lm =
-            CausalLm::from_pretrained(fixtures.join("tiny-llama"), Device::Cpu, Kind::Float)?;
+/// `base` with rank-4 adapters on `targets`, their B drawn (a fresh B is zero).
+fn adapted(base: &Path, targets: TargetModules) -> rl_workers::Result<CausalLm> {
+    seeded(22, || -> rl_workers::Result<CausalLm> {
+        let mut lm = CausalLm::from_pretrained(base, Device::Cpu, Kind::Float)?;
         lm.add_lora(&LoraConfig {
             rank: 4,
             alpha: 8.0,
-            target_modules: TargetModules::AllLinear,
+            target_modules: targets,
             exclude_modules: Vec::new(),
             dropout: 0.0,
             use_rslora: false,
@@ -33,14 +34,36 @@ fn main() -> rl_workers::Result<()> {
             }
         });
         Ok(lm)
-    })?;
+    })
+}
+
+fn main() -> rl_workers::Result<()> {
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
     let out = fixtures.join("peft");
-    lm.save_adapter(out.join("ours"), Some("tiny-llama"))?;
-    lm.save_pretrained(out.join("merged"))?;
-    println!(
-        "wrote {} and {}",
-        out.join("ours").display(),
-        out.join("merged").display()
-    );
+    let head: Vec<String> = [
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+        "lm_head",
+    ]
+    .map(str::to_owned)
+    .to_vec();
+    for (base, targets, suffix) in [
+        ("tiny-llama", TargetModules::AllLinear, ""),
+        ("tiny-qwen2", TargetModules::Names(head), "_head"),
+    ] {
+        let lm = adapted(&fixtures.join(base), targets)?;
+        let (adapter, merged) = (
+            out.join(format!("ours{suffix}")),
+            out.join(format!("merged{suffix}")),
+        );
+        lm.save_adapter(&adapter, Some(base))?;
+        lm.save_pretrained(&merged)?;
+        println!("wrote {} and {}", adapter.display(), merged.display());
+    }
     Ok(())
 }

@@ -247,18 +247,46 @@ mod tests {
     use crate::Config;
     use tch::Device;
 
-    fn tiny(tied: bool) -> CausalLm {
+    /// A tiny model; with `lora`, adapters on the query projections and the head, their B
+    /// drawn (a fresh B is zero).
+    fn tiny(tied: bool, lora: bool) -> CausalLm {
         let mut cfg = Config::tiny();
         cfg.vocab_size = 97;
         cfg.tie_word_embeddings = tied;
-        crate::seeded(3, || CausalLm::new(&cfg, Device::Cpu, Kind::Float).unwrap())
+        crate::seeded(3, || {
+            let mut lm = CausalLm::new(&cfg, Device::Cpu, Kind::Float).unwrap();
+            if lora {
+                lm.add_lora(&crate::LoraConfig {
+                    rank: 4,
+                    alpha: 8.0,
+                    target_modules: crate::TargetModules::Names(vec![
+                        "q_proj".into(),
+                        "lm_head".into(),
+                    ]),
+                    exclude_modules: Vec::new(),
+                    dropout: 0.0,
+                    use_rslora: false,
+                })
+                .unwrap();
+                tch::no_grad(|| {
+                    for (name, mut t) in lm.var_store().variables() {
+                        if name.contains(".lora_B.") {
+                            t.copy_(&(Tensor::randn_like(&t) * 0.05));
+                        }
+                    }
+                });
+            }
+            lm
+        })
     }
 
+    /// The gradients of the variables that train.
     fn grads(lm: &CausalLm) -> Vec<(String, Tensor)> {
         let mut v: Vec<(String, Tensor)> = lm
             .var_store()
             .variables()
             .into_iter()
+            .filter(|(_, t)| t.requires_grad())
             .map(|(k, t)| (k, t.grad().copy()))
             .collect();
         v.sort_by(|a, b| a.0.cmp(&b.0));
@@ -272,11 +300,21 @@ mod tests {
     }
 
     /// The fused head gives the plain path's log-probs, entropies and every parameter's
-    /// gradient (a loss mixing both, a temperature, more rows than one chunk holds).
+    /// gradient (a loss mixing both, a temperature, more rows than one chunk holds), with and
+    /// without a LoRA adapter on the head.
     #[test]
     fn fused_head_matches_the_plain_head_in_values_and_gradients() {
-        for tied in [true, false] {
-            let lm = tiny(tied);
+        for (tied, lora) in [(true, false), (false, false), (true, true), (false, true)] {
+            let lm = tiny(tied, lora);
+            if lora {
+                let trained = lm
+                    .var_store()
+                    .variables()
+                    .values()
+                    .filter(|t| t.requires_grad())
+                    .count();
+                assert_eq!(trained, 2 * 2 + 2, "q_proj's and the head's A and B");
+            }
             let (b, t) = (3, 9);
             // the global generator is shared with the other tests of the process: hold it
             let (ids, labels, weights) = crate::seeded(4, || {
@@ -325,7 +363,7 @@ mod tests {
                 let scale = a.abs().max().double_value(&[]).max(1e-3);
                 assert!(
                     diff <= 1e-5 * scale,
-                    "tied={tied} {name}: gradients differ by {diff} (scale {scale})"
+                    "tied={tied} lora={lora} {name}: gradients differ by {diff} (scale {scale})"
                 );
             }
         }

@@ -154,6 +154,8 @@ pub struct CausalLm {
     vs: VarStore,
     model: Model,
     lm_head: Option<Linear>,
+    /// A LoRA adapter on the head (`lm_head` in `target_modules`), tied or not.
+    head_lora: Option<lora::Adapter>,
     lora: Option<Attached>,
 }
 
@@ -179,8 +181,18 @@ fn no_adapter() -> Error {
 }
 
 /// LoRA on a model of this crate: the adapters are attached to the decoder stack's linear
-/// layers (`model.*`); a classification head trains in full beside them.
+/// layers (`model.*`) and, where `target_modules` names it, a language model's `lm_head`; a
+/// classification head trains in full beside them. The model's `lora_slots` says which layers
+/// can take one.
 macro_rules! lora_methods {
+    ($task:literal, $keep:expr, decoder_only) => {
+        lora_methods!($task, $keep);
+
+        /// The layers that can take an adapter: the decoder stack's.
+        fn lora_slots(&mut self) -> (&VarStore, Vec<lora::Slot<'_>>) {
+            (&self.vs, lora::decoder_slots(&mut self.model, "model"))
+        }
+    };
     ($task:literal, $keep:expr) => {
         /// Adds LoRA adapters (PEFT's initialisation: the model computes exactly what it did)
         /// and freezes the base weights; only the adapters (and a classification head) train.
@@ -201,14 +213,11 @@ macro_rules! lora_methods {
                     "the model has adapters already".to_owned(),
                 ));
             }
-            self.lora = Some(lora::attach(
-                &self.vs,
-                &mut self.model,
-                "model",
-                cfg,
-                $keep,
-                kind,
-            )?);
+            let attached = {
+                let (vs, slots) = self.lora_slots();
+                lora::attach(vs, slots, cfg, $keep, kind)?
+            };
+            self.lora = Some(attached);
             Ok(())
         }
 
@@ -291,6 +300,31 @@ macro_rules! lora_methods {
 impl CausalLm {
     lora_methods!("CAUSAL_LM", &[]);
 
+    /// The layers that can take an adapter: the decoder stack's and `lm_head` (whose weight is
+    /// the embedding's where tied).
+    fn lora_slots(&mut self) -> (&VarStore, Vec<lora::Slot<'_>>) {
+        let cfg = self.model.config();
+        let shape = [cfg.vocab_size, cfg.hidden_size];
+        let weight = if self.lm_head.is_some() {
+            format!("{}.weight", lora::HEAD)
+        } else {
+            "model.embed_tokens.weight".to_owned()
+        };
+        let mut slots = lora::decoder_slots(&mut self.model, "model");
+        slots.push(lora::Slot {
+            name: lora::HEAD.to_owned(),
+            shape,
+            weight,
+            adapter: &mut self.head_lora,
+        });
+        (&self.vs, slots)
+    }
+
+    /// Whether `lm_head` has a LoRA adapter.
+    pub fn head_adapted(&self) -> bool {
+        self.head_lora.is_some()
+    }
+
     /// A base model from `dir` with the PEFT adapter of `adapter_dir` (its
     /// `adapter_config.json` says where the adapters go).
     pub fn from_pretrained_with_adapter(
@@ -338,6 +372,7 @@ impl CausalLm {
             vs,
             model,
             lm_head,
+            head_lora: None,
             lora: None,
         })
     }
@@ -355,11 +390,16 @@ impl CausalLm {
     }
 
     /// Writes `config.json` (architectures `*ForCausalLM`) and `model.safetensors`, loadable by
-    /// transformers' `from_pretrained`; LoRA adapters are merged into the weights.
+    /// transformers' `from_pretrained`; LoRA adapters are merged into the weights (an adapted
+    /// head tied to the embedding is written as a head of its own, untied).
     pub fn save_pretrained(&self, dir: impl AsRef<Path>) -> Result<()> {
         let dir = dir.as_ref();
         self.model.check_whole()?;
-        write_config(self.config(), "ForCausalLM", self.kind(), dir)?;
+        let mut cfg = self.config().clone();
+        if self.lora.as_ref().is_some_and(Attached::unties_head) {
+            cfg.tie_word_embeddings = false;
+        }
+        write_config(&cfg, "ForCausalLM", self.kind(), dir)?;
         hf::save_tensors(&export_tensors(&self.vs, self.lora.as_ref()), dir)
     }
 
@@ -515,9 +555,13 @@ impl CausalLm {
     /// # Shapes
     /// - `hidden`: `[..., hidden]`; returns `[..., vocab]`
     pub fn logits(&self, hidden: &Tensor) -> Tensor {
-        match &self.lm_head {
+        let logits = match &self.lm_head {
             Some(head) => head.forward(hidden),
             None => crate::gemm::linear(hidden, self.model.embed_tokens(), None),
+        };
+        match self.head_lora.as_ref().and_then(|a| a.delta(hidden)) {
+            Some(delta) => logits + delta,
+            None => logits,
         }
     }
 
@@ -564,7 +608,7 @@ pub struct ValueModel {
 }
 
 impl ValueModel {
-    lora_methods!("TOKEN_CLS", &["score"]);
+    lora_methods!("TOKEN_CLS", &["score"], decoder_only);
 
     /// A freshly initialised critic.
     pub fn new(cfg: &Config, device: Device, kind: Kind) -> Result<ValueModel> {
@@ -709,7 +753,7 @@ pub struct RewardModel {
 }
 
 impl RewardModel {
-    lora_methods!("SEQ_CLS", &["score"]);
+    lora_methods!("SEQ_CLS", &["score"], decoder_only);
 
     /// A freshly initialised reward model with `cfg.num_labels()` outputs.
     pub fn new(cfg: &Config, device: Device, kind: Kind) -> Result<RewardModel> {

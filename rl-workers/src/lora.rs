@@ -31,6 +31,9 @@ pub const ADAPTER_CONFIG: &str = "adapter_config.json";
 pub const ADAPTER_WEIGHTS: &str = "adapter_model.safetensors";
 /// The prefix PEFT gives every tensor name of a saved adapter.
 const PEFT_PREFIX: &str = "base_model.model.";
+/// A causal language model's output layer, as PEFT names it: adapted only where
+/// `target_modules` names it (`"all-linear"` leaves it out, as PEFT's does).
+pub const HEAD: &str = "lm_head";
 
 /// Which linear layers get adapters (PEFT's `target_modules`).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -42,6 +45,9 @@ pub enum TargetModules {
     AllLinear,
     /// Layers whose name equals one of these or ends with `.` and one of these (PEFT's rule:
     /// `q_proj` is every layer's query projection, `layers.0.self_attn.q_proj` one of them).
+    /// A causal language model's output layer is `lm_head` ([`HEAD`]), tied to the embedding
+    /// or not: its adapter changes the logits only, never the input embedding (PEFT's
+    /// behaviour without `ensure_weight_tying`).
     Names(Vec<String>),
 }
 
@@ -222,13 +228,48 @@ fn dropout_mask(shape: &[i64], p: f64, seed: u64, id: u64, like: &Tensor) -> Ten
         .view(shape)
 }
 
-/// A model's adapters: the configuration, the shared switch, and the targeted layers' names
-/// (relative to the VarStore root, e.g. `model.layers.0.self_attn.q_proj`).
+/// A layer that can take an adapter: its name relative to the VarStore root
+/// (`model.layers.0.self_attn.q_proj`, `lm_head`), its weight's `[out, in]`, the variable
+/// holding that weight (`<name>.weight`, or the embedding for a tied `lm_head`), and where
+/// its adapter goes.
+pub(crate) struct Slot<'a> {
+    pub(crate) name: String,
+    pub(crate) shape: [i64; 2],
+    pub(crate) weight: String,
+    pub(crate) adapter: &'a mut Option<Adapter>,
+}
+
+/// The linear layers of the decoder stack `model`, built under `vs.root() / prefix`, as
+/// [`Slot`]s.
+pub(crate) fn decoder_slots<'a>(model: &'a mut Model, prefix: &str) -> Vec<Slot<'a>> {
+    model
+        .linears_mut()
+        .into_iter()
+        .map(|(n, linear)| {
+            let size = linear.weight.size();
+            Slot {
+                name: format!("{prefix}.{n}"),
+                shape: [size[0], size[1]],
+                weight: format!("{prefix}.{n}.weight"),
+                adapter: &mut linear.lora,
+            }
+        })
+        .collect()
+}
+
+/// A targeted layer: its name and the variable holding its base weight (see [`Slot`]).
+#[derive(Debug)]
+struct Target {
+    name: String,
+    weight: String,
+}
+
+/// A model's adapters: the configuration, the shared switch, and the targeted layers.
 #[derive(Debug)]
 pub(crate) struct Attached {
     pub(crate) cfg: LoraConfig,
     switch: Arc<LoraSwitch>,
-    targets: Vec<String>,
+    targets: Vec<Target>,
     /// Trained in full beside the adapters (PEFT's `modules_to_save`), e.g. `score`.
     modules_to_save: Vec<String>,
 }
@@ -248,12 +289,12 @@ fn matches(name: &str, key: &str) -> bool {
     name == key || name.ends_with(&format!(".{key}"))
 }
 
-/// The indices of `names` (full layer names, in order) that `cfg` targets: `all-linear` or
-/// PEFT's matching of `target_modules`, minus `exclude_modules`. A target matching nothing, or
-/// exclusions leaving nothing, is an error naming the key.
+/// The indices of `names` (full layer names, in order) that `cfg` targets: `all-linear` (all
+/// but [`HEAD`]) or PEFT's matching of `target_modules`, minus `exclude_modules`. A target
+/// matching nothing, or exclusions leaving nothing, is an error naming the key.
 fn select(names: &[String], cfg: &LoraConfig) -> Result<Vec<usize>> {
     let mut chosen: Vec<usize> = match &cfg.target_modules {
-        TargetModules::AllLinear => (0..names.len()).collect(),
+        TargetModules::AllLinear => (0..names.len()).filter(|&i| names[i] != HEAD).collect(),
         TargetModules::Names(keys) => {
             let mut chosen = Vec::new();
             for key in keys {
@@ -298,42 +339,48 @@ fn select(names: &[String], cfg: &LoraConfig) -> Result<Vec<usize>> {
 
 /// The layers `lora` puts adapters on in a model of `config`, computed from the config alone
 /// by the same rules as [`CausalLm::add_lora`](crate::CausalLm::add_lora) (what `harness plan`
-/// counts).
-pub fn targets(config: &crate::Config, lora: &LoraConfig) -> Result<Vec<crate::LinearShape>> {
+/// counts); `lm_head` is a candidate where `head` (a causal language model, not a critic).
+pub fn targets(
+    config: &crate::Config,
+    lora: &LoraConfig,
+    head: bool,
+) -> Result<Vec<crate::LinearShape>> {
     lora.validate("lora")?;
-    let layers = config.linear_layers();
+    let mut layers = config.linear_layers();
+    if head {
+        layers.push(crate::LinearShape {
+            name: HEAD.to_owned(),
+            in_dim: config.hidden_size,
+            out_dim: config.vocab_size,
+            bias: false,
+        });
+    }
     let names: Vec<String> = layers.iter().map(|l| l.name.clone()).collect();
     let chosen = select(&names, lora)?;
     Ok(chosen.into_iter().map(|i| layers[i].clone()).collect())
 }
 
-/// Adds adapters to the linear layers of `model` (built under `vs.root() / prefix`) that `cfg`
-/// targets, freezes every other variable of `vs` except those under `modules_to_save`, and
-/// returns what was attached. Adapters are drawn in float32, then cast to `kind`.
+/// Adds adapters to the layers of `slots` (of the model whose variables `vs` holds) that
+/// `cfg` targets, freezes every other variable of `vs` except those under `modules_to_save`,
+/// and returns what was attached. Adapters are drawn in float32, then cast to `kind`.
 pub(crate) fn attach(
     vs: &VarStore,
-    model: &mut Model,
-    prefix: &str,
+    mut slots: Vec<Slot<'_>>,
     cfg: &LoraConfig,
     modules_to_save: &[&str],
     kind: Kind,
 ) -> Result<Attached> {
     cfg.validate("lora")?;
     let switch = Arc::new(LoraSwitch::new());
-    let mut linears = model.linears_mut();
-    let names: Vec<String> = linears
-        .iter()
-        .map(|(n, _)| format!("{prefix}.{n}"))
-        .collect();
+    let names: Vec<String> = slots.iter().map(|s| s.name.clone()).collect();
     let chosen = select(&names, cfg)?;
     let _generator = crate::seed::hold_generator();
     let mut targets = Vec::with_capacity(chosen.len());
     for (id, &i) in chosen.iter().enumerate() {
-        let (name, linear) = &mut linears[i];
-        let full = format!("{prefix}.{name}");
-        let (out_dim, in_dim) = (linear.weight.size()[0], linear.weight.size()[1]);
+        let slot = &mut slots[i];
+        let [out_dim, in_dim] = slot.shape;
         let mut path = vs.root();
-        for segment in full.split('.') {
+        for segment in slot.name.split('.') {
             path = &path / segment;
         }
         let bound = 1.0 / (in_dim as f64).sqrt();
@@ -358,7 +405,7 @@ pub(crate) fn attach(
                 b.set_data(&b.to_kind(kind));
             });
         }
-        linear.lora = Some(Adapter {
+        *slot.adapter = Some(Adapter {
             a,
             b,
             scale: cfg.scale(),
@@ -366,7 +413,10 @@ pub(crate) fn attach(
             id: id as u64,
             switch: switch.clone(),
         });
-        targets.push(full);
+        targets.push(Target {
+            name: slot.name.clone(),
+            weight: slot.weight.clone(),
+        });
     }
     for (name, t) in vs.variables() {
         if !is_trained(&name, modules_to_save) {
@@ -417,26 +467,34 @@ impl Attached {
 
     /// The base model's tensors with each adapter merged in (`W + scale · B·A`, computed in
     /// float32 and cast back to `W`'s dtype) and without the adapter tensors: a plain Hugging
-    /// Face checkpoint.
+    /// Face checkpoint. An adapted head tied to the embedding becomes an `lm_head.weight` of
+    /// its own beside the unchanged embedding ([`Attached::unties_head`]).
     pub(crate) fn merged(&self, vs: &VarStore) -> Vec<(String, Tensor)> {
         let _guard = tch::no_grad_guard();
         let vars: BTreeMap<String, Tensor> = vs.variables().into_iter().collect();
         let scale = self.cfg.scale();
-        vars.iter()
+        let mut out: BTreeMap<String, Tensor> = vars
+            .iter()
             .filter(|(n, _)| !n.contains(".lora_A.") && !n.contains(".lora_B."))
-            .map(|(name, t)| {
-                let layer = name.strip_suffix(".weight").unwrap_or("");
-                let t = if self.targets.iter().any(|l| l == layer) {
-                    let a = &vars[&format!("{layer}.lora_A.weight")];
-                    let b = &vars[&format!("{layer}.lora_B.weight")];
-                    let delta = b.to_kind(Kind::Float).matmul(&a.to_kind(Kind::Float)) * scale;
-                    (t.to_kind(Kind::Float) + delta).to_kind(t.kind())
-                } else {
-                    t.detach()
-                };
-                (name.clone(), t)
-            })
-            .collect()
+            .map(|(n, t)| (n.clone(), t.detach()))
+            .collect();
+        for Target { name, weight } in &self.targets {
+            let a = &vars[&format!("{name}.lora_A.weight")];
+            let b = &vars[&format!("{name}.lora_B.weight")];
+            let w = &vars[weight];
+            let delta = b.to_kind(Kind::Float).matmul(&a.to_kind(Kind::Float)) * scale;
+            let merged = (w.to_kind(Kind::Float) + delta).to_kind(w.kind());
+            out.insert(format!("{name}.weight"), merged);
+        }
+        out.into_iter().collect()
+    }
+
+    /// Whether an adapter sits on a head whose weight is the embedding: the merged export
+    /// then has a head of its own (`tie_word_embeddings` false).
+    pub(crate) fn unties_head(&self) -> bool {
+        self.targets
+            .iter()
+            .any(|t| t.weight != format!("{}.weight", t.name))
     }
 
     /// The `target_modules` PEFT records: the targeted layers' short names (`q_proj`, ...),
@@ -445,7 +503,7 @@ impl Attached {
         let mut names: Vec<String> = self
             .targets
             .iter()
-            .map(|t| t.rsplit('.').next().unwrap_or(t).to_owned())
+            .map(|t| t.name.rsplit('.').next().unwrap_or(&t.name).to_owned())
             .collect();
         names.sort();
         names.dedup();
@@ -533,6 +591,9 @@ impl Attached {
                 (n, t)
             })
             .collect();
+        let mut file = file;
+        let _guard = tch::no_grad_guard();
+        self.check_saved_bases(vs, &path, &mut file)?;
         let vars = self.saved_vars(vs);
         if let Some(extra) = file.keys().find(|n| !vars.contains_key(*n)) {
             return Err(Error::format(
@@ -543,7 +604,6 @@ impl Attached {
                 ),
             ));
         }
-        let _guard = tch::no_grad_guard();
         for (name, var) in vars {
             let t = file.get(&name).ok_or_else(|| Error::MissingTensor {
                 path: path.display().to_string(),
@@ -559,6 +619,44 @@ impl Attached {
             }
             var.shallow_clone()
                 .f_copy_(&t.to_kind(var.kind()).to_device(var.device()))?;
+        }
+        Ok(())
+    }
+}
+
+impl Attached {
+    /// Takes out of `file` the base weights PEFT saves beside an adapter on an embedding-like
+    /// layer (`lm_head.base_layer.weight`: its `save_embedding_layers`, on whenever `lm_head` is
+    /// targeted), after checking each equals the base weight this model holds: an adapter saved
+    /// over other base weights (a resized vocabulary, another model) is refused naming the
+    /// tensor, never applied to the wrong base.
+    fn check_saved_bases(
+        &self,
+        vs: &VarStore,
+        path: &Path,
+        file: &mut BTreeMap<String, Tensor>,
+    ) -> Result<()> {
+        let vars = vs.variables();
+        for Target { name, weight } in &self.targets {
+            let key = format!("{name}.base_layer.weight");
+            let Some(saved) = file.remove(&key) else {
+                continue;
+            };
+            let ours = &vars[weight];
+            let same = saved.size() == ours.size()
+                // in the model's dtype: a bfloat16 base is PEFT's float32 one rounded
+                && saved
+                    .to_kind(ours.kind())
+                    .to_device(ours.device())
+                    .equal(ours);
+            if !same {
+                return Err(Error::format(
+                    path,
+                    format!(
+                        "holds `{PEFT_PREFIX}{key}`, a base weight that differs from this model's `{weight}`: the adapter was saved over another base (a resized vocabulary?); load it over the model it was made for"
+                    ),
+                ));
+            }
         }
         Ok(())
     }
@@ -587,6 +685,8 @@ pub fn read_adapter_config(dir: &Path) -> Result<LoraConfig> {
         ("fan_in_fan_out", Value::Bool(false)),
         ("bias", Value::from("none")),
         ("lora_bias", Value::Bool(false)),
+        // adapters shared by a tied embedding and head: ours adapt the head only
+        ("ensure_weight_tying", Value::Bool(false)),
     ];
     for (key, want) in unsupported {
         if let Some(v) = get(key)

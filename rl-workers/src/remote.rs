@@ -120,6 +120,15 @@ impl RemoteEngine {
     /// Writes `lm`'s weights and has every server load them, checking what each one holds;
     /// `version` is the weight version vLLM records (the step).
     pub fn sync(&mut self, lm: &CausalLm, version: u64) -> Result<()> {
+        if lm.head_adapted() && lm.config().tie_word_embeddings {
+            return Err(Error::invalid(
+                "actor_rollout_ref.model.target_modules",
+                "`lm_head` with tied embeddings: the merged weights give the head a weight of its \
+                 own, which a server holding the tied model cannot load; leave lm_head out or \
+                 use the built-in rollout"
+                    .to_owned(),
+            ));
+        }
         lm.save_pretrained(&self.sync_dir)?;
         let dir = std::path::absolute(&self.sync_dir).unwrap_or_else(|_| self.sync_dir.clone());
         if self.vllm {

@@ -241,6 +241,107 @@ fn merged_export_and_adapter_files_round_trip() {
     );
 }
 
+/// `lm_head` takes an adapter where `target_modules` names it (`all-linear` leaves it out, as
+/// PEFT's does), tied to the embedding or not. It adds `scale · h·Aᵀ·Bᵀ` to the logits and
+/// leaves the input embedding alone; switched off it is the base model; the adapter file names
+/// it as PEFT does; the merged export gives the head a weight of its own (untied) with the
+/// embedding unchanged, and loads back to the same logits.
+#[test]
+fn the_head_takes_an_adapter_tied_or_not_and_the_merged_export_unties_it() {
+    for tied in [true, false] {
+        let mut cfg = Config::tiny();
+        cfg.tie_word_embeddings = tied;
+        let fresh = || seeded(3, || CausalLm::new(&cfg, Device::Cpu, Kind::Float).unwrap());
+        let base = fresh();
+        let before = logits(&base);
+        let (ids, mask, pos) = inputs();
+        let hidden = tch::no_grad(|| base.model().forward(&ids, &mask, &pos, None).unwrap());
+        let mut lm = base;
+        lm.add_lora(&lora(4, TargetModules::Names(vec!["lm_head".into()])))
+            .unwrap();
+        assert!(lm.head_adapted());
+        assert!(logits(&lm).equal(&before), "a fresh B changes nothing");
+        let vars = lm.var_store().variables();
+        assert_eq!(vars["lm_head.lora_A.weight"].size(), vec![4, 32]);
+        assert_eq!(
+            vars["lm_head.lora_B.weight"].size(),
+            vec![cfg.vocab_size, 4]
+        );
+        let trained: Vec<&String> = vars
+            .iter()
+            .filter(|(_, t)| t.requires_grad())
+            .map(|(n, _)| n)
+            .collect();
+        assert_eq!(trained.len(), 2, "{trained:?}");
+        tch::no_grad(|| {
+            let mut b = vars["lm_head.lora_B.weight"].shallow_clone();
+            b.copy_(&seeded(5, || Tensor::randn_like(&b) * 0.05));
+        });
+        let (a, b) = (
+            &vars["lm_head.lora_A.weight"],
+            &vars["lm_head.lora_B.weight"],
+        );
+        let want = &before + hidden.matmul(&a.tr()).matmul(&b.tr()) * 2.0;
+        let with = logits(&lm);
+        assert!(
+            max_diff(&with, &before) > 1e-3,
+            "tied={tied}: the adapter must matter"
+        );
+        assert!(
+            max_diff(&with, &want) < 1e-5,
+            "tied={tied}: logits + scale·h·Aᵀ·Bᵀ"
+        );
+        assert!(lm.without_adapters(logits).equal(&before));
+
+        let dir = tempfile::tempdir().unwrap();
+        lm.save_pretrained(dir.path().join("merged")).unwrap();
+        let config: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(dir.path().join("merged/config.json")).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(config["tie_word_embeddings"], false, "tied={tied}");
+        let merged =
+            CausalLm::from_pretrained(dir.path().join("merged"), Device::Cpu, Kind::Float).unwrap();
+        assert!(max_diff(&logits(&merged), &with) < 1e-5, "tied={tied}");
+        let embed = "model.embed_tokens.weight";
+        assert!(merged.var_store().variables()[embed].equal(&vars[embed]));
+
+        let base_dir = dir.path().join("base");
+        fresh().save_pretrained(&base_dir).unwrap();
+        lm.save_adapter(dir.path().join("adapter"), None).unwrap();
+        let config: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(dir.path().join("adapter/adapter_config.json")).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(config["target_modules"], serde_json::json!(["lm_head"]));
+        let names: Vec<String> =
+            Tensor::read_safetensors(dir.path().join("adapter/adapter_model.safetensors"))
+                .unwrap()
+                .into_iter()
+                .map(|(n, _)| n)
+                .collect();
+        assert!(names.contains(&"base_model.model.lm_head.lora_B.weight".to_owned()));
+        let back = CausalLm::from_pretrained_with_adapter(
+            &base_dir,
+            dir.path().join("adapter"),
+            Device::Cpu,
+            Kind::Float,
+        )
+        .unwrap();
+        assert!(logits(&back).equal(&with), "tied={tied}");
+    }
+    // all-linear leaves the head out
+    let lm = adapted(TargetModules::AllLinear);
+    assert!(!lm.head_adapted());
+    // a critic has no lm_head to adapt
+    let mut critic = ValueModel::new(&Config::tiny(), Device::Cpu, Kind::Float).unwrap();
+    let e = critic
+        .add_lora(&lora(4, TargetModules::Names(vec!["lm_head".into()])))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("\"lm_head\" matches no linear layer"), "{e}");
+}
+
 #[test]
 fn peft_configs_we_cannot_run_are_refused_by_key() {
     let dir = tempfile::tempdir().unwrap();
@@ -253,6 +354,7 @@ fn peft_configs_we_cannot_run_are_refused_by_key() {
         ("bias", "\"all\""),
         ("rank_pattern", "{\"q_proj\": 8}"),
         ("layers_to_transform", "[0]"),
+        ("ensure_weight_tying", "true"),
         ("peft_type", "\"IA3\""),
     ] {
         let mut cfg: serde_json::Value = serde_json::from_str(&good).unwrap();
@@ -364,10 +466,14 @@ fn the_config_alone_names_the_layers_and_targets_the_model_builds() {
         }
         let mut lora_cfg = lora(
             2,
-            TargetModules::Names(vec!["v_proj".into(), "mlp.up_proj".into()]),
+            TargetModules::Names(vec![
+                "v_proj".into(),
+                "mlp.up_proj".into(),
+                "lm_head".into(),
+            ]),
         );
         lora_cfg.exclude_modules = vec!["layers.1.self_attn.v_proj".into()];
-        let planned = rl_workers::lora::targets(&cfg, &lora_cfg).unwrap();
+        let planned = rl_workers::lora::targets(&cfg, &lora_cfg, true).unwrap();
         lm.add_lora(&lora_cfg).unwrap();
         let mut built: Vec<String> = lm
             .var_store()
@@ -379,6 +485,8 @@ fn the_config_alone_names_the_layers_and_targets_the_model_builds() {
         let mut planned: Vec<String> = planned.into_iter().map(|l| l.name).collect();
         planned.sort();
         assert_eq!(planned, built);
-        assert_eq!(built.len(), 3);
+        assert_eq!(built.len(), 4);
+        // a critic plans (and builds) no head adapter
+        assert!(rl_workers::lora::targets(&cfg, &lora_cfg, false).is_err());
     }
 }

@@ -24,7 +24,12 @@ fn read(path: PathBuf) -> HashMap<String, Tensor> {
 /// Logits on tiny-llama's fixture inputs, and the max |difference| to `want` over real
 /// (mask = 1) positions.
 fn error(lm: &CausalLm, want: &Tensor) -> f64 {
-    let e = read(fixtures().join("tiny-llama/expected.safetensors"));
+    error_on("tiny-llama", lm, want)
+}
+
+/// [`error`] on the fixture inputs of the base model `base_name`.
+fn error_on(base_name: &str, lm: &CausalLm, want: &Tensor) -> f64 {
+    let e = read(fixtures().join(base_name).join("expected.safetensors"));
     let (ids, mask, pos) = (&e["input_ids"], &e["attention_mask"], &e["position_ids"]);
     let got = tch::no_grad(|| lm.forward(ids, mask, pos, None).unwrap());
     let diff = (got - want).abs().amax(-1, false) * mask.to_kind(Kind::Float);
@@ -102,4 +107,87 @@ fn peft_and_transformers_load_what_we_write_and_compute_what_we_compute() {
         let d = (t - &b[name]).abs().max().double_value(&[]);
         assert!(d < 1e-6, "{name}: {d}");
     }
+}
+
+/// The head sets: adapters on every linear layer and on `lm_head` of tiny-qwen2, whose head is
+/// tied to the embedding. PEFT's file holds the head's base weight too
+/// (`lm_head.base_layer.weight`, its `save_embedding_layers`), which we check against ours and
+/// skip; PEFT's own merge of a tied head changes the embedding as well, so our merged export
+/// (an untied head) is held to PEFT's adapter logits instead.
+#[test]
+fn a_head_adapter_on_a_tied_model_round_trips_with_peft_both_ways() {
+    let qwen = fixtures().join("tiny-qwen2");
+    let theirs = fixtures().join("peft/theirs_head");
+    let want = read(fixtures().join("peft/theirs_head_logits.safetensors"));
+    let lm =
+        CausalLm::from_pretrained_with_adapter(&qwen, &theirs, Device::Cpu, Kind::Float).unwrap();
+    assert!(lm.config().tie_word_embeddings && lm.head_adapted());
+    let err = error_on("tiny-qwen2", &lm, &want["adapter"]);
+    assert!(err < 1e-5, "logits differ from PEFT's by {err}");
+    let base_err = lm.without_adapters(|lm| error_on("tiny-qwen2", lm, &want["adapter"]));
+    assert!(base_err > 1e-2, "{base_err}");
+    let out = tempfile::tempdir().unwrap();
+    lm.save_pretrained(out.path().join("merged")).unwrap();
+    let merged =
+        CausalLm::from_pretrained(out.path().join("merged"), Device::Cpu, Kind::Float).unwrap();
+    assert!(!merged.config().tie_word_embeddings);
+    let err = error_on("tiny-qwen2", &merged, &want["adapter"]);
+    assert!(err < 1e-5, "merged logits differ from PEFT's by {err}");
+
+    // PEFT and transformers on what we wrote
+    let want = read(fixtures().join("peft/ours_head_logits.safetensors"));
+    let ours = fixtures().join("peft/ours_head");
+    let lm =
+        CausalLm::from_pretrained_with_adapter(&qwen, &ours, Device::Cpu, Kind::Float).unwrap();
+    let err = error_on("tiny-qwen2", &lm, &want["peft"]);
+    assert!(
+        err < 1e-5,
+        "PEFT's logits on our adapter differ from ours by {err}"
+    );
+    lm.save_adapter(out.path().join("adapter"), Some("tiny-qwen2"))
+        .unwrap();
+    for file in ["adapter_config.json", "adapter_model.safetensors"] {
+        assert_eq!(
+            std::fs::read(out.path().join("adapter").join(file)).unwrap(),
+            std::fs::read(ours.join(file)).unwrap(),
+            "{file} differs from the one PEFT loaded"
+        );
+    }
+    let committed = fixtures().join("peft/merged_head");
+    let merged = CausalLm::from_pretrained(&committed, Device::Cpu, Kind::Float).unwrap();
+    let err = error_on("tiny-qwen2", &merged, &want["transformers_merged"]);
+    assert!(
+        err < 1e-4,
+        "transformers' logits on our merged export differ by {err}"
+    );
+    let err = error_on("tiny-qwen2", &lm, &want["transformers_merged"]);
+    assert!(err < 1e-4, "adapter vs merged: {err}");
+
+    // PEFT's saved base weight must be this model's: another is refused, naming it
+    let bad = out.path().join("bad");
+    std::fs::create_dir_all(&bad).unwrap();
+    std::fs::copy(
+        theirs.join("adapter_config.json"),
+        bad.join("adapter_config.json"),
+    )
+    .unwrap();
+    let tensors: Vec<(String, Tensor)> = read(theirs.join("adapter_model.safetensors"))
+        .into_iter()
+        .map(|(n, t)| {
+            let t = if n.ends_with("lm_head.base_layer.weight") {
+                t + 0.5
+            } else {
+                t
+            };
+            (n, t)
+        })
+        .collect();
+    Tensor::write_safetensors(&tensors, bad.join("adapter_model.safetensors")).unwrap();
+    let e = CausalLm::from_pretrained_with_adapter(&qwen, &bad, Device::Cpu, Kind::Float)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("lm_head.base_layer.weight") && e.contains("model.embed_tokens.weight"),
+        "{e}"
+    );
 }

@@ -148,14 +148,19 @@ fn largest_tensor(cfg: &Config) -> i64 {
 }
 
 /// The linear layers `lora` puts adapters on: rl-workers' own selection
-/// ([`rl_workers::lora::targets`]), computed from the config.
-pub fn lora_targets(cfg: &Config, lora: &LoraConfig) -> Result<Vec<LinearShape>> {
-    Ok(rl_workers::lora::targets(cfg, lora)?)
+/// ([`rl_workers::lora::targets`]), computed from the config; `lm_head` is a candidate for a
+/// language model's `head`.
+pub fn lora_targets(cfg: &Config, lora: &LoraConfig, head: Head) -> Result<Vec<LinearShape>> {
+    Ok(rl_workers::lora::targets(
+        cfg,
+        lora,
+        matches!(head, Head::Lm),
+    )?)
 }
 
 /// Parameters of the adapters: `A` `[r, in]` and `B` `[out, r]` of each targeted layer.
-pub fn lora_params(cfg: &Config, lora: &LoraConfig) -> Result<i64> {
-    Ok(lora_targets(cfg, lora)?
+pub fn lora_params(cfg: &Config, lora: &LoraConfig, head: Head) -> Result<i64> {
+    Ok(lora_targets(cfg, lora, head)?
         .iter()
         .map(|l| lora.rank * (l.in_dim + l.out_dim))
         .sum())
@@ -442,7 +447,7 @@ pub fn estimate(exp: &ExperimentConfig, m: &Models) -> Result<Plan> {
      -> Result<Trained> {
         let base = base_params(cfg, head);
         let adapters = match &lora {
-            Some(l) => lora_params(cfg, l)?,
+            Some(l) => lora_params(cfg, l, head)?,
             None => 0,
         };
         Ok(Trained {
@@ -532,7 +537,7 @@ pub fn estimate(exp: &ExperimentConfig, m: &Models) -> Result<Plan> {
                 Some(l) => format!(
                     "LoRA r={} on {} linear layers (alpha {}{})",
                     l.rank,
-                    lora_targets(cfg, l)?.len(),
+                    lora_targets(cfg, l, Head::Lm)?.len(),
                     l.alpha,
                     if l.dropout > 0.0 {
                         format!(", dropout {}", l.dropout)
@@ -708,7 +713,7 @@ pub fn estimate(exp: &ExperimentConfig, m: &Models) -> Result<Plan> {
         ),
     ));
     let targets = match &policy.lora {
-        Some(l) => lora_targets(cfg, l)?,
+        Some(l) => lora_targets(cfg, l, Head::Lm)?,
         None => Vec::new(),
     };
     let per_token = layers * layer_bytes_per_token(cfg, c)
@@ -743,7 +748,14 @@ pub fn estimate(exp: &ExperimentConfig, m: &Models) -> Result<Plan> {
             });
         let cc = t.weight_bytes;
         let ctargets = match &t.lora {
-            Some(l) => lora_targets(ccfg, l)?,
+            Some(l) => lora_targets(
+                ccfg,
+                l,
+                Head::Score {
+                    labels: 1,
+                    bias: true,
+                },
+            )?,
             None => Vec::new(),
         };
         let per = ccfg.num_hidden_layers as u64 * layer_bytes_per_token(ccfg, cc)
@@ -993,6 +1005,15 @@ mod tests {
             (Config::tiny(), lora(16, TargetModules::AllLinear, &[])),
             (qwen_tiny(), lora(4, TargetModules::AllLinear, &[])),
             (Config::tiny(), lora(8, names(&["q_proj", "v_proj"]), &[])),
+            // the head, untied and tied to the embedding
+            (Config::tiny(), lora(4, names(&["q_proj", "lm_head"]), &[])),
+            (
+                Config {
+                    tie_word_embeddings: true,
+                    ..qwen_tiny()
+                },
+                lora(4, names(&["lm_head"]), &[]),
+            ),
             (
                 Config::tiny(),
                 lora(2, names(&["layers.1.mlp.down_proj", "k_proj"]), &[]),
@@ -1017,12 +1038,12 @@ mod tests {
                 .filter(|t| t.requires_grad())
                 .map(|t| t.numel() as i64)
                 .sum();
-            assert_eq!(lora_params(&cfg, &l).unwrap(), created, "{l:?}");
+            assert_eq!(lora_params(&cfg, &l, Head::Lm).unwrap(), created, "{l:?}");
             assert_eq!(created, trainable, "{l:?}");
         }
         // a key matching nothing is refused, as add_lora refuses it
         let bad = lora(4, names(&["c_attn"]), &[]);
-        assert!(lora_params(&Config::tiny(), &bad).is_err());
+        assert!(lora_params(&Config::tiny(), &bad, Head::Lm).is_err());
         let mut lm = CausalLm::new(&Config::tiny(), Device::Cpu, Kind::Float).unwrap();
         assert!(lm.add_lora(&bad).is_err());
     }
@@ -1149,6 +1170,7 @@ mod tests {
                 .lora()
                 .unwrap()
                 .unwrap(),
+            Head::Lm,
         )
         .unwrap() as u64;
         assert_eq!(l.trainable as u64, adapters);
