@@ -1,8 +1,8 @@
 //! Writes `rl-workers/tests/fixtures/peft/ours/` (a LoRA adapter in PEFT's format, by our
 //! writer) and `merged/` (the merged export, a plain Hugging Face folder) over the tiny-llama
-//! fixture, and `ours_head/` and `merged_head/` (adapters on every linear layer and the head)
-//! over tiny-qwen2, whose head is tied to the embedding, for PEFT and transformers to load (see
-//! that folder's `make_peft_fixtures.py`).
+//! fixture, and `ours_tied/` and `merged_tied/` (adapters on every linear layer, the head and
+//! the embedding) over tiny-qwen2, whose head is tied to the embedding, for PEFT and
+//! transformers to load (see that folder's `make_peft_fixtures.py`).
 //!
 //! `cargo run -p rl-workers --example lora_fixture`
 
@@ -11,7 +11,8 @@ use std::path::Path;
 use rl_workers::{CausalLm, LoraConfig, TargetModules, seeded};
 use tch::{Device, Kind, Tensor};
 
-/// `base` with rank-4 adapters on `targets`, their B drawn (a fresh B is zero).
+/// `base` with rank-4 adapters on `targets`, their B (an embedding's A) drawn: fresh, they are
+/// zero.
 fn adapted(base: &Path, targets: TargetModules) -> rl_workers::Result<CausalLm> {
     seeded(22, || -> rl_workers::Result<CausalLm> {
         let mut lm = CausalLm::from_pretrained(base, Device::Cpu, Kind::Float)?;
@@ -28,7 +29,7 @@ fn adapted(base: &Path, targets: TargetModules) -> rl_workers::Result<CausalLm> 
             let mut vars: Vec<(String, Tensor)> = lm.var_store().variables().into_iter().collect();
             vars.sort_by(|a, b| a.0.cmp(&b.0));
             for (name, mut t) in vars {
-                if name.contains(".lora_B.") {
+                if name.contains(".lora_B.") || name.ends_with(".lora_embedding_A") {
                     t.copy_(&(Tensor::randn_like(&t) * 0.1));
                 }
             }
@@ -40,7 +41,7 @@ fn adapted(base: &Path, targets: TargetModules) -> rl_workers::Result<CausalLm> 
 fn main() -> rl_workers::Result<()> {
     let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
     let out = fixtures.join("peft");
-    let head: Vec<String> = [
+    let tied: Vec<String> = [
         "q_proj",
         "k_proj",
         "v_proj",
@@ -49,12 +50,13 @@ fn main() -> rl_workers::Result<()> {
         "up_proj",
         "down_proj",
         "lm_head",
+        "embed_tokens",
     ]
     .map(str::to_owned)
     .to_vec();
     for (base, targets, suffix) in [
         ("tiny-llama", TargetModules::AllLinear, ""),
-        ("tiny-qwen2", TargetModules::Names(head), "_head"),
+        ("tiny-qwen2", TargetModules::Names(tied), "_tied"),
     ] {
         let lm = adapted(&fixtures.join(base), targets)?;
         let (adapter, merged) = (

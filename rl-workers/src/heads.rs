@@ -315,6 +315,7 @@ impl CausalLm {
             name: lora::HEAD.to_owned(),
             shape,
             weight,
+            embedding: false,
             adapter: &mut self.head_lora,
         });
         (&self.vs, slots)
@@ -323,6 +324,12 @@ impl CausalLm {
     /// Whether `lm_head` has a LoRA adapter.
     pub fn head_adapted(&self) -> bool {
         self.head_lora.is_some()
+    }
+
+    /// Whether the head is tied to the embedding and a LoRA adapter sits on either: the merged
+    /// export ([`CausalLm::save_pretrained`]) then gives the head a weight of its own.
+    pub fn export_unties_head(&self) -> bool {
+        self.lora.as_ref().is_some_and(Attached::unties_head)
     }
 
     /// A base model from `dir` with the PEFT adapter of `adapter_dir` (its
@@ -396,7 +403,7 @@ impl CausalLm {
         let dir = dir.as_ref();
         self.model.check_whole()?;
         let mut cfg = self.config().clone();
-        if self.lora.as_ref().is_some_and(Attached::unties_head) {
+        if self.export_unties_head() {
             cfg.tie_word_embeddings = false;
         }
         write_config(&cfg, "ForCausalLM", self.kind(), dir)?;

@@ -172,7 +172,8 @@ impl LoraSwitch {
     }
 }
 
-/// One linear layer's adapter.
+/// One layer's adapter: a linear layer's (`A` `[r, in]`, `B` `[out, r]`) or an embedding's
+/// (PEFT's `lora_embedding_A` `[r, vocab]` and `lora_embedding_B` `[hidden, r]`).
 #[derive(Debug)]
 pub(crate) struct Adapter {
     a: Tensor,
@@ -199,6 +200,19 @@ impl Adapter {
         Some(
             xs.linear::<Tensor>(&self.a, None)
                 .linear::<Tensor>(&self.b, None)
+                * self.scale,
+        )
+    }
+
+    /// An embedding's adapter on token ids: `scale · onehot(ids)·Aᵀ·Bᵀ` (rows of `Aᵀ` looked
+    /// up, as PEFT's), or `None` while adapters are off. No dropout: PEFT's has none on an
+    /// embedding either.
+    pub(crate) fn embedding_delta(&self, ids: &Tensor) -> Option<Tensor> {
+        if !self.switch.enabled() {
+            return None;
+        }
+        Some(
+            Tensor::embedding(&self.a.tr(), ids, -1, false, false).linear::<Tensor>(&self.b, None)
                 * self.scale,
         )
     }
@@ -229,39 +243,79 @@ fn dropout_mask(shape: &[i64], p: f64, seed: u64, id: u64, like: &Tensor) -> Ten
 }
 
 /// A layer that can take an adapter: its name relative to the VarStore root
-/// (`model.layers.0.self_attn.q_proj`, `lm_head`), its weight's `[out, in]`, the variable
-/// holding that weight (`<name>.weight`, or the embedding for a tied `lm_head`), and where
-/// its adapter goes.
+/// (`model.layers.0.self_attn.q_proj`, `lm_head`, `model.embed_tokens`), its weight's shape
+/// (`[out, in]`; an embedding's `[vocab, hidden]`), the variable holding that weight
+/// (`<name>.weight`, or the embedding for a tied `lm_head`), whether it is an embedding, and
+/// where its adapter goes.
 pub(crate) struct Slot<'a> {
     pub(crate) name: String,
     pub(crate) shape: [i64; 2],
     pub(crate) weight: String,
+    pub(crate) embedding: bool,
     pub(crate) adapter: &'a mut Option<Adapter>,
 }
 
-/// The linear layers of the decoder stack `model`, built under `vs.root() / prefix`, as
-/// [`Slot`]s.
+/// The layers of the decoder stack `model`, built under `vs.root() / prefix`, that can take an
+/// adapter, as [`Slot`]s: the input embedding (`embed_tokens`, where `target_modules` names
+/// it) and every linear layer.
 pub(crate) fn decoder_slots<'a>(model: &'a mut Model, prefix: &str) -> Vec<Slot<'a>> {
-    model
-        .linears_mut()
-        .into_iter()
-        .map(|(n, linear)| {
-            let size = linear.weight.size();
-            Slot {
-                name: format!("{prefix}.{n}"),
-                shape: [size[0], size[1]],
-                weight: format!("{prefix}.{n}.weight"),
-                adapter: &mut linear.lora,
-            }
-        })
-        .collect()
+    let (embed, linears) = model.adaptable_mut();
+    let size = embed.0.size();
+    let mut slots = vec![Slot {
+        name: format!("{prefix}.embed_tokens"),
+        shape: [size[0], size[1]],
+        weight: format!("{prefix}.embed_tokens.weight"),
+        embedding: true,
+        adapter: embed.1,
+    }];
+    slots.extend(linears.into_iter().map(|(n, linear)| {
+        let size = linear.weight.size();
+        Slot {
+            name: format!("{prefix}.{n}"),
+            shape: [size[0], size[1]],
+            weight: format!("{prefix}.{n}.weight"),
+            embedding: false,
+            adapter: &mut linear.lora,
+        }
+    }));
+    slots
 }
 
-/// A targeted layer: its name and the variable holding its base weight (see [`Slot`]).
+/// A targeted layer: its name, the variable holding its base weight, and whether it is an
+/// embedding (see [`Slot`]).
 #[derive(Debug)]
 struct Target {
     name: String,
     weight: String,
+    embedding: bool,
+}
+
+impl Target {
+    /// The variable names of its `A` and `B`, PEFT's: `<name>.lora_A.weight`, or
+    /// `<name>.lora_embedding_A` for an embedding.
+    fn adapter_names(&self) -> (String, String) {
+        if self.embedding {
+            (
+                format!("{}.lora_embedding_A", self.name),
+                format!("{}.lora_embedding_B", self.name),
+            )
+        } else {
+            (
+                format!("{}.lora_A.weight", self.name),
+                format!("{}.lora_B.weight", self.name),
+            )
+        }
+    }
+
+    /// `scale · B·A` in float32, in the base weight's shape (an embedding's transposed).
+    fn delta(&self, vars: &BTreeMap<String, Tensor>, scale: f64) -> Tensor {
+        let (a, b) = self.adapter_names();
+        let ba = vars[&b]
+            .to_kind(Kind::Float)
+            .matmul(&vars[&a].to_kind(Kind::Float));
+        let ba = if self.embedding { ba.tr() } else { ba };
+        ba * scale
+    }
 }
 
 /// A model's adapters: the configuration, the shared switch, and the targeted layers.
@@ -270,15 +324,25 @@ pub(crate) struct Attached {
     pub(crate) cfg: LoraConfig,
     switch: Arc<LoraSwitch>,
     targets: Vec<Target>,
+    /// A language model's head tied to the embedding: the variable it shares (the export
+    /// unties it when either side is adapted).
+    tied_head: Option<String>,
     /// Trained in full beside the adapters (PEFT's `modules_to_save`), e.g. `score`.
     modules_to_save: Vec<String>,
+}
+
+/// Whether the variable `name` is an adapter tensor (a linear layer's or an embedding's).
+fn is_adapter(name: &str) -> bool {
+    name.contains(".lora_A.")
+        || name.contains(".lora_B.")
+        || name.ends_with(".lora_embedding_A")
+        || name.ends_with(".lora_embedding_B")
 }
 
 /// Whether the variable `name` trains under LoRA (and goes into the adapter file): an adapter
 /// tensor, or a module of `modules_to_save`.
 fn is_trained(name: &str, modules_to_save: &[impl AsRef<str>]) -> bool {
-    name.contains(".lora_A.")
-        || name.contains(".lora_B.")
+    is_adapter(name)
         || modules_to_save
             .iter()
             .any(|m| name.starts_with(&format!("{}.", m.as_ref())))
@@ -289,12 +353,13 @@ fn matches(name: &str, key: &str) -> bool {
     name == key || name.ends_with(&format!(".{key}"))
 }
 
-/// The indices of `names` (full layer names, in order) that `cfg` targets: `all-linear` (all
-/// but [`HEAD`]) or PEFT's matching of `target_modules`, minus `exclude_modules`. A target
-/// matching nothing, or exclusions leaving nothing, is an error naming the key.
-fn select(names: &[String], cfg: &LoraConfig) -> Result<Vec<usize>> {
+/// The indices of `names` (full layer names, in order) that `cfg` targets: `all-linear` (the
+/// decoder's linear layers: those of `decoder_linear`) or PEFT's matching of
+/// `target_modules`, minus `exclude_modules`. A target matching nothing, or exclusions leaving
+/// nothing, is an error naming the key.
+fn select(names: &[String], decoder_linear: &[bool], cfg: &LoraConfig) -> Result<Vec<usize>> {
     let mut chosen: Vec<usize> = match &cfg.target_modules {
-        TargetModules::AllLinear => (0..names.len()).filter(|&i| names[i] != HEAD).collect(),
+        TargetModules::AllLinear => (0..names.len()).filter(|&i| decoder_linear[i]).collect(),
         TargetModules::Names(keys) => {
             let mut chosen = Vec::new();
             for key in keys {
@@ -311,7 +376,7 @@ fn select(names: &[String], cfg: &LoraConfig) -> Result<Vec<usize>> {
                     return Err(Error::invalid(
                         "target_modules",
                         format!(
-                            "{key:?} matches no linear layer of the model (its linear layers: {}; or \"all-linear\")",
+                            "{key:?} matches no layer of the model that takes an adapter (its layers: {}; or \"all-linear\")",
                             kinds.join(", ")
                         ),
                     ));
@@ -346,17 +411,29 @@ pub fn targets(
     head: bool,
 ) -> Result<Vec<crate::LinearShape>> {
     lora.validate("lora")?;
-    let mut layers = config.linear_layers();
+    let (v, h) = (config.vocab_size, config.hidden_size);
+    // the embedding's A [r, vocab] and B [hidden, r] count as a layer from vocab to hidden
+    let mut layers = vec![crate::LinearShape {
+        name: "model.embed_tokens".to_owned(),
+        in_dim: v,
+        out_dim: h,
+        bias: false,
+    }];
+    layers.extend(config.linear_layers());
     if head {
         layers.push(crate::LinearShape {
             name: HEAD.to_owned(),
-            in_dim: config.hidden_size,
-            out_dim: config.vocab_size,
+            in_dim: h,
+            out_dim: v,
             bias: false,
         });
     }
     let names: Vec<String> = layers.iter().map(|l| l.name.clone()).collect();
-    let chosen = select(&names, lora)?;
+    let decoder_linear: Vec<bool> = names
+        .iter()
+        .map(|n| n.starts_with("model.layers."))
+        .collect();
+    let chosen = select(&names, &decoder_linear, lora)?;
     Ok(chosen.into_iter().map(|i| layers[i].clone()).collect())
 }
 
@@ -373,32 +450,62 @@ pub(crate) fn attach(
     cfg.validate("lora")?;
     let switch = Arc::new(LoraSwitch::new());
     let names: Vec<String> = slots.iter().map(|s| s.name.clone()).collect();
-    let chosen = select(&names, cfg)?;
+    let decoder_linear: Vec<bool> = slots
+        .iter()
+        .map(|s| !s.embedding && s.name != HEAD)
+        .collect();
+    let chosen = select(&names, &decoder_linear, cfg)?;
+    let tied_head = slots
+        .iter()
+        .find(|s| s.name == HEAD && s.weight != format!("{HEAD}.weight"))
+        .map(|s| s.weight.clone());
     let _generator = crate::seed::hold_generator();
     let mut targets = Vec::with_capacity(chosen.len());
     for (id, &i) in chosen.iter().enumerate() {
         let slot = &mut slots[i];
-        let [out_dim, in_dim] = slot.shape;
         let mut path = vs.root();
         for segment in slot.name.split('.') {
             path = &path / segment;
         }
-        let bound = 1.0 / (in_dim as f64).sqrt();
-        let mut a = crate::seed::var(
-            &(&path / "lora_A"),
-            "weight",
-            &[cfg.rank, in_dim],
-            Init::Uniform {
-                lo: -bound,
-                up: bound,
-            },
-        );
-        let mut b = crate::seed::var(
-            &(&path / "lora_B"),
-            "weight",
-            &[out_dim, cfg.rank],
-            Init::Const(0.0),
-        );
+        let (mut a, mut b) = if slot.embedding {
+            // PEFT's embedding adapter: A zero, B standard normal
+            let [vocab, hidden] = slot.shape;
+            let a = crate::seed::var(
+                &path,
+                "lora_embedding_A",
+                &[cfg.rank, vocab],
+                Init::Const(0.0),
+            );
+            let b = crate::seed::var(
+                &path,
+                "lora_embedding_B",
+                &[hidden, cfg.rank],
+                Init::Randn {
+                    mean: 0.0,
+                    stdev: 1.0,
+                },
+            );
+            (a, b)
+        } else {
+            let [out_dim, in_dim] = slot.shape;
+            let bound = 1.0 / (in_dim as f64).sqrt();
+            let a = crate::seed::var(
+                &(&path / "lora_A"),
+                "weight",
+                &[cfg.rank, in_dim],
+                Init::Uniform {
+                    lo: -bound,
+                    up: bound,
+                },
+            );
+            let b = crate::seed::var(
+                &(&path / "lora_B"),
+                "weight",
+                &[out_dim, cfg.rank],
+                Init::Const(0.0),
+            );
+            (a, b)
+        };
         if kind != Kind::Float {
             tch::no_grad(|| {
                 a.set_data(&a.to_kind(kind));
@@ -416,6 +523,7 @@ pub(crate) fn attach(
         targets.push(Target {
             name: slot.name.clone(),
             weight: slot.weight.clone(),
+            embedding: slot.embedding,
         });
     }
     for (name, t) in vs.variables() {
@@ -427,6 +535,7 @@ pub(crate) fn attach(
         cfg: cfg.clone(),
         switch,
         targets,
+        tied_head,
         modules_to_save: modules_to_save.iter().map(|m| m.to_string()).collect(),
     })
 }
@@ -467,34 +576,37 @@ impl Attached {
 
     /// The base model's tensors with each adapter merged in (`W + scale · B·A`, computed in
     /// float32 and cast back to `W`'s dtype) and without the adapter tensors: a plain Hugging
-    /// Face checkpoint. An adapted head tied to the embedding becomes an `lm_head.weight` of
-    /// its own beside the unchanged embedding ([`Attached::unties_head`]).
+    /// Face checkpoint. Where the head is tied to the embedding and either is adapted, the head
+    /// gets an `lm_head.weight` of its own: the base embedding plus the head's adapter, while
+    /// `model.embed_tokens.weight` has the embedding's ([`Attached::unties_head`]).
     pub(crate) fn merged(&self, vs: &VarStore) -> Vec<(String, Tensor)> {
         let _guard = tch::no_grad_guard();
         let vars: BTreeMap<String, Tensor> = vs.variables().into_iter().collect();
         let scale = self.cfg.scale();
         let mut out: BTreeMap<String, Tensor> = vars
             .iter()
-            .filter(|(n, _)| !n.contains(".lora_A.") && !n.contains(".lora_B."))
+            .filter(|(n, _)| !is_adapter(n))
             .map(|(n, t)| (n.clone(), t.detach()))
             .collect();
-        for Target { name, weight } in &self.targets {
-            let a = &vars[&format!("{name}.lora_A.weight")];
-            let b = &vars[&format!("{name}.lora_B.weight")];
-            let w = &vars[weight];
-            let delta = b.to_kind(Kind::Float).matmul(&a.to_kind(Kind::Float)) * scale;
-            let merged = (w.to_kind(Kind::Float) + delta).to_kind(w.kind());
-            out.insert(format!("{name}.weight"), merged);
+        if let Some(shared) = self.tied_head.as_ref().filter(|_| self.unties_head()) {
+            out.insert(format!("{HEAD}.weight"), vars[shared].detach());
+        }
+        for t in &self.targets {
+            let w = &vars[&t.weight];
+            let merged = (w.to_kind(Kind::Float) + t.delta(&vars, scale)).to_kind(w.kind());
+            out.insert(format!("{}.weight", t.name), merged);
         }
         out.into_iter().collect()
     }
 
-    /// Whether an adapter sits on a head whose weight is the embedding: the merged export
-    /// then has a head of its own (`tie_word_embeddings` false).
+    /// Whether the head is tied to the embedding and either has an adapter: the merged export
+    /// then gives the head a weight of its own (`tie_word_embeddings` false).
     pub(crate) fn unties_head(&self) -> bool {
-        self.targets
-            .iter()
-            .any(|t| t.weight != format!("{}.weight", t.name))
+        self.tied_head.as_ref().is_some_and(|shared| {
+            self.targets
+                .iter()
+                .any(|t| t.name == HEAD || &t.weight == shared)
+        })
     }
 
     /// The `target_modules` PEFT records: the targeted layers' short names (`q_proj`, ...),
@@ -587,6 +699,8 @@ impl Attached {
                     .unwrap_or(&n)
                     .replace(".lora_A.default.", ".lora_A.")
                     .replace(".lora_B.default.", ".lora_B.")
+                    .replace(".lora_embedding_A.default", ".lora_embedding_A")
+                    .replace(".lora_embedding_B.default", ".lora_embedding_B")
                     .replace(".modules_to_save.default.", ".");
                 (n, t)
             })
@@ -637,7 +751,7 @@ impl Attached {
         file: &mut BTreeMap<String, Tensor>,
     ) -> Result<()> {
         let vars = vs.variables();
-        for Target { name, weight } in &self.targets {
+        for Target { name, weight, .. } in &self.targets {
             let key = format!("{name}.base_layer.weight");
             let Some(saved) = file.remove(&key) else {
                 continue;

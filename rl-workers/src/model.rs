@@ -885,6 +885,8 @@ impl KvCache {
 #[derive(Debug)]
 pub struct Model {
     embed_tokens: Tensor,
+    /// A LoRA adapter on the input embedding (`embed_tokens` in `target_modules`).
+    embed_lora: Option<crate::lora::Adapter>,
     layers: Vec<DecoderLayer>,
     norm: RmsNorm,
     /// `[head_dim / 2]` f32
@@ -1008,6 +1010,7 @@ impl Model {
         let inv_freq = Tensor::pow_scalar(cfg.rope_theta, &exponent).reciprocal();
         Ok(Model {
             embed_tokens,
+            embed_lora: None,
             layers,
             norm,
             inv_freq,
@@ -1184,11 +1187,10 @@ impl Model {
             }
             s.reduce_grads(u)?;
         }
-        if self.embed_tokens.requires_grad() {
+        if self.embedding_trains() {
             for (t, g) in tapes.iter().zip(&grads) {
                 if g.defined() {
-                    let embedded =
-                        Tensor::embedding(&self.embed_tokens, &t.input_ids, -1, false, false);
+                    let embedded = self.embed(&t.input_ids);
                     (embedded * g).sum(Kind::Float).f_backward()?;
                 }
             }
@@ -1205,10 +1207,23 @@ impl Model {
         &self.cfg
     }
 
-    /// Every linear layer of the stack with its Hugging Face name relative to the stack
-    /// (`layers.0.self_attn.q_proj`), in layer order.
-    pub(crate) fn linears_mut(&mut self) -> Vec<(String, &mut Linear)> {
-        self.layers
+    /// The input embedding matrix `[vocab, hidden]` (also the tied `lm_head`).
+    pub fn embed_tokens(&self) -> &Tensor {
+        &self.embed_tokens
+    }
+
+    /// The layers that can take a LoRA adapter: the embedding (its matrix and its adapter's
+    /// place), and every linear layer of the stack with its Hugging Face name relative to the
+    /// stack (`layers.0.self_attn.q_proj`), in layer order.
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn adaptable_mut(
+        &mut self,
+    ) -> (
+        (&Tensor, &mut Option<crate::lora::Adapter>),
+        Vec<(String, &mut Linear)>,
+    ) {
+        let linears = self
+            .layers
             .iter_mut()
             .enumerate()
             .flat_map(|(i, layer)| {
@@ -1217,12 +1232,26 @@ impl Model {
                     .into_iter()
                     .map(move |(n, l)| (format!("layers.{i}.{n}"), l))
             })
-            .collect()
+            .collect();
+        ((&self.embed_tokens, &mut self.embed_lora), linears)
     }
 
-    /// The input embedding matrix `[vocab, hidden]` (also the tied `lm_head`).
-    pub fn embed_tokens(&self) -> &Tensor {
-        &self.embed_tokens
+    /// The input embeddings of `input_ids`, with the embedding's LoRA adapter where it has one.
+    fn embed(&self, input_ids: &Tensor) -> Tensor {
+        let xs = Tensor::embedding(&self.embed_tokens, input_ids, -1, false, false);
+        match self
+            .embed_lora
+            .as_ref()
+            .and_then(|a| a.embedding_delta(input_ids))
+        {
+            Some(delta) => xs + delta,
+            None => xs,
+        }
+    }
+
+    /// Whether the embedding gets gradients: trained in full, or through its adapter.
+    fn embedding_trains(&self) -> bool {
+        self.embed_tokens.requires_grad() || self.embed_lora.is_some()
     }
 
     fn rope(&self, position_ids: &Tensor, kind: Kind) -> Rope {
@@ -1326,7 +1355,7 @@ impl Model {
         let mut inputs = Vec::with_capacity(self.layers.len());
         let last = tch::no_grad(|| -> Result<Tensor> {
             self.check_inputs(input_ids, attention_mask, position_ids, 0)?;
-            let mut xs = Tensor::embedding(&self.embed_tokens, input_ids, -1, false, false);
+            let mut xs = self.embed(input_ids);
             for layer in &self.layers {
                 inputs.push(xs.shallow_clone());
                 xs = layer.forward(&xs, &rope, &mask, None);
@@ -1349,9 +1378,9 @@ impl Model {
             (out * &grad).sum(Kind::Float).f_backward()?;
             grad = xs.grad();
         }
-        // frozen under LoRA: nothing to back-propagate into
-        if self.embed_tokens.requires_grad() {
-            let embedded = Tensor::embedding(&self.embed_tokens, input_ids, -1, false, false);
+        // frozen under LoRA without an adapter on it: nothing to back-propagate into
+        if self.embedding_trains() {
+            let embedded = self.embed(input_ids);
             (embedded * &grad).sum(Kind::Float).f_backward()?;
         }
         Ok(loss.detach())
@@ -1437,7 +1466,7 @@ impl Model {
         {
             self.hold_train_root(shards)?;
             let (inputs, last) = tch::no_grad(|| -> Result<(Vec<Tensor>, Tensor)> {
-                let mut xs = Tensor::embedding(&self.embed_tokens, input_ids, -1, false, false);
+                let mut xs = self.embed(input_ids);
                 let mut inputs = Vec::with_capacity(self.layers.len());
                 for (i, layer) in self.layers.iter().enumerate() {
                     let _layer = self.hold_layer(shards, i, Pass::Forward)?;
@@ -1463,7 +1492,7 @@ impl Model {
                 .map(|sh| self.hold_layer(sh, i, Pass::Forward))
                 .transpose()
         };
-        let mut xs = Tensor::embedding(&self.embed_tokens, input_ids, -1, false, false);
+        let mut xs = self.embed(input_ids);
         match cache {
             Some(c) => {
                 for (i, layer) in self.layers.iter().enumerate() {

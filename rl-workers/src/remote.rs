@@ -120,12 +120,12 @@ impl RemoteEngine {
     /// Writes `lm`'s weights and has every server load them, checking what each one holds;
     /// `version` is the weight version vLLM records (the step).
     pub fn sync(&mut self, lm: &CausalLm, version: u64) -> Result<()> {
-        if lm.head_adapted() && lm.config().tie_word_embeddings {
+        if lm.export_unties_head() {
             return Err(Error::invalid(
                 "actor_rollout_ref.model.target_modules",
-                "`lm_head` with tied embeddings: the merged weights give the head a weight of its \
-                 own, which a server holding the tied model cannot load; leave lm_head out or \
-                 use the built-in rollout"
+                "`lm_head` or `embed_tokens` of a model whose head is tied to its embedding: the \
+                 merged weights give the head a weight of its own, which a server holding the \
+                 tied model cannot load; leave them out or use the built-in rollout"
                     .to_owned(),
             ));
         }
@@ -525,5 +525,37 @@ mod tests {
         );
         let e = cfg("hf", &["http://x"]).validate().unwrap_err().to_string();
         assert!(e.contains("name") && e.contains("in-process"), "{e}");
+    }
+
+    /// A server holding a model whose head is tied to its embedding cannot load a merged
+    /// export that unties them: refused by key before anything is written or sent.
+    #[test]
+    fn an_untied_merge_is_refused_before_any_request() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut engine = RemoteEngine::new(&RolloutConfig {
+            name: "sglang".to_owned(),
+            // nothing listens there: the refusal comes first
+            server_url: vec!["http://127.0.0.1:9".to_owned()],
+            weight_sync_dir: Some(dir.path().join("sync")),
+            ..RolloutConfig::default()
+        })
+        .unwrap();
+        let mut cfg = crate::Config::tiny();
+        cfg.tie_word_embeddings = true;
+        for target in ["lm_head", "embed_tokens"] {
+            let mut lm = CausalLm::new(&cfg, tch::Device::Cpu, tch::Kind::Float).unwrap();
+            lm.add_lora(&crate::LoraConfig {
+                rank: 2,
+                alpha: 4.0,
+                target_modules: crate::TargetModules::Names(vec![target.to_owned()]),
+                exclude_modules: Vec::new(),
+                dropout: 0.0,
+                use_rslora: false,
+            })
+            .unwrap();
+            let e = engine.sync(&lm, 1).unwrap_err().to_string();
+            assert!(e.contains("target_modules") && e.contains("tied"), "{e}");
+            assert!(!dir.path().join("sync").exists());
+        }
     }
 }

@@ -109,19 +109,24 @@ fn peft_and_transformers_load_what_we_write_and_compute_what_we_compute() {
     }
 }
 
-/// The head sets: adapters on every linear layer and on `lm_head` of tiny-qwen2, whose head is
-/// tied to the embedding. PEFT's file holds the head's base weight too
-/// (`lm_head.base_layer.weight`, its `save_embedding_layers`), which we check against ours and
+/// The tied set: adapters on every linear layer, on `lm_head` and on `embed_tokens` of
+/// tiny-qwen2, whose head is tied to the embedding. PEFT's file holds the base weights of both
+/// too (`*.base_layer.weight`, its `save_embedding_layers`), which we check against ours and
 /// skip; PEFT's own merge of a tied head changes the embedding as well, so our merged export
-/// (an untied head) is held to PEFT's adapter logits instead.
+/// (the head a weight of its own) is held to PEFT's adapter logits instead.
 #[test]
-fn a_head_adapter_on_a_tied_model_round_trips_with_peft_both_ways() {
+fn adapters_on_a_tied_head_and_embedding_round_trip_with_peft_both_ways() {
     let qwen = fixtures().join("tiny-qwen2");
-    let theirs = fixtures().join("peft/theirs_head");
-    let want = read(fixtures().join("peft/theirs_head_logits.safetensors"));
+    let theirs = fixtures().join("peft/theirs_tied");
+    let want = read(fixtures().join("peft/theirs_tied_logits.safetensors"));
     let lm =
         CausalLm::from_pretrained_with_adapter(&qwen, &theirs, Device::Cpu, Kind::Float).unwrap();
     assert!(lm.config().tie_word_embeddings && lm.head_adapted());
+    assert!(
+        lm.var_store()
+            .variables()
+            .contains_key("model.embed_tokens.lora_embedding_A")
+    );
     let err = error_on("tiny-qwen2", &lm, &want["adapter"]);
     assert!(err < 1e-5, "logits differ from PEFT's by {err}");
     let base_err = lm.without_adapters(|lm| error_on("tiny-qwen2", lm, &want["adapter"]));
@@ -135,8 +140,8 @@ fn a_head_adapter_on_a_tied_model_round_trips_with_peft_both_ways() {
     assert!(err < 1e-5, "merged logits differ from PEFT's by {err}");
 
     // PEFT and transformers on what we wrote
-    let want = read(fixtures().join("peft/ours_head_logits.safetensors"));
-    let ours = fixtures().join("peft/ours_head");
+    let want = read(fixtures().join("peft/ours_tied_logits.safetensors"));
+    let ours = fixtures().join("peft/ours_tied");
     let lm =
         CausalLm::from_pretrained_with_adapter(&qwen, &ours, Device::Cpu, Kind::Float).unwrap();
     let err = error_on("tiny-qwen2", &lm, &want["peft"]);
@@ -153,7 +158,7 @@ fn a_head_adapter_on_a_tied_model_round_trips_with_peft_both_ways() {
             "{file} differs from the one PEFT loaded"
         );
     }
-    let committed = fixtures().join("peft/merged_head");
+    let committed = fixtures().join("peft/merged_tied");
     let merged = CausalLm::from_pretrained(&committed, Device::Cpu, Kind::Float).unwrap();
     let err = error_on("tiny-qwen2", &merged, &want["transformers_merged"]);
     assert!(
@@ -163,31 +168,36 @@ fn a_head_adapter_on_a_tied_model_round_trips_with_peft_both_ways() {
     let err = error_on("tiny-qwen2", &lm, &want["transformers_merged"]);
     assert!(err < 1e-4, "adapter vs merged: {err}");
 
-    // PEFT's saved base weight must be this model's: another is refused, naming it
-    let bad = out.path().join("bad");
-    std::fs::create_dir_all(&bad).unwrap();
-    std::fs::copy(
-        theirs.join("adapter_config.json"),
-        bad.join("adapter_config.json"),
-    )
-    .unwrap();
-    let tensors: Vec<(String, Tensor)> = read(theirs.join("adapter_model.safetensors"))
-        .into_iter()
-        .map(|(n, t)| {
-            let t = if n.ends_with("lm_head.base_layer.weight") {
-                t + 0.5
-            } else {
-                t
-            };
-            (n, t)
-        })
-        .collect();
-    Tensor::write_safetensors(&tensors, bad.join("adapter_model.safetensors")).unwrap();
-    let e = CausalLm::from_pretrained_with_adapter(&qwen, &bad, Device::Cpu, Kind::Float)
-        .unwrap_err()
-        .to_string();
-    assert!(
-        e.contains("lm_head.base_layer.weight") && e.contains("model.embed_tokens.weight"),
-        "{e}"
-    );
+    // PEFT's saved base weights must be this model's: another is refused, naming it
+    for (tensor, shared) in [
+        ("lm_head.base_layer.weight", "model.embed_tokens.weight"),
+        (
+            "model.embed_tokens.base_layer.weight",
+            "model.embed_tokens.weight",
+        ),
+    ] {
+        let bad = out.path().join("bad");
+        std::fs::create_dir_all(&bad).unwrap();
+        std::fs::copy(
+            theirs.join("adapter_config.json"),
+            bad.join("adapter_config.json"),
+        )
+        .unwrap();
+        let tensors: Vec<(String, Tensor)> = read(theirs.join("adapter_model.safetensors"))
+            .into_iter()
+            .map(|(n, t)| {
+                let t = if n == format!("base_model.model.{tensor}") {
+                    t + 0.5
+                } else {
+                    t
+                };
+                (n, t)
+            })
+            .collect();
+        Tensor::write_safetensors(&tensors, bad.join("adapter_model.safetensors")).unwrap();
+        let e = CausalLm::from_pretrained_with_adapter(&qwen, &bad, Device::Cpu, Kind::Float)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(tensor) && e.contains(shared), "{e}");
+    }
 }
