@@ -192,39 +192,40 @@ fn grpo_raises_accuracy() {
     assert!(runs.iter().all(|r| r.steps[0].contains_key("timing_s/ref")));
 }
 
-/// The layers the LoRA test adapts: every linear layer of the decoder and the LM head (tied
-/// to the embedding here), PEFT's names.
-const LORA_TARGETS: &str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head";
+/// The layers the LoRA test adapts: every linear layer of the decoder and both sides of the
+/// vocabulary matrix (the LM head and the input embedding, tied here), PEFT's names.
+const LORA_TARGETS: &str =
+    "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head,embed_tokens";
 
-/// LoRA: adapters of rank 8 (alpha 16) on every linear layer of a frozen base and on the LM
-/// head, at five times full fine-tuning's learning rate (LoRA's usual practice: the update is
-/// low-rank and starts from zero), with the reference being the base model (adapters off),
-/// training 21,792 parameters (the adapters) of the tiny model's 113,216. It must clear the bar
-/// of every on-policy algorithm; how far it stays under full fine-tuning is printed, not
-/// asserted.
+/// LoRA: adapters of rank 16 (alpha 32) on every linear layer of a frozen base and on the
+/// vocabulary layers (`lm_head`, `embed_tokens`), at full fine-tuning's learning rate, with the
+/// reference being the base model (adapters off), training 46,208 parameters (the adapters) of
+/// the tiny model's 113,216. It must clear the bar of every on-policy algorithm; how far it
+/// stays from full fine-tuning is printed, not asserted.
 ///
-/// The learning rate was chosen on eight initial-weight seeds the tests do not use (3-6, 8-11;
-/// `LEARN_INIT_SEEDS`, docs/learning.md): median gain +22.5 at 2x, +29.5 at 3x, +28.5 at 5x
-/// (worst +14.0), +23.0 at 10x, a collapse to 0% on 7 of 8 seeds at 20x. The head was added
-/// on the same seeds (2026-11-29): full fine-tuning with its tied embedding frozen gained +33.0
-/// at the median against +43.5, and LoRA r=8 gained +37.0 with the head adapted against +30.0
-/// without. Issue 21's bar (LoRA's median within 5 points of full fine-tuning's) is still not
-/// met on those seeds (+37.0 against +43.5), so it is not asserted here; the gap is printed.
-/// `LEARN_LORA_TARGETS` (a comma list), `LEARN_LORA_RANK`, `LEARN_LORA_ALPHA` and
-/// `LEARN_LORA_LR_E4` measure other recipes.
+/// The recipe was chosen on eight initial-weight seeds the tests do not use (3-6, 8-11;
+/// `LEARN_INIT_SEEDS`, docs/learning.md, 2026-11-29 on the Zen 4 VM): full fine-tuning gained
+/// +43.5 at the median; with the tied embedding frozen +33.0, with only its lookup detached
+/// +33.5, so LoRA on the decoder alone (r=8, 5e-3: +30.0) missed the vocabulary matrix. Adapting
+/// the head too gave +37.0; the head and the embedding +38.0 at 1e-3 (the embedding's adapter
+/// collapses at 5e-3: -16.0), and at rank 16 +39.5, LoRA less full fine-tuning seed by seed
+/// +1.5 at the median. Issue 21's bar (LoRA's median within 5 points of full fine-tuning's)
+/// is met on those seeds, but a three-seed median of this task moves by 10-20 points with the
+/// seed and the CPU, so it is not asserted here. `LEARN_LORA_TARGETS` (a comma list),
+/// `LEARN_LORA_RANK`, `LEARN_LORA_ALPHA` and `LEARN_LORA_LR_E4` measure other recipes.
 #[test]
 fn lora_grpo_learns() {
     let full: Vec<SeedResult> = grpo_full_runs().iter().map(|r| r.result).collect();
-    let rank = env_or("LEARN_LORA_RANK", 8) as i64;
+    let rank = env_or("LEARN_LORA_RANK", 16) as i64;
     let targets = std::env::var("LEARN_LORA_TARGETS").unwrap_or_else(|_| LORA_TARGETS.into());
     let lora = per_seed(init_seeds(), |seed| {
         let mut cfg = grpo_config(warm(seed));
         let m = &mut cfg.actor_rollout_ref.model;
         m.lora_rank = rank;
-        m.lora_alpha = env_or("LEARN_LORA_ALPHA", 16) as f64;
+        m.lora_alpha = env_or("LEARN_LORA_ALPHA", 32) as f64;
         m.target_modules =
             rl_workers::lora::TargetModules::Names(targets.split(',').map(str::to_owned).collect());
-        cfg.actor_rollout_ref.actor.optim.lr = env_or("LEARN_LORA_LR_E4", 50) as f64 * 1e-4;
+        cfg.actor_rollout_ref.actor.optim.lr = env_or("LEARN_LORA_LR_E4", 10) as f64 * 1e-4;
         train("grpo lora", seed, &cfg)
     });
     let results: Vec<SeedResult> = lora.iter().map(|r| r.result).collect();
