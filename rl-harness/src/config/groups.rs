@@ -217,8 +217,9 @@ pub struct ModelConfig {
     pub lora_rank: i64,
     /// LoRA alpha: the adapters' update is scaled by `lora_alpha / lora_rank`. Default 16.
     pub lora_alpha: f64,
-    /// The linear layers that get adapters: `"all-linear"` or a list of module names
-    /// (`["q_proj", "v_proj"]`, PEFT's matching). Default `"all-linear"`.
+    /// The layers that get adapters: `"all-linear"` (the decoder's linear layers) or a list
+    /// of module names (`["q_proj", "v_proj"]`, PEFT's matching), which may name the vocabulary
+    /// layers `lm_head` and `embed_tokens` (docs/lora.md). Default `"all-linear"`.
     pub target_modules: TargetModules,
     /// Layers left without adapters among the targeted ones (PEFT's matching). Default none.
     pub exclude_modules: Option<Vec<String>>,
@@ -327,7 +328,8 @@ pub struct CriticModelConfig {
     pub lora_rank: i64,
     /// LoRA alpha. Default 16.
     pub lora_alpha: f64,
-    /// `"all-linear"` or a list of module names. Default `"all-linear"`.
+    /// `"all-linear"` or a list of module names (`embed_tokens` too; a critic has no
+    /// `lm_head`). Default `"all-linear"`.
     pub target_modules: TargetModules,
     /// Layers left without adapters. Default none.
     pub exclude_modules: Option<Vec<String>>,
