@@ -49,6 +49,47 @@ fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
     (a - b).abs().max().double_value(&[])
 }
 
+/// The tiny model of seed 3, its head tied to the embedding or not.
+fn tiny(tied: bool) -> CausalLm {
+    let cfg = Config {
+        tie_word_embeddings: tied,
+        ..Config::tiny()
+    };
+    seeded(3, || CausalLm::new(&cfg, Device::Cpu, Kind::Float).unwrap())
+}
+
+/// Writes `lm`'s merged export and its adapter over `base` (saved beside it) into `dir`, and
+/// checks that both come back computing `lm`'s logits: the merged folder (its head untied from
+/// the embedding) to 1e-5, the base with the adapter exactly. Returns the merged model and the
+/// adapter file's tensor names.
+fn export_round_trip(
+    lm: &CausalLm,
+    base: &CausalLm,
+    dir: &std::path::Path,
+) -> (CausalLm, Vec<String>) {
+    let want = logits(lm);
+    lm.save_pretrained(dir.join("merged")).unwrap();
+    let merged = CausalLm::from_pretrained(dir.join("merged"), Device::Cpu, Kind::Float).unwrap();
+    assert!(!merged.config().tie_word_embeddings);
+    assert!(max_diff(&logits(&merged), &want) < 1e-5);
+    base.save_pretrained(dir.join("base")).unwrap();
+    lm.save_adapter(dir.join("adapter"), None).unwrap();
+    let names = Tensor::read_safetensors(dir.join("adapter/adapter_model.safetensors"))
+        .unwrap()
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
+    let back = CausalLm::from_pretrained_with_adapter(
+        dir.join("base"),
+        dir.join("adapter"),
+        Device::Cpu,
+        Kind::Float,
+    )
+    .unwrap();
+    assert!(logits(&back).equal(&want));
+    (merged, names)
+}
+
 #[test]
 fn fresh_adapters_change_nothing_and_switched_off_they_are_the_base_model() {
     let base = seeded(3, || {
@@ -249,9 +290,7 @@ fn merged_export_and_adapter_files_round_trip() {
 #[test]
 fn the_head_takes_an_adapter_tied_or_not_and_the_merged_export_unties_it() {
     for tied in [true, false] {
-        let mut cfg = Config::tiny();
-        cfg.tie_word_embeddings = tied;
-        let fresh = || seeded(3, || CausalLm::new(&cfg, Device::Cpu, Kind::Float).unwrap());
+        let fresh = || tiny(tied);
         let base = fresh();
         let before = logits(&base);
         let (ids, mask, pos) = inputs();
@@ -265,7 +304,7 @@ fn the_head_takes_an_adapter_tied_or_not_and_the_merged_export_unties_it() {
         assert_eq!(vars["lm_head.lora_A.weight"].size(), vec![4, 32]);
         assert_eq!(
             vars["lm_head.lora_B.weight"].size(),
-            vec![cfg.vocab_size, 4]
+            vec![Config::tiny().vocab_size, 4]
         );
         let trained: Vec<&String> = vars
             .iter()
@@ -294,41 +333,15 @@ fn the_head_takes_an_adapter_tied_or_not_and_the_merged_export_unties_it() {
         assert!(lm.without_adapters(logits).equal(&before));
 
         let dir = tempfile::tempdir().unwrap();
-        lm.save_pretrained(dir.path().join("merged")).unwrap();
-        let config: serde_json::Value = serde_json::from_str(
-            &std::fs::read_to_string(dir.path().join("merged/config.json")).unwrap(),
-        )
-        .unwrap();
-        assert_eq!(config["tie_word_embeddings"], false, "tied={tied}");
-        let merged =
-            CausalLm::from_pretrained(dir.path().join("merged"), Device::Cpu, Kind::Float).unwrap();
-        assert!(max_diff(&logits(&merged), &with) < 1e-5, "tied={tied}");
+        let (merged, names) = export_round_trip(&lm, &fresh(), dir.path());
         let embed = "model.embed_tokens.weight";
         assert!(merged.var_store().variables()[embed].equal(&vars[embed]));
-
-        let base_dir = dir.path().join("base");
-        fresh().save_pretrained(&base_dir).unwrap();
-        lm.save_adapter(dir.path().join("adapter"), None).unwrap();
         let config: serde_json::Value = serde_json::from_str(
             &std::fs::read_to_string(dir.path().join("adapter/adapter_config.json")).unwrap(),
         )
         .unwrap();
         assert_eq!(config["target_modules"], serde_json::json!(["lm_head"]));
-        let names: Vec<String> =
-            Tensor::read_safetensors(dir.path().join("adapter/adapter_model.safetensors"))
-                .unwrap()
-                .into_iter()
-                .map(|(n, _)| n)
-                .collect();
         assert!(names.contains(&"base_model.model.lm_head.lora_B.weight".to_owned()));
-        let back = CausalLm::from_pretrained_with_adapter(
-            &base_dir,
-            dir.path().join("adapter"),
-            Device::Cpu,
-            Kind::Float,
-        )
-        .unwrap();
-        assert!(logits(&back).equal(&with), "tied={tied}");
     }
     // all-linear leaves the head out
     let lm = adapted(TargetModules::AllLinear);
@@ -350,9 +363,7 @@ fn the_head_takes_an_adapter_tied_or_not_and_the_merged_export_unties_it() {
 #[test]
 fn the_embedding_takes_an_adapter_and_the_export_keeps_the_head_as_it_was() {
     for tied in [true, false] {
-        let mut cfg = Config::tiny();
-        cfg.tie_word_embeddings = tied;
-        let fresh = || seeded(3, || CausalLm::new(&cfg, Device::Cpu, Kind::Float).unwrap());
+        let fresh = || tiny(tied);
         let base = fresh();
         let before = logits(&base);
         let base_embed = base.model().embed_tokens().copy();
@@ -371,7 +382,7 @@ fn the_embedding_takes_an_adapter_and_the_export_keeps_the_head_as_it_was() {
             &vars["model.embed_tokens.lora_embedding_A"],
             &vars["model.embed_tokens.lora_embedding_B"],
         );
-        assert_eq!(a.size(), vec![4, cfg.vocab_size]);
+        assert_eq!(a.size(), vec![4, Config::tiny().vocab_size]);
         assert_eq!(b.size(), vec![32, 4]);
         assert!(a.abs().max().double_value(&[]) == 0.0);
         assert!(b.std(true).double_value(&[]) > 0.5, "B is N(0, 1)");
@@ -408,11 +419,7 @@ fn the_embedding_takes_an_adapter_and_the_export_keeps_the_head_as_it_was() {
         }
 
         let dir = tempfile::tempdir().unwrap();
-        lm.save_pretrained(dir.path().join("merged")).unwrap();
-        let merged =
-            CausalLm::from_pretrained(dir.path().join("merged"), Device::Cpu, Kind::Float).unwrap();
-        assert!(!merged.config().tie_word_embeddings);
-        assert!(max_diff(&logits(&merged), &with) < 1e-5, "tied={tied}");
+        let (merged, names) = export_round_trip(&lm, &fresh(), dir.path());
         let mvars = merged.var_store().variables();
         let want = &base_embed + b.matmul(a).tr() * 2.0;
         assert!(max_diff(&mvars["model.embed_tokens.weight"], &want) < 1e-6);
@@ -422,28 +429,10 @@ fn the_embedding_takes_an_adapter_and_the_export_keeps_the_head_as_it_was() {
                 "the head as it was"
             );
         }
-
-        let base_dir = dir.path().join("base");
-        fresh().save_pretrained(&base_dir).unwrap();
-        lm.save_adapter(dir.path().join("adapter"), None).unwrap();
-        let names: Vec<String> =
-            Tensor::read_safetensors(dir.path().join("adapter/adapter_model.safetensors"))
-                .unwrap()
-                .into_iter()
-                .map(|(n, _)| n)
-                .collect();
         assert!(
             names.contains(&"base_model.model.model.embed_tokens.lora_embedding_A".to_owned()),
             "{names:?}"
         );
-        let back = CausalLm::from_pretrained_with_adapter(
-            &base_dir,
-            dir.path().join("adapter"),
-            Device::Cpu,
-            Kind::Float,
-        )
-        .unwrap();
-        assert!(logits(&back).equal(&with), "tied={tied}");
     }
 }
 

@@ -40,6 +40,20 @@ fn base() -> PathBuf {
     fixtures().join("tiny-llama")
 }
 
+/// `lm`'s adapter written again into `out` (recording `base_name`) is byte for byte the
+/// committed one at `ours`: the writer still writes what PEFT loaded.
+fn assert_rewrites(lm: &CausalLm, base_name: &str, ours: &Path, out: &Path) {
+    lm.save_adapter(out.join("adapter"), Some(base_name))
+        .unwrap();
+    for file in ["adapter_config.json", "adapter_model.safetensors"] {
+        assert_eq!(
+            std::fs::read(out.join("adapter").join(file)).unwrap(),
+            std::fs::read(ours.join(file)).unwrap(),
+            "{file} differs from the one PEFT loaded"
+        );
+    }
+}
+
 #[test]
 fn an_adapter_saved_by_peft_loads_and_computes_what_peft_computes() {
     let want = read(fixtures().join("peft/theirs_logits.safetensors"));
@@ -77,15 +91,7 @@ fn peft_and_transformers_load_what_we_write_and_compute_what_we_compute() {
     );
     // the writer still writes what PEFT loaded, byte for byte
     let out = tempfile::tempdir().unwrap();
-    lm.save_adapter(out.path().join("adapter"), Some("tiny-llama"))
-        .unwrap();
-    for file in ["adapter_config.json", "adapter_model.safetensors"] {
-        assert_eq!(
-            std::fs::read(out.path().join("adapter").join(file)).unwrap(),
-            std::fs::read(ours.join(file)).unwrap(),
-            "{file} differs from the one PEFT loaded"
-        );
-    }
+    assert_rewrites(&lm, "tiny-llama", &ours, out.path());
     // transformers ran the merged export our writer made to our logits (1e-4, the bar)
     let committed = fixtures().join("peft/merged");
     let merged = CausalLm::from_pretrained(&committed, Device::Cpu, Kind::Float).unwrap();
@@ -149,15 +155,7 @@ fn adapters_on_a_tied_head_and_embedding_round_trip_with_peft_both_ways() {
         err < 1e-5,
         "PEFT's logits on our adapter differ from ours by {err}"
     );
-    lm.save_adapter(out.path().join("adapter"), Some("tiny-qwen2"))
-        .unwrap();
-    for file in ["adapter_config.json", "adapter_model.safetensors"] {
-        assert_eq!(
-            std::fs::read(out.path().join("adapter").join(file)).unwrap(),
-            std::fs::read(ours.join(file)).unwrap(),
-            "{file} differs from the one PEFT loaded"
-        );
-    }
+    assert_rewrites(&lm, "tiny-qwen2", &ours, out.path());
     let committed = fixtures().join("peft/merged_tied");
     let merged = CausalLm::from_pretrained(&committed, Device::Cpu, Kind::Float).unwrap();
     let err = error_on("tiny-qwen2", &merged, &want["transformers_merged"]);
