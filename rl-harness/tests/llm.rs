@@ -138,16 +138,18 @@ fn kill_9_mid_grpo_step_after_a_checkpoint_then_resume_matches_an_uninterrupted_
     let _ = kill_9_then_resume_matches(&[]);
 }
 
-/// The same with LoRA adapters (with dropout, whose masks must follow the step), KL to the
+/// The same with LoRA adapters (with dropout, whose masks must follow the step; on the decoder's
+/// linear layers and on the tied vocabulary layers, `lm_head` and `embed_tokens`), KL to the
 /// base model, and bf16 mixed precision: the checkpoints hold the adapters in PEFT's format
 /// (not the model) and their float32 master weights, so the resumed run continues from those
-/// rather than from the bf16-rounded adapters. (One run for both: CI's time is short.)
+/// rather than from the bf16-rounded adapters. (One run for all: CI's time is short.)
 #[test]
 fn kill_9_then_resume_of_a_lora_bf16_mixed_precision_run_matches_an_uninterrupted_run() {
     let (_env, checkpoint) = kill_9_then_resume_matches(&[
         "actor_rollout_ref.model.lora_rank=4",
         "actor_rollout_ref.model.lora_alpha=8",
         "actor_rollout_ref.model.lora_dropout=0.1",
+        r#"actor_rollout_ref.model.target_modules=["q_proj","k_proj","v_proj","o_proj","gate_proj","up_proj","down_proj","lm_head","embed_tokens"]"#,
         "actor_rollout_ref.actor.optim.lr=1e-2",
         "actor_rollout_ref.actor.mixed_precision.param_dtype=bf16",
     ]);
@@ -170,6 +172,15 @@ fn kill_9_then_resume_of_a_lora_bf16_mixed_precision_run_matches_an_uninterrupte
             .all(|(n, t)| n.contains(".lora_") && t.kind() == tch::Kind::Float),
         "float32 masters of the adapters only"
     );
+    for layer in [
+        "lm_head.lora_B.weight",
+        "model.embed_tokens.lora_embedding_A",
+    ] {
+        assert!(
+            masters.iter().any(|(n, _)| n.ends_with(layer)),
+            "{layer}'s master in the checkpoint"
+        );
+    }
 }
 
 /// Runs GRPO twice with `extra` settings, the second killed with SIGKILL mid-step after a
