@@ -329,8 +329,8 @@ fn value_objective() -> ValueLoss {
     }
 }
 
-/// Seeded rank-4 LoRA adapters on every linear layer of `p`, without dropout (whose masks
-/// would follow each rank's rows).
+/// Seeded rank-4 LoRA adapters on every linear layer of `p` and on its vocabulary layers
+/// (`lm_head`, `embed_tokens`), without dropout (whose masks would follow each rank's rows).
 fn add_lora(p: &SharedPolicy) {
     let _generator = rl_workers::hold_generator();
     tch::manual_seed(8);
@@ -339,7 +339,21 @@ fn add_lora(p: &SharedPolicy) {
         .add_lora(&rl_workers::LoraConfig {
             rank: 4,
             alpha: 8.0,
-            target_modules: rl_workers::TargetModules::AllLinear,
+            target_modules: rl_workers::TargetModules::Names(
+                [
+                    "q_proj",
+                    "k_proj",
+                    "v_proj",
+                    "o_proj",
+                    "gate_proj",
+                    "up_proj",
+                    "down_proj",
+                    "lm_head",
+                    "embed_tokens",
+                ]
+                .map(str::to_owned)
+                .to_vec(),
+            ),
             exclude_modules: Vec::new(),
             dropout: 0.0,
             use_rslora: false,

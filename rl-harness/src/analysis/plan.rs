@@ -535,7 +535,7 @@ pub fn estimate(exp: &ExperimentConfig, m: &Models) -> Result<Plan> {
             "training {}, weights {}{}",
             match &policy.lora {
                 Some(l) => format!(
-                    "LoRA r={} on {} linear layers (alpha {}{})",
+                    "LoRA r={} on {} layers (alpha {}{})",
                     l.rank,
                     lora_targets(cfg, l, Head::Lm)?.len(),
                     l.alpha,
