@@ -2,7 +2,11 @@
 //! `[r, in]` (Kaiming-uniform, PEFT's `a = √5`, i.e. U(−1/√in, 1/√in)) and `B` `[out, r]`
 //! (zeros), `scale = alpha / r` (`alpha / √r` with rsLoRA), so a fresh adapter leaves the model
 //! exactly as it was. The base weights are frozen; only `A`, `B` (and a classification head, as
-//! PEFT's `modules_to_save`) train.
+//! PEFT's `modules_to_save`) train. The vocabulary layers take adapters where `target_modules`
+//! names them: `lm_head` (a linear adapter on the logits, tied to the embedding or not) and
+//! `embed_tokens` (PEFT's embedding adapter, `lora_embedding_A` `[r, vocab]` zero and
+//! `lora_embedding_B` `[hidden, r]` standard normal); each model lists the layers it offers as
+//! `Slot`s.
 //!
 //! Adapters are applied unmerged (`x·Wᵀ + scale · dropout(x)·Aᵀ·Bᵀ`), so the actor, the rollout
 //! and the reference share one copy of the base weights: the reference is the same model with
