@@ -41,22 +41,9 @@ fn adapted(base: &Path, targets: TargetModules) -> rl_workers::Result<CausalLm> 
 fn main() -> rl_workers::Result<()> {
     let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
     let out = fixtures.join("peft");
-    let tied: Vec<String> = [
-        "q_proj",
-        "k_proj",
-        "v_proj",
-        "o_proj",
-        "gate_proj",
-        "up_proj",
-        "down_proj",
-        "lm_head",
-        "embed_tokens",
-    ]
-    .map(str::to_owned)
-    .to_vec();
     for (base, targets, suffix) in [
         ("tiny-llama", TargetModules::AllLinear, ""),
-        ("tiny-qwen2", TargetModules::Names(tied), "_tied"),
+        ("tiny-qwen2", TargetModules::every_layer(), "_tied"),
     ] {
         let lm = adapted(&fixtures.join(base), targets)?;
         let (adapter, merged) = (

@@ -64,6 +64,29 @@ impl Serialize for TargetModules {
     }
 }
 
+impl TargetModules {
+    /// Every layer of a Llama/Qwen2 causal language model that takes an adapter, by PEFT's
+    /// names: the decoder's linear layers and both vocabulary layers (`lm_head`,
+    /// `embed_tokens`).
+    pub fn every_layer() -> TargetModules {
+        TargetModules::Names(
+            [
+                "q_proj",
+                "k_proj",
+                "v_proj",
+                "o_proj",
+                "gate_proj",
+                "up_proj",
+                "down_proj",
+                HEAD,
+                "embed_tokens",
+            ]
+            .map(str::to_owned)
+            .to_vec(),
+        )
+    }
+}
+
 impl<'de> Deserialize<'de> for TargetModules {
     fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
         #[derive(Deserialize)]

@@ -339,21 +339,7 @@ fn add_lora(p: &SharedPolicy) {
         .add_lora(&rl_workers::LoraConfig {
             rank: 4,
             alpha: 8.0,
-            target_modules: rl_workers::TargetModules::Names(
-                [
-                    "q_proj",
-                    "k_proj",
-                    "v_proj",
-                    "o_proj",
-                    "gate_proj",
-                    "up_proj",
-                    "down_proj",
-                    "lm_head",
-                    "embed_tokens",
-                ]
-                .map(str::to_owned)
-                .to_vec(),
-            ),
+            target_modules: rl_workers::TargetModules::every_layer(),
             exclude_modules: Vec::new(),
             dropout: 0.0,
             use_rslora: false,

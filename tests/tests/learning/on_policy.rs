@@ -192,11 +192,6 @@ fn grpo_raises_accuracy() {
     assert!(runs.iter().all(|r| r.steps[0].contains_key("timing_s/ref")));
 }
 
-/// The layers the LoRA test adapts: every linear layer of the decoder and both sides of the
-/// vocabulary matrix (the LM head and the input embedding, tied here), PEFT's names.
-const LORA_TARGETS: &str =
-    "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head,embed_tokens";
-
 /// LoRA: adapters of rank 16 (alpha 32) on every linear layer of a frozen base and on the
 /// vocabulary layers (`lm_head`, `embed_tokens`), at full fine-tuning's learning rate, with the
 /// reference being the base model (adapters off), training 46,208 parameters (the adapters) of
@@ -217,14 +212,17 @@ const LORA_TARGETS: &str =
 fn lora_grpo_learns() {
     let full: Vec<SeedResult> = grpo_full_runs().iter().map(|r| r.result).collect();
     let rank = env_or("LEARN_LORA_RANK", 16) as i64;
-    let targets = std::env::var("LEARN_LORA_TARGETS").unwrap_or_else(|_| LORA_TARGETS.into());
+    // every linear layer and both sides of the (tied) vocabulary matrix, unless measuring others
+    let targets = match std::env::var("LEARN_LORA_TARGETS") {
+        Ok(t) => rl_workers::lora::TargetModules::Names(t.split(',').map(str::to_owned).collect()),
+        Err(_) => rl_workers::lora::TargetModules::every_layer(),
+    };
     let lora = per_seed(init_seeds(), |seed| {
         let mut cfg = grpo_config(warm(seed));
         let m = &mut cfg.actor_rollout_ref.model;
         m.lora_rank = rank;
         m.lora_alpha = env_or("LEARN_LORA_ALPHA", 32) as f64;
-        m.target_modules =
-            rl_workers::lora::TargetModules::Names(targets.split(',').map(str::to_owned).collect());
+        m.target_modules = targets.clone();
         cfg.actor_rollout_ref.actor.optim.lr = env_or("LEARN_LORA_LR_E4", 10) as f64 * 1e-4;
         train("grpo lora", seed, &cfg)
     });
@@ -238,7 +236,7 @@ fn lora_grpo_learns() {
         .map(|(l, f)| l.gain() - f)
         .collect();
     println!(
-        "grpo: median gain full fine-tuning {:.1} points, LoRA r={rank} on {targets} {:.1} points; LoRA less full fine-tuning, seed by seed: median {:.1}, {}",
+        "grpo: median gain full fine-tuning {:.1} points, LoRA r={rank} on {targets:?} {:.1} points; LoRA less full fine-tuning, seed by seed: median {:.1}, {}",
         median(&full_gains) * 100.0,
         lora_median * 100.0,
         median(&paired) * 100.0,
