@@ -23,7 +23,7 @@ pub use rl_harness::run::compose::{
 mod warm;
 pub use warm::{
     INIT_SEEDS, PerSeed, SFT_MAX_STEPS, SFT_TARGET_LOSS, TASK_SEED, Warm, carry_free_warm,
-    init_seeds,
+    init_seeds, try_carry_free_warm, wide_held_out,
 };
 
 /// Any error of the workspace crates, as a boxed error for tests.
@@ -283,6 +283,11 @@ impl SeedResult {
     pub fn gain(&self) -> f64 {
         self.after - self.before
     }
+}
+
+/// The mean of `xs`; `xs` must not be empty.
+pub fn mean(xs: &[f64]) -> f64 {
+    xs.iter().sum::<f64>() / xs.len() as f64
 }
 
 /// The median of `xs` (the upper middle for an even count); `xs` must not be empty.

@@ -15,6 +15,19 @@ use tch::{Device, Kind};
 const SEED: u64 = TASK_SEED;
 const RL_STEPS: usize = 40;
 
+/// The initial-weight seeds of the comparison between LoRA and full fine-tuning
+/// ([`lora_grpo_learns`]): the tests' three and the next seeds from 12 whose SFT warm-up does
+/// not stall, fifteen in all, none of them used to choose the recipe.
+const COMPARE_SEEDS: usize = 15;
+const COMPARE_FIRST_EXTRA_SEED: u64 = 12;
+
+/// The rollout temperature of that comparison (verl's default): see [`lora_grpo_learns`].
+const COMPARE_TEMPERATURE: f64 = 1.0;
+
+/// Its bar (issue 21: "at least full fine-tuning's gain minus 5 points"): LoRA's gain less full
+/// fine-tuning's from the same SFT start, as a mean over the seeds.
+const LORA_GAP_MEAN: f64 = -0.05;
+
 /// The bar: at least 10 points at the median over the initial-weight seeds ([`init_seeds`]), and no seed may lose more than
 /// 10 (a collapse). The floor is not 0: on seed 1, the weakest SFT start (27.5%), RLOO without
 /// a KL term measured 27.5% -> 20.5% in `scripts/learning-report` (docs/learning.md).
@@ -88,6 +101,13 @@ struct Run {
 /// after.
 fn train(name: &str, init_seed: u64, cfg: &ExperimentConfig) -> Run {
     let w = warm(init_seed);
+    let mut cfg = cfg.clone();
+    // a wider held-out set for measuring (the warm-up's 200 prompts and more)
+    let rows = env_or("LEARN_EVAL_ROWS", 0) as usize;
+    if rows > 0 {
+        cfg.data.val_files = vec![wide_held_out(rows).to_path_buf()];
+    }
+    let cfg = &cfg;
     // as `harness train` loads it: LoRA adapters when the config asks for them
     let policy = rl_workers::roles::share(
         seeded(SEED as i64, || {
@@ -103,12 +123,29 @@ fn train(name: &str, init_seed: u64, cfg: &ExperimentConfig) -> Run {
     let mut trainer = build_on_policy(cfg, policy, critic, &w.task.tokenizer).unwrap();
     let key = "val/test_score/arithmetic";
     let (before, samples) = trainer.validate().unwrap();
+    // held-out accuracy every `LEARN_EVAL_EVERY` steps too, for measuring (validation is greedy
+    // and draws nothing, so the run's trajectory does not change)
+    let every = env_or("LEARN_EVAL_EVERY", 0) as usize;
+    let mut curve = Vec::new();
     let mut steps = Vec::new();
     while trainer.global_step() < trainer.total_steps() {
         steps.push(trainer.step().unwrap());
+        if every > 0
+            && steps.len().is_multiple_of(every)
+            && trainer.global_step() < trainer.total_steps()
+        {
+            let accuracy = trainer.validate().unwrap().0[key];
+            curve.push(format!("{}: {:.1}%", steps.len(), accuracy * 100.0));
+        }
     }
     let (after, _) = trainer.validate().unwrap();
     let (b, a) = (before[key], after[key]);
+    if !curve.is_empty() {
+        println!(
+            "{name} (init seed {init_seed}): held-out accuracy by step {}",
+            curve.join(", ")
+        );
+    }
     // seconds of each phase over all steps (where the suite's time goes)
     let phases: Vec<String> = steps[0]
         .keys()
@@ -173,15 +210,46 @@ fn grpo_config(w: &Warm) -> ExperimentConfig {
     cfg
 }
 
-/// The full fine-tuning GRPO runs of every seed, trained once for the tests that compare with
-/// them.
-fn grpo_full_runs() -> &'static [Run] {
-    static RUNS: std::sync::OnceLock<Vec<Run>> = std::sync::OnceLock::new();
-    RUNS.get_or_init(|| {
-        per_seed(init_seeds(), |seed| {
-            train("grpo", seed, &grpo_config(warm(seed)))
-        })
+/// The full fine-tuning GRPO run of `init_seed`, trained once for the tests that compare with
+/// it.
+fn grpo_full_run(init_seed: u64) -> &'static Run {
+    static RUNS: std::sync::OnceLock<PerSeed<Run>> = std::sync::OnceLock::new();
+    RUNS.get_or_init(PerSeed::new).get(init_seed, || {
+        train("grpo", init_seed, &grpo_config(warm(init_seed)))
     })
+}
+
+/// The full fine-tuning GRPO runs of the tests' seeds.
+fn grpo_full_runs() -> Vec<&'static Run> {
+    per_seed(init_seeds(), grpo_full_run)
+}
+
+/// The seeds of the LoRA comparison: the tests' seeds and the next [`COMPARE_SEEDS`] less
+/// three from [`COMPARE_FIRST_EXTRA_SEED`] on whose warm-up does not stall (which varies with
+/// the CPU's rounding: seed 17's stalled on the Zen 4 VM, seed 12's took 740 of its 800 steps),
+/// or only `LEARN_INIT_SEEDS` where that is set.
+fn compare_seeds() -> Vec<u64> {
+    let mut seeds = init_seeds().to_vec();
+    if std::env::var_os("LEARN_INIT_SEEDS").is_some() {
+        return seeds;
+    }
+    let mut next = COMPARE_FIRST_EXTRA_SEED;
+    while seeds.len() < COMPARE_SEEDS {
+        assert!(
+            next < COMPARE_FIRST_EXTRA_SEED + 2 * COMPARE_SEEDS as u64,
+            "the LoRA comparison found only {} seeds whose SFT warm-up does not stall up to seed {next}",
+            seeds.len()
+        );
+        let batch: Vec<u64> = (next..).take(COMPARE_SEEDS - seeds.len()).collect();
+        next += batch.len() as u64;
+        for (seed, warm) in batch.iter().zip(per_seed(&batch, try_carry_free_warm)) {
+            match warm {
+                Ok(_) => seeds.push(*seed),
+                Err(stalled) => println!("lora comparison: init seed {seed} skipped: {stalled}"),
+            }
+        }
+    }
+    seeds
 }
 
 #[test]
@@ -195,59 +263,91 @@ fn grpo_raises_accuracy() {
 /// LoRA: adapters of rank 16 (alpha 32) on every linear layer of a frozen base and on the
 /// vocabulary layers (`lm_head`, `embed_tokens`), at full fine-tuning's learning rate, with the
 /// reference being the base model (adapters off), training 46,208 parameters (the adapters) of
-/// the tiny model's 113,216. It must clear the bar of every on-policy algorithm; how far it
-/// stays from full fine-tuning is printed, not asserted.
+/// the tiny model's 113,216. Against full fine-tuning from the same SFT starts with the same
+/// recipe, sampling at temperature 1 ([`COMPARE_TEMPERATURE`]), over [`compare_seeds`] (fifteen):
+/// LoRA must clear the bar of every on-policy algorithm, and its gain less full fine-tuning's,
+/// seed by seed, must be at least -5 points at the mean (issue 21).
 ///
-/// The recipe was chosen on eight initial-weight seeds the tests do not use (3-6, 8-11;
+/// The recipe was chosen on eight initial-weight seeds no test uses (3-6, 8-11;
 /// `LEARN_INIT_SEEDS`, docs/learning.md, 2026-11-29 on the Zen 4 VM): full fine-tuning gained
-/// +43.5 at the median; with the tied embedding frozen +33.0, with only its lookup detached
-/// +33.5, so LoRA on the decoder alone (r=8, 5e-3: +30.0) missed the vocabulary matrix. Adapting
-/// the head too gave +37.0; the head and the embedding +38.0 at 1e-3 (the embedding's adapter
-/// collapses at 5e-3: -16.0), and at rank 16 +39.5, LoRA less full fine-tuning seed by seed
-/// +1.5 at the median. Issue 21's bar (LoRA's median within 5 points of full fine-tuning's)
-/// is met on those seeds, but a three-seed median of this task moves by 10-20 points with the
-/// seed and the CPU, so it is not asserted here. `LEARN_LORA_TARGETS` (a comma list),
-/// `LEARN_LORA_RANK`, `LEARN_LORA_ALPHA` and `LEARN_LORA_LR_E4` measure other recipes.
+/// +43.5 at the median after 40 steps at the quickstart's temperature 0.5; with the tied
+/// embedding frozen +33.0, so LoRA on the decoder alone (r=8, 5e-3: +30.0) missed the vocabulary
+/// matrix; adapting the head and the embedding too, at rank 16 and 1e-3 (the embedding's adapter
+/// collapses at 5e-3), +39.5.
+///
+/// Why this form of the bar. At temperature 0.5 a run stalls on the prompts whose eight samples
+/// all agree (no group advantage), and when it stalls decides its outcome: from the same start
+/// LoRA's and full fine-tuning's gains differ by -21.0 to +9.0 points after 40 steps and by
+/// -23.0 to +21.5 after 80 (seeds 1-15; as much on seeds 1-11 with 1000 held-out prompts, so it
+/// is the runs, not the evaluation). At temperature 1 the runs keep exploring and the two stay
+/// closer (-14.5 to +16.0 over 23 seeds, mean -1.2, standard deviation 6.7), but each method's
+/// gains still range from +3 to +40, so the medians of two equally good methods over a few
+/// seeds differ by more than 5 points often: resampling those 23 seeds, LoRA's median fell 5
+/// points below full fine-tuning's in 18% of seven-seed draws and 12% of fifteen-seed draws,
+/// the mean of the seed-by-seed differences in 6% and 1%. So the bar is that mean over fifteen
+/// seeds (docs/learning.md has every seed's figures).
+/// `LEARN_LORA_TARGETS` (a comma list), `LEARN_LORA_RANK`, `LEARN_LORA_ALPHA`,
+/// `LEARN_LORA_LR_E4` and `LEARN_COMPARE_TEMP_PCT` measure other recipes.
 #[test]
 fn lora_grpo_learns() {
-    let full: Vec<SeedResult> = grpo_full_runs().iter().map(|r| r.result).collect();
+    let seeds = compare_seeds();
     let rank = env_or("LEARN_LORA_RANK", 16) as i64;
     // every linear layer and both sides of the (tied) vocabulary matrix, unless measuring others
     let targets = match std::env::var("LEARN_LORA_TARGETS") {
         Ok(t) => rl_workers::lora::TargetModules::Names(t.split(',').map(str::to_owned).collect()),
         Err(_) => rl_workers::lora::TargetModules::every_layer(),
     };
-    let lora = per_seed(init_seeds(), |seed| {
+    let temperature = env_or(
+        "LEARN_COMPARE_TEMP_PCT",
+        (COMPARE_TEMPERATURE * 100.0) as u64,
+    ) as f64
+        / 100.0;
+    let config = |seed| {
         let mut cfg = grpo_config(warm(seed));
+        cfg.actor_rollout_ref.rollout.temperature = temperature;
+        cfg
+    };
+    let runs = per_seed(&seeds, |seed| {
+        let full = train("grpo t1", seed, &config(seed));
+        let mut cfg = config(seed);
         let m = &mut cfg.actor_rollout_ref.model;
         m.lora_rank = rank;
         m.lora_alpha = env_or("LEARN_LORA_ALPHA", 32) as f64;
         m.target_modules = targets.clone();
         cfg.actor_rollout_ref.actor.optim.lr = env_or("LEARN_LORA_LR_E4", 10) as f64 * 1e-4;
-        train("grpo lora", seed, &cfg)
+        (full.result, train("grpo t1 lora", seed, &cfg))
     });
-    let results: Vec<SeedResult> = lora.iter().map(|r| r.result).collect();
-    let lora_median = assert_gain_over_seeds("grpo lora", &results, MEDIAN_GAIN, WORST_GAIN);
-    let full_gains: Vec<f64> = full.iter().map(SeedResult::gain).collect();
+    let results: Vec<SeedResult> = runs.iter().map(|(_, lora)| lora.result).collect();
+    let lora_median = assert_gain_over_seeds("grpo t1 lora", &results, MEDIAN_GAIN, WORST_GAIN);
+    let full: Vec<f64> = runs.iter().map(|(full, _)| full.gain()).collect();
+    let full_median = median(&full);
     // LoRA's gain less full fine-tuning's from the same SFT start, seed by seed
-    let paired: Vec<f64> = results
+    let gaps: Vec<f64> = results
         .iter()
-        .zip(&full_gains)
+        .zip(&full)
         .map(|(l, f)| l.gain() - f)
         .collect();
     println!(
-        "grpo: median gain full fine-tuning {:.1} points, LoRA r={rank} on {targets:?} {:.1} points; LoRA less full fine-tuning, seed by seed: median {:.1}, {}",
-        median(&full_gains) * 100.0,
+        "grpo at temperature {temperature}, {} seeds: median gain full fine-tuning {:+.1} points, LoRA r={rank} on {targets:?} {:+.1}; LoRA less full fine-tuning, seed by seed: mean {:+.1}, median {:+.1}, {}",
+        seeds.len(),
+        full_median * 100.0,
         lora_median * 100.0,
-        median(&paired) * 100.0,
-        paired
-            .iter()
+        mean(&gaps) * 100.0,
+        median(&gaps) * 100.0,
+        gaps.iter()
             .map(|d| format!("{:+.1}", d * 100.0))
             .collect::<Vec<_>>()
             .join(", ")
     );
-    for run in &lora {
-        assert!(run.steps[0].contains_key("actor/grad_norm"));
+    let mean_gap = mean(&gaps);
+    assert!(
+        mean_gap >= LORA_GAP_MEAN,
+        "grpo lora over seeds {seeds:?}: LoRA's gain less full fine-tuning's is {:+.1} points at the mean, under the bar of {:+.1}",
+        mean_gap * 100.0,
+        LORA_GAP_MEAN * 100.0
+    );
+    for (_, lora) in &runs {
+        assert!(lora.steps[0].contains_key("actor/grad_norm"));
     }
 }
 
