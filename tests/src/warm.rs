@@ -130,12 +130,8 @@ pub fn try_carry_free_warm(init_seed: u64) -> Result<&'static Warm, &'static str
 pub fn wide_held_out(rows: usize) -> &'static std::path::Path {
     static WIDE: OnceLock<(usize, TinyTask)> = OnceLock::new();
     let (made, task) = WIDE.get_or_init(|| {
-        let addition = rl_data::tasks::tiny_vocab::TinyAddition {
-            max_operand: env_or("MAX_OPERAND", 99) as i64,
-            no_carry: true,
-            zero_pad: true,
-        };
-        let task = tiny_task_with(addition, 1500, rows, TASK_SEED).expect("the wide held-out set");
+        let task = tiny_task_with(carry_free_addition(), 1500, rows, TASK_SEED)
+            .expect("the wide held-out set");
         (rows, task)
     });
     assert_eq!(
@@ -145,15 +141,20 @@ pub fn wide_held_out(rows: usize) -> &'static std::path::Path {
     &task.test
 }
 
-fn train_warm(init_seed: u64) -> Result<Warm, String> {
-    let t = std::time::Instant::now();
-    tch::set_num_threads(1);
-    let addition = rl_data::tasks::tiny_vocab::TinyAddition {
+/// The warm-up's task: carry-free, zero-padded addition of operands up to 99 (`MAX_OPERAND`).
+fn carry_free_addition() -> rl_data::tasks::tiny_vocab::TinyAddition {
+    rl_data::tasks::tiny_vocab::TinyAddition {
         max_operand: env_or("MAX_OPERAND", 99) as i64,
         no_carry: true,
         zero_pad: true,
-    };
-    let task = tiny_task_with(addition, 1500, 200, TASK_SEED).expect("the carry-free task");
+    }
+}
+
+fn train_warm(init_seed: u64) -> Result<Warm, String> {
+    let t = std::time::Instant::now();
+    tch::set_num_threads(1);
+    let task =
+        tiny_task_with(carry_free_addition(), 1500, 200, TASK_SEED).expect("the carry-free task");
     let policy = fresh_tiny_policy(task.tokenizer.vocab_size() as i64, init_seed as i64)
         .expect("a fresh tiny policy");
     let actor = ActorConfig {

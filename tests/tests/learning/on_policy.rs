@@ -210,18 +210,15 @@ fn grpo_config(w: &Warm) -> ExperimentConfig {
     cfg
 }
 
-/// The full fine-tuning GRPO run of `init_seed`, trained once for the tests that compare with
-/// it.
-fn grpo_full_run(init_seed: u64) -> &'static Run {
-    static RUNS: std::sync::OnceLock<PerSeed<Run>> = std::sync::OnceLock::new();
-    RUNS.get_or_init(PerSeed::new).get(init_seed, || {
-        train("grpo", init_seed, &grpo_config(warm(init_seed)))
+/// The full fine-tuning GRPO runs of every seed, trained once for the tests that compare with
+/// them.
+fn grpo_full_runs() -> &'static [Run] {
+    static RUNS: std::sync::OnceLock<Vec<Run>> = std::sync::OnceLock::new();
+    RUNS.get_or_init(|| {
+        per_seed(init_seeds(), |seed| {
+            train("grpo", seed, &grpo_config(warm(seed)))
+        })
     })
-}
-
-/// The full fine-tuning GRPO runs of the tests' seeds.
-fn grpo_full_runs() -> Vec<&'static Run> {
-    per_seed(init_seeds(), grpo_full_run)
 }
 
 /// The seeds of the LoRA comparison: the tests' seeds and the next [`COMPARE_SEEDS`] less
@@ -327,19 +324,19 @@ fn lora_grpo_learns() {
         .zip(&full)
         .map(|(l, f)| l.gain() - f)
         .collect();
+    let mean_gap = mean(&gaps);
     println!(
         "grpo at temperature {temperature}, {} seeds: median gain full fine-tuning {:+.1} points, LoRA r={rank} on {targets:?} {:+.1}; LoRA less full fine-tuning, seed by seed: mean {:+.1}, median {:+.1}, {}",
         seeds.len(),
         full_median * 100.0,
         lora_median * 100.0,
-        mean(&gaps) * 100.0,
+        mean_gap * 100.0,
         median(&gaps) * 100.0,
         gaps.iter()
             .map(|d| format!("{:+.1}", d * 100.0))
             .collect::<Vec<_>>()
             .join(", ")
     );
-    let mean_gap = mean(&gaps);
     assert!(
         mean_gap >= LORA_GAP_MEAN,
         "grpo lora over seeds {seeds:?}: LoRA's gain less full fine-tuning's is {:+.1} points at the mean, under the bar of {:+.1}",
@@ -415,10 +412,7 @@ fn bf16_mixed_precision_grpo_learns_like_float32() {
             .zip(&cb)
             .map(|(x, y)| (x - y).abs())
             .fold(0.0, f64::max);
-        let (mf, mb) = (
-            cf.iter().sum::<f64>() / cf.len() as f64,
-            cb.iter().sum::<f64>() / cb.len() as f64,
-        );
+        let (mf, mb) = (mean(&cf), mean(&cb));
         println!(
             "grpo bf16 vs fp32 (init seed {}): critic/score/mean averaged over steps fp32 {mf:.3}, bf16 {mb:.3}, max step deviation {max_dev:.3}; fp32 {cf:.2?}; bf16 {cb:.2?}",
             f.result.seed

@@ -721,7 +721,7 @@ fn rm_plus_rule_is_the_weighted_sum_at_the_last_token() {
     // the rule half: right answers on even rows
     assert_eq!(rule_rows, vec![1.0, 0.0, 1.0, 0.0, 1.0, 0.0]);
     let m = reward_metrics(&out);
-    let mean_rm = rm_rows.iter().sum::<f64>() / rm_rows.len() as f64;
+    let mean_rm = mean(&rm_rows);
     assert!((m["reward/rm_score/mean"] - mean_rm).abs() < 1e-9);
     assert_eq!(m["reward/rule_score/mean"], 0.5);
     assert!(out.contains("acc") && out.contains(keys::RM_SCORES));
