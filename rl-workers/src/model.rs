@@ -966,20 +966,22 @@ fn sdpa_mask(mask: &Tensor, seq_len: i64, stack: Kind) -> Option<Tensor> {
     })
 }
 
-/// The `[rows, 1, width, width]` boolean mask of packed rows: a query sees the keys of its own
-/// sequence (equal segment id, not 0) up to itself, and always itself (so padding stays
-/// finite).
-fn packed_mask_4d(segment_ids: &Tensor) -> Tensor {
+/// The `[rows, 1, width, width]` boolean mask of packed rows: a query sees the keys up to
+/// itself of its own sequence (equal segment id, not 0) and of the prefix its sequence extends
+/// (`prefix_ids`: the segment id of a shared prompt, 0 for none), and always itself (so padding
+/// stays finite).
+fn packed_mask_4d(segment_ids: &Tensor, prefix_ids: &Tensor) -> Tensor {
     let device = segment_ids.device();
     let width = segment_ids.size()[1];
     let pos = Tensor::arange(width, (Kind::Int64, device));
     let causal = pos.unsqueeze(0).le_tensor(&pos.unsqueeze(1));
     let own = pos.unsqueeze(0).eq_tensor(&pos.unsqueeze(1));
-    let same = segment_ids
-        .unsqueeze(2)
-        .eq_tensor(&segment_ids.unsqueeze(1));
+    let keys = segment_ids.unsqueeze(1);
+    let same = segment_ids.unsqueeze(2).eq_tensor(&keys);
+    let prefix = prefix_ids.unsqueeze(2).eq_tensor(&keys);
     let real = segment_ids.ne(0).unsqueeze(1);
-    same.logical_and(&real)
+    same.logical_or(&prefix)
+        .logical_and(&real)
         .logical_and(&causal.unsqueeze(0))
         .logical_or(&own.unsqueeze(0))
         .unsqueeze(1)
@@ -1422,23 +1424,37 @@ impl Model {
 
     /// Forward of sequences packed into rows without padding (verl's `use_remove_padding`):
     /// each row holds whole sequences one after another, each attending only to itself
-    /// (causally), with its own positions; the tail of a row is padding (segment 0). The
-    /// hidden state of a token is its padded forward's, up to rounding.
+    /// (causally) and to the prefix it extends, with its own positions; the tail of a row is
+    /// padding (segment 0). A prefix (a prompt that several responses share, verl's
+    /// `use_prefix_grouper`) is a sequence of its own placed before the sequences that extend
+    /// it, which name it in `prefix_ids`: it is computed once for all of them, and the hidden
+    /// state of every token is its padded forward's, up to rounding.
     ///
     /// # Shapes
     /// - `input_ids`: `[rows, width]` i64
     /// - `segment_ids`: `[rows, width]` i64: 0 = padding, else the id of the token's sequence,
     ///   whose tokens are contiguous in the row
-    /// - `position_ids`: `[rows, width]` i64, restarting with each sequence
+    /// - `prefix_ids`: `[rows, width]` i64: the segment id of the prefix the token's sequence
+    ///   extends (placed earlier in the same row), 0 for none
+    /// - `position_ids`: `[rows, width]` i64, restarting with each sequence (continuing its
+    ///   prefix's for a sequence that extends one)
     /// - returns hidden states `[rows, width, hidden]` after the final norm, in the model dtype
     pub fn forward_packed(
         &self,
         input_ids: &Tensor,
         segment_ids: &Tensor,
+        prefix_ids: &Tensor,
         position_ids: &Tensor,
     ) -> Result<Tensor> {
-        self.check_inputs(input_ids, segment_ids, position_ids, 0)?;
-        let mask = packed_mask_4d(segment_ids);
+        let (b, s) = self.check_inputs(input_ids, segment_ids, position_ids, 0)?;
+        expect_dims(
+            "prefix_ids",
+            prefix_ids,
+            &[Some(b), Some(s)],
+            "[rows, width]",
+        )?;
+        expect_kind("prefix_ids", prefix_ids, &[Kind::Int64])?;
+        let mask = packed_mask_4d(segment_ids, prefix_ids);
         self.run_layers(input_ids, position_ids, &mask, None)
     }
 
@@ -1525,6 +1541,9 @@ mod tests {
     /// rather than the results drifting.
     #[test]
     fn the_shared_additive_mask_is_what_sdpa_makes_of_the_boolean_one() {
+        // both runs draw the same q, k and v from the global generator: no other test may
+        // draw from it in between
+        let _generator = crate::hold_generator();
         tch::manual_seed(3);
         let (b, heads, s, d) = (3, 2, 7, 16);
         let opts = (Kind::Float, Device::Cpu);

@@ -713,7 +713,7 @@ pub fn build_on_policy_in(
     let reference = if need_ref {
         Some(Box::new(shard_reference(
             ReferenceWorker::from_policy(&actor.policy(), arr.ref_micro_batch_size)?
-                .with_remove_padding(arr.model.use_remove_padding),
+                .with_packing(arr.model.use_remove_padding, arr.actor.use_prefix_grouper),
             cfg,
             group,
         )?) as Box<dyn rl_core::roles::Reference>)
@@ -1164,7 +1164,7 @@ fn frozen_reference(
     let arr = &cfg.actor_rollout_ref;
     Ok(Some(Box::new(shard_reference(
         ReferenceWorker::from_policy(policy, arr.ref_micro_batch_size)?
-            .with_remove_padding(arr.model.use_remove_padding),
+            .with_packing(arr.model.use_remove_padding, arr.actor.use_prefix_grouper),
         cfg,
         group,
     )?)))
@@ -1355,13 +1355,14 @@ pub fn build_spin_in(
     let kind = cfg.actor_rollout_ref.model.dtype.kind();
     let micro = cfg.actor_rollout_ref.ref_micro_batch_size;
     let packed = cfg.actor_rollout_ref.model.use_remove_padding;
+    let prefix_grouper = cfg.actor_rollout_ref.actor.use_prefix_grouper;
     let make_reference: ReferenceFactory = Box::new(move |init| {
         Ok(Box::new(
             match init {
                 RefInit::Initial => ReferenceWorker::from_pretrained(&start, device, kind, micro)?,
                 RefInit::Policy => ReferenceWorker::from_policy(&policy, micro)?,
             }
-            .with_remove_padding(packed),
+            .with_packing(packed, prefix_grouper),
         ) as Box<dyn Reference>)
     });
     let reward = RuleReward::new(tokenizer.clone(), rule_rewards(cfg)?);

@@ -19,7 +19,7 @@ use crate::heads::CausalLm;
 use crate::multiturn::{MultiTurnOutput, ToolEnv, TurnStats, generate_multi_turn};
 use crate::remote::RemoteEngine;
 use crate::roles::config::{ActorConfig, ValKwargs};
-use crate::roles::micro::{self, Micro};
+use crate::roles::micro::{self, Micro, Packing};
 use crate::roles::optim::AdamW;
 use crate::roles::role_err;
 use crate::roles::zero::ZeroStage;
@@ -127,6 +127,11 @@ pub(crate) fn broadcast_from_rank0(
 }
 
 impl ActorWorker {
+    /// The layout of this actor's forwards (`use_remove_padding`, `use_prefix_grouper`).
+    fn packing(&self) -> Packing {
+        Packing::new(self.cfg.use_remove_padding, self.cfg.use_prefix_grouper)
+    }
+
     /// Whether an update over `rows` rows is one mini-batch for one epoch ([`is_on_policy`]).
     fn updates_on_policy(&self, rows: usize) -> bool {
         let world = self.data_parallel_ranks();
@@ -506,7 +511,7 @@ impl Actor for ActorWorker {
     ) -> rl_core::Result<Batch> {
         let lm = lock(&self.lm, "actor")?;
         let temperature = meta_f64(batch, "temperature", 1.0);
-        let packed = self.cfg.use_remove_padding;
+        let packing = self.packing();
         let outs = no_grad_per_micro(
             batch,
             self.cfg.log_prob_micro_batch_size_per_gpu,
@@ -515,7 +520,7 @@ impl Actor for ActorWorker {
                 .then_some(self.cfg.log_prob_max_token_len_per_gpu),
             lm.model(),
             |m| {
-                let out = micro::log_probs_with(&lm, m, temperature, extras, packed)?;
+                let out = micro::log_probs_with(&lm, m, temperature, extras, packing)?;
                 Ok(std::iter::once(out.log_prob)
                     .chain(out.entropy)
                     .chain(out.sum_pi_squared)
@@ -566,7 +571,7 @@ impl Actor for ActorWorker {
         }
         // each micro-batch's entropies and mask, detached, for the objective's entropy metric
         let mut entropies: Vec<(Tensor, Tensor)> = Vec::new();
-        let packed = self.cfg.use_remove_padding;
+        let packing = self.packing();
         // LoRA dropout: one mask seed per micro-batch, a function of the optimiser's step (so
         // a resumed run drops what the uninterrupted one did)
         let base_seed = (self.optim.counters().steps as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
@@ -587,11 +592,11 @@ impl Actor for ActorWorker {
                 let want = micro::EntropyOut::new(entropy, entropy_metric);
                 let (log_prob, ent) = if fused {
                     let (lp, ent, head) =
-                        micro::log_probs_fused(&lm, micro, temperature, want.any(), packed)?;
+                        micro::log_probs_fused(&lm, micro, temperature, want.any(), packing)?;
                     *pending.borrow_mut() = Some(head);
                     (lp, ent)
                 } else {
-                    micro::log_probs(&lm, micro, temperature, want, packed)?
+                    micro::log_probs(&lm, micro, temperature, want, packing)?
                 };
                 if entropy_metric && let Some(e) = &ent {
                     entropies.push((e.detach(), keys::policy_mask(micro)?));
@@ -973,8 +978,9 @@ fn insert_turn_stats(batch: &mut Batch, stats: &[TurnStats], env: &ToolEnv) -> r
 pub struct ReferenceWorker {
     lm: RefModel,
     micro_batch_size: Option<usize>,
-    /// Packed forwards (verl's `use_remove_padding`).
-    packed: bool,
+    /// Padded, packed (verl's `use_remove_padding`) or with shared prompts (verl's
+    /// `use_prefix_grouper`).
+    packing: Packing,
 }
 
 #[derive(Debug)]
@@ -997,7 +1003,7 @@ impl ReferenceWorker {
             return Ok(ReferenceWorker {
                 lm: RefModel::BaseOf(policy.clone()),
                 micro_batch_size,
-                packed: false,
+                packing: Packing::Padded,
             });
         }
         // every variable is copied from the policy below
@@ -1011,14 +1017,16 @@ impl ReferenceWorker {
         Ok(ReferenceWorker {
             lm: RefModel::Own(Box::new(lm)),
             micro_batch_size,
-            packed: false,
+            packing: Packing::Padded,
         })
     }
 
     /// Runs the reference's forwards on the real tokens packed into rows (verl's
-    /// `use_remove_padding`); the log-probs equal the padded ones up to rounding.
-    pub fn with_remove_padding(mut self, packed: bool) -> Self {
-        self.packed = packed;
+    /// `use_remove_padding`), computing a prompt that several rows share once when
+    /// `prefix_grouper` (verl's `use_prefix_grouper`); the log-probs equal the padded ones up
+    /// to rounding.
+    pub fn with_packing(mut self, remove_padding: bool, prefix_grouper: bool) -> Self {
+        self.packing = Packing::new(remove_padding, prefix_grouper);
         self
     }
 
@@ -1051,7 +1059,7 @@ impl ReferenceWorker {
         Ok(ReferenceWorker {
             lm: RefModel::Own(Box::new(lm)),
             micro_batch_size,
-            packed: false,
+            packing: Packing::Padded,
         })
     }
 }
@@ -1059,11 +1067,11 @@ impl ReferenceWorker {
 impl Reference for ReferenceWorker {
     fn compute_ref_log_prob(&mut self, batch: &Batch) -> rl_core::Result<Batch> {
         let temperature = meta_f64(batch, "temperature", 1.0);
-        let (micro_batch_size, packed) = (self.micro_batch_size, self.packed);
+        let (micro_batch_size, packing) = (self.micro_batch_size, self.packing);
         let run = |lm: &CausalLm| {
             no_grad_per_micro(batch, micro_batch_size, None, lm.model(), |m| {
                 Ok(vec![
-                    micro::log_probs(lm, m, temperature, micro::EntropyOut::No, packed)?.0,
+                    micro::log_probs(lm, m, temperature, micro::EntropyOut::No, packing)?.0,
                 ])
             })
         };

@@ -242,6 +242,13 @@ pub struct ActorConfig {
     /// rounding. Not with ZeRO stage 3. Default false.
     #[serde(skip)]
     pub use_fused_kernels: bool,
+    /// verl's `use_prefix_grouper`: the rows of a micro-batch that share a prompt (a GRPO
+    /// group's samples) compute it once, in the update's forward and backward, the old
+    /// log-probs and the reference's (the packed layout of `use_remove_padding`, each prompt
+    /// followed by its responses, which attend to it and to themselves); the same results up
+    /// to rounding, the prompt's work done once instead of once per sample (docs/perf.md).
+    /// Default false.
+    pub use_prefix_grouper: bool,
     /// When the update is on-policy (one mini-batch, `ppo_epochs = 1`) and nothing reads
     /// `old_log_probs` before it (no KL in the reward, no rollout correction, no optimal-token
     /// baseline), skip the separate old-log-prob forward: the update's own forward runs at the
@@ -270,6 +277,7 @@ impl Default for ActorConfig {
             zero_stage: 0,
             use_remove_padding: false,
             use_fused_kernels: false,
+            use_prefix_grouper: false,
             old_log_prob_from_update: true,
         }
     }
@@ -423,6 +431,7 @@ impl CriticConfig {
             zero_stage: self.zero_stage,
             use_remove_padding: self.use_remove_padding,
             use_fused_kernels: false,
+            use_prefix_grouper: false,
             // a critic has no old log-probs
             old_log_prob_from_update: false,
         }

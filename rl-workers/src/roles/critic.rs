@@ -13,7 +13,7 @@ use crate::roles::actor::{
     sorted_vars, update_loop_dp,
 };
 use crate::roles::config::CriticConfig;
-use crate::roles::micro;
+use crate::roles::micro::{self, Packing};
 use crate::roles::optim::AdamW;
 use crate::roles::role_err;
 
@@ -40,6 +40,11 @@ impl std::fmt::Debug for CriticWorker {
 }
 
 impl CriticWorker {
+    /// The layout of this critic's forwards (`use_remove_padding`).
+    fn packing(&self) -> Packing {
+        Packing::new(self.cfg.use_remove_padding, false)
+    }
+
     /// A critic over `model`; `rollout_n` turns `ppo_mini_batch_size` (prompts) into rows.
     pub fn new(model: ValueModel, cfg: CriticConfig, rollout_n: usize) -> rl_core::Result<Self> {
         cfg.validate("critic").map_err(role_err("critic"))?;
@@ -113,13 +118,13 @@ impl CriticWorker {
 impl Critic for CriticWorker {
     fn compute_values(&mut self, batch: &Batch) -> rl_core::Result<Batch> {
         let cfg = self.cfg.as_actor();
-        let (model, packed) = (&self.model, self.cfg.use_remove_padding);
+        let (model, packing) = (&self.model, self.packing());
         let outs = no_grad_per_micro(
             batch,
             cfg.ppo_micro_batch_size_per_gpu,
             cfg.use_dynamic_bsz.then_some(cfg.ppo_max_token_len_per_gpu),
             model.model(),
-            |m| Ok(vec![micro::values(model, m, packed)?]),
+            |m| Ok(vec![micro::values(model, m, packing)?]),
         )?;
         let mut out = Batch::new();
         if let Some(values) = outs.into_iter().next() {
@@ -135,7 +140,7 @@ impl Critic for CriticWorker {
     ) -> rl_core::Result<Metrics> {
         let cfg = self.cfg.as_actor();
         let model = &self.model;
-        let packed = self.cfg.use_remove_padding;
+        let packing = self.packing();
         update_loop_dp(
             &cfg,
             self.rollout_n,
@@ -145,7 +150,7 @@ impl Critic for CriticWorker {
             self.group.as_ref(),
             model.model(),
             |m, info| {
-                let v = micro::values(model, m, packed)?;
+                let v = micro::values(model, m, packing)?;
                 objective.loss(m, &v, info)
             },
             || Ok(()),

@@ -205,13 +205,45 @@ fn pad_back(t: Tensor, tr: &Trimmed) -> Tensor {
     t * tr.response_mask.to_kind(Kind::Float)
 }
 
+/// How a micro-batch's forward lays out its rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Packing {
+    /// The padded `[batch, seq_len]` rows as they are.
+    Padded,
+    /// The real tokens packed into rows without padding (verl's `use_remove_padding`).
+    Packed,
+    /// Packed, and the rows that share a prompt (a GRPO group) compute it once (verl's
+    /// `use_prefix_grouper`): the prompt, then each response attending to it and to itself.
+    SharedPrompts,
+}
+
+impl Packing {
+    /// The layout `use_remove_padding` and `use_prefix_grouper` ask for (the prefix grouper
+    /// packs too).
+    pub(crate) fn new(remove_padding: bool, prefix_grouper: bool) -> Self {
+        match (remove_padding, prefix_grouper) {
+            (_, true) => Packing::SharedPrompts,
+            (true, false) => Packing::Packed,
+            (false, false) => Packing::Padded,
+        }
+    }
+}
+
+/// How much wider than the longest unshared sequence a shared prompt with its responses may
+/// grow: a packed row's attention is dense over its width, so past a few sequences' worth the
+/// attention computed for nothing costs more than the prompt's repeats would.
+const SHARED_WIDTH_FACTOR: usize = 4;
+
 /// A trimmed micro-batch's real tokens packed into rows without padding (verl's
 /// `use_remove_padding`), for [`Model::forward_packed`](crate::Model::forward_packed): each
-/// sequence whole in one row, rows as wide as the longest sequence, filled first-fit in order
-/// of decreasing length.
+/// unit whole in one row, rows as wide as the longest unit, filled first-fit in order of
+/// decreasing length. A unit is one sequence (its prompt, then its response), or with shared
+/// prompts one prompt followed by the responses of the rows that share it, as many as fit in
+/// [`SHARED_WIDTH_FACTOR`] times the longest sequence.
 struct Packed {
     input_ids: Tensor,
     segment_ids: Tensor,
+    prefix_ids: Tensor,
     position_ids: Tensor,
     /// Per response position `(b, k)` the loss reads (`response_mask` set), in row-major
     /// order: the flat index (`row * width + column`) in the packed rows of the hidden state
@@ -221,30 +253,73 @@ struct Packed {
     targets: Tensor,
 }
 
-/// Packs `tr` (see [`Packed`]); a response token whose predecessor is not a real token (never
-/// made by the rollout) is an error.
-fn pack(tr: &Trimmed) -> rl_core::Result<Packed> {
+/// Rows that share one prompt: each row's prompt and response as padded flat indices of its
+/// real tokens (the prompts equal in tokens and positions); the first row's prompt is placed.
+struct Unit {
+    rows: Vec<(Vec<usize>, Vec<usize>)>,
+}
+
+impl Unit {
+    fn len(&self) -> usize {
+        self.rows[0].0.len() + self.rows.iter().map(|r| r.1.len()).sum::<usize>()
+    }
+}
+
+/// Packs `tr` (see [`Packed`]), sharing equal prompts when `share`; a response token whose
+/// predecessor is not a real token (never made by the rollout) is an error.
+fn pack(tr: &Trimmed, share: bool) -> rl_core::Result<Packed> {
     let (b, w) = (tr.input_ids.size()[0], tr.input_ids.size()[1]);
     let flat_i64 = |t: &Tensor| Vec::<i64>::try_from(t.to_device(Device::Cpu).reshape([-1]));
     let ids = flat_i64(&tr.input_ids)?;
     let mask = flat_i64(&tr.attention_mask.ne(0).to_kind(Kind::Int64))?;
     let pos = flat_i64(&tr.position_ids)?;
-    let seqs: Vec<Vec<usize>> = (0..b as usize)
-        .map(|r| {
-            (0..w as usize)
-                .map(|c| r * w as usize + c)
-                .filter(|&i| mask[i] != 0)
-                .collect()
-        })
-        .collect();
-    let width = seqs.iter().map(Vec::len).max().unwrap_or(1).max(1);
-    let mut order: Vec<usize> = (0..seqs.len()).collect();
-    order.sort_by(|&x, &y| seqs[y].len().cmp(&seqs[x].len()).then(x.cmp(&y)));
+    // columns 0..=first are the prompt, the rest the response
+    let prompt_cols = (tr.first + 1) as usize;
+    let (w, rows_in) = (w as usize, b as usize);
+    let real = |r: usize, cols: std::ops::Range<usize>| -> Vec<usize> {
+        cols.map(|c| r * w + c).filter(|&i| mask[i] != 0).collect()
+    };
+    let longest = (0..rows_in)
+        .map(|r| real(r, 0..w).len())
+        .max()
+        .unwrap_or(1)
+        .max(1);
+    let cap = if share {
+        longest * SHARED_WIDTH_FACTOR
+    } else {
+        longest
+    };
+    let mut units: Vec<Unit> = Vec::new();
+    // with sharing: a prompt's tokens and positions -> its unit still open for responses
+    let mut open: std::collections::HashMap<Vec<(i64, i64)>, usize> =
+        std::collections::HashMap::new();
+    for r in 0..rows_in {
+        let prompt = real(r, 0..prompt_cols);
+        let response = real(r, prompt_cols..w);
+        let key: Vec<(i64, i64)> = prompt.iter().map(|&i| (ids[i], pos[i])).collect();
+        let joins = share.then(|| open.get(&key).copied()).flatten();
+        match joins {
+            Some(u) if units[u].len() + response.len() <= cap => {
+                units[u].rows.push((prompt, response));
+            }
+            _ => {
+                if share {
+                    open.insert(key, units.len());
+                }
+                units.push(Unit {
+                    rows: vec![(prompt, response)],
+                });
+            }
+        }
+    }
+    let width = units.iter().map(Unit::len).max().unwrap_or(1).max(1);
+    let mut order: Vec<usize> = (0..units.len()).collect();
+    order.sort_by(|&x, &y| units[y].len().cmp(&units[x].len()).then(x.cmp(&y)));
     // first fit, decreasing: (used, row) per packed row
     let mut fill: Vec<usize> = Vec::new();
-    let mut place = vec![(0usize, 0usize); seqs.len()];
-    for &sq in &order {
-        let n = seqs[sq].len();
+    let mut place = vec![(0usize, 0usize); units.len()];
+    for &u in &order {
+        let n = units[u].len();
         let row = match fill.iter().position(|&used| used + n <= width) {
             Some(r) => r,
             None => {
@@ -252,23 +327,41 @@ fn pack(tr: &Trimmed) -> rl_core::Result<Packed> {
                 fill.len() - 1
             }
         };
-        place[sq] = (row, fill[row]);
+        place[u] = (row, fill[row]);
         fill[row] += n;
     }
     let rows = fill.len().max(1);
     let mut p_ids = vec![0i64; rows * width];
     let mut p_seg = vec![0i64; rows * width];
+    let mut p_pre = vec![0i64; rows * width];
     let mut p_pos = vec![0i64; rows * width];
-    // where each padded (b, column) real token went
-    let mut at = vec![-1i64; (b * w) as usize];
-    for (sq, toks) in seqs.iter().enumerate() {
-        let (row, start) = place[sq];
-        for (j, &i) in toks.iter().enumerate() {
-            let dst = row * width + start + j;
-            p_ids[dst] = ids[i];
-            p_seg[dst] = sq as i64 + 1;
-            p_pos[dst] = pos[i];
-            at[i] = dst as i64;
+    // where each padded (b, column) real token went; a shared prompt's tokens, for every row
+    // that shares it
+    let mut at = vec![-1i64; rows_in * w];
+    let mut segment = 0i64;
+    for (u, unit) in units.iter().enumerate() {
+        let (row, mut dst) = place[u];
+        dst += row * width;
+        segment += 1;
+        let prompt_segment = segment;
+        let mut prompt_at = Vec::with_capacity(unit.rows[0].0.len());
+        for &i in &unit.rows[0].0 {
+            (p_ids[dst], p_seg[dst], p_pos[dst]) = (ids[i], prompt_segment, pos[i]);
+            prompt_at.push(dst as i64);
+            dst += 1;
+        }
+        for (prompt, response) in &unit.rows {
+            segment += 1;
+            // every row of the unit reads the placed prompt as its own
+            for (&i, &p) in prompt.iter().zip(&prompt_at) {
+                at[i] = p;
+            }
+            for &i in response {
+                (p_ids[dst], p_seg[dst], p_pos[dst]) = (ids[i], segment, pos[i]);
+                p_pre[dst] = prompt_segment;
+                at[i] = dst as i64;
+                dst += 1;
+            }
         }
     }
     let rmask = Vec::<f64>::try_from(
@@ -284,7 +377,7 @@ fn pack(tr: &Trimmed) -> rl_core::Result<Packed> {
             if rmask[(r * tr.keep + k) as usize] == 0.0 {
                 continue;
             }
-            let src = at[(r * w + tr.first + k) as usize];
+            let src = at[r as usize * w + (tr.first + k) as usize];
             if src < 0 {
                 return Err(rl_core::Error::InvalidArgument {
                     name: "use_remove_padding",
@@ -301,6 +394,7 @@ fn pack(tr: &Trimmed) -> rl_core::Result<Packed> {
     Ok(Packed {
         input_ids: t(p_ids),
         segment_ids: t(p_seg),
+        prefix_ids: t(p_pre),
         position_ids: t(p_pos),
         predictors: Tensor::from_slice(&predictors),
         targets: Tensor::from_slice(&targets),
@@ -320,6 +414,7 @@ impl Packed {
             .forward_packed(
                 &self.input_ids.to_device(device),
                 &self.segment_ids.to_device(device),
+                &self.prefix_ids.to_device(device),
                 &self.position_ids.to_device(device),
             )
             .map_err(role_err(role))?;
@@ -352,9 +447,9 @@ pub(crate) fn log_probs(
     micro: &Batch,
     temperature: f64,
     entropy: EntropyOut,
-    packed: bool,
+    packing: Packing,
 ) -> rl_core::Result<(Tensor, Option<Tensor>)> {
-    let out = log_probs_inner(lm, micro, temperature, entropy, false, packed)?;
+    let out = log_probs_inner(lm, micro, temperature, entropy, false, packing)?;
     Ok((out.log_prob, out.entropy))
 }
 
@@ -369,7 +464,8 @@ pub(crate) struct LogProbOutputs {
 /// (verl's `calculate_sum_pi_squared_from_logits`, `exp(logsumexp(2 logits) − 2 logsumexp(logits))`
 /// of the temperature-scaled logits).
 ///
-/// `packed` (verl's `use_remove_padding`) runs the model on the real tokens packed into rows
+/// `packing` other than padded (verl's `use_remove_padding`, `use_prefix_grouper`) runs the
+/// model on the real tokens packed into rows
 /// ([`Model::forward_packed`](crate::Model::forward_packed)) and the head only on the states
 /// that predict a read response token; the result equals the padded forward's up to rounding.
 pub(crate) fn log_probs_with(
@@ -377,7 +473,7 @@ pub(crate) fn log_probs_with(
     micro: &Batch,
     temperature: f64,
     extras: LogProbExtras,
-    packed: bool,
+    packing: Packing,
 ) -> rl_core::Result<LogProbOutputs> {
     let entropy = EntropyOut::new(extras.entropy, false);
     log_probs_inner(
@@ -386,7 +482,7 @@ pub(crate) fn log_probs_with(
         temperature,
         entropy,
         extras.sum_pi_squared,
-        packed,
+        packing,
     )
 }
 
@@ -397,11 +493,11 @@ fn log_probs_inner(
     temperature: f64,
     entropy: EntropyOut,
     with_sum_pi_squared: bool,
-    packed: bool,
+    packing: Packing,
 ) -> rl_core::Result<LogProbOutputs> {
     // stage 3: the root unit (embeddings, head) stays gathered from the stack to the head
     let _root = lm.model().hold_root().map_err(role_err("actor"))?;
-    let head = head_inputs(lm, micro, packed)?;
+    let head = head_inputs(lm, micro, packing)?;
     let logits = scaled_logits(lm, &head.hidden, temperature);
     let (lp, entropy) = head_log_probs(&logits, &head.responses, entropy);
     let sum_pi_squared = with_sum_pi_squared.then(|| sum_pi_squared(&logits));
@@ -420,9 +516,9 @@ pub(crate) fn log_probs_fused(
     micro: &Batch,
     temperature: f64,
     with_entropy: bool,
-    packed: bool,
+    packing: Packing,
 ) -> rl_core::Result<(Tensor, Option<Tensor>, PendingHead)> {
-    let head = head_inputs(lm, micro, packed)?;
+    let head = head_inputs(lm, micro, packing)?;
     let fused = fused_log_probs(lm, &head.hidden, &head.responses, temperature, with_entropy);
     Ok((
         head.back(fused.log_prob),
@@ -454,11 +550,16 @@ impl HeadInputs {
     }
 }
 
-/// The decoder's forward of `micro` (packed when `packed`) up to the states the head reads.
-fn head_inputs(lm: &CausalLm, micro: &Batch, packed: bool) -> rl_core::Result<HeadInputs> {
+/// The decoder's forward of `micro`, laid out as `packing` says, up to the states the head
+/// reads.
+fn head_inputs(lm: &CausalLm, micro: &Batch, packing: Packing) -> rl_core::Result<HeadInputs> {
     let tr = trim(micro)?;
     let device = lm.device();
-    let packing = if packed { Some(pack(&tr)?) } else { None };
+    let packing = match packing {
+        Packing::Padded => None,
+        Packing::Packed => Some(pack(&tr, false)?),
+        Packing::SharedPrompts => Some(pack(&tr, true)?),
+    };
     // the states predicting response tokens: [batch, keep, hidden], or packed [n, hidden]
     let (hidden, responses) = match &packing {
         Some(p) => {
@@ -529,12 +630,16 @@ const SUM_PI_SQUARED_CHUNK: i64 = 1 << 24;
 ///
 /// # Shapes
 /// - as [`log_probs`]; returns `[batch, response_len]` f32
-pub(crate) fn values(critic: &ValueModel, micro: &Batch, packed: bool) -> rl_core::Result<Tensor> {
+pub(crate) fn values(
+    critic: &ValueModel,
+    micro: &Batch,
+    packing: Packing,
+) -> rl_core::Result<Tensor> {
     let tr = trim(micro)?;
     let device = critic.var_store().device();
     let _root = critic.model().hold_root().map_err(role_err("critic"))?;
-    if packed {
-        let p = pack(&tr)?;
+    if packing != Packing::Padded {
+        let p = pack(&tr, packing == Packing::SharedPrompts)?;
         let v = critic.values(&p.predicting_states(critic.model(), device, "critic")?);
         let v = p.unpack(&v, &tr).to_device(tr.response_mask.device());
         return Ok(pad_back(v, &tr));
@@ -618,6 +723,59 @@ mod tests {
         // a row over budget gets its own part
         let parts = token_balanced_partitions(&[20, 1, 1], 10);
         assert!(parts.contains(&vec![0]));
+    }
+
+    /// Three rows, two sharing a prompt: the shared layout places that prompt once, and both
+    /// rows' first response token is predicted by its last token.
+    #[test]
+    fn shared_prompts_are_packed_once() {
+        // prompts (left-padded to 3): [5 6 7], [5 6 7], [0 8 9]; responses of 2, 1 and 2
+        let ids =
+            Tensor::from_slice(&[5i64, 6, 7, 1, 2, 5, 6, 7, 3, 0, 0, 8, 9, 4, 4]).view([3, 5]);
+        let mask =
+            Tensor::from_slice(&[1i64, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 1, 1, 1, 1]).view([3, 5]);
+        let pos = (mask.cumsum(1, Kind::Int64) - 1).clamp_min(0);
+        let response_mask = Tensor::from_slice(&[1f32, 1., 1., 0., 1., 1.]).view([3, 2]);
+        let tr = Trimmed {
+            input_ids: ids.shallow_clone(),
+            attention_mask: mask,
+            position_ids: pos,
+            responses: ids.narrow(1, 3, 2),
+            response_mask,
+            first: 2,
+            keep: 2,
+            response_len: 2,
+        };
+        let real = |p: &Packed| p.segment_ids.ne(0).sum(Kind::Int64).int64_value(&[]);
+        let plain = pack(&tr, false).unwrap();
+        let shared = pack(&tr, true).unwrap();
+        assert_eq!(real(&plain), 5 + 4 + 4);
+        assert_eq!(
+            real(&shared),
+            3 + 2 + 1 + 4,
+            "the shared prompt is placed once"
+        );
+        let flat = |t: &Tensor| Vec::<i64>::try_from(t.reshape([-1])).unwrap();
+        let (sids, spos, sseg, spre) = (
+            flat(&shared.input_ids),
+            flat(&shared.position_ids),
+            flat(&shared.segment_ids),
+            flat(&shared.prefix_ids),
+        );
+        let predictors = flat(&shared.predictors);
+        // rows 0 and 1 read their first response token off the same state: the shared
+        // prompt's last token, 7 at position 2
+        assert_eq!(predictors[0], predictors[2]);
+        let last = predictors[0] as usize;
+        assert_eq!((sids[last], spos[last]), (7, 2));
+        // row 1's response (token 3 at position 3) names the prompt's segment as its prefix
+        let r1 = sids
+            .iter()
+            .zip(&spos)
+            .position(|(&i, &p)| (i, p) == (3, 3))
+            .unwrap();
+        assert_eq!(spre[r1], sseg[last]);
+        assert_ne!(sseg[r1], sseg[last]);
     }
 
     #[test]

@@ -169,9 +169,15 @@ fn rollout_carries_columns_and_shares_the_actors_weights() {
     let again = actor.compute_log_prob(&before, false).unwrap();
     let lm = policy.lock().unwrap();
     let direct = tch::no_grad(|| {
-        micro::log_probs(&lm, &before, 1.0, micro::EntropyOut::No, false)
-            .unwrap()
-            .0
+        micro::log_probs(
+            &lm,
+            &before,
+            1.0,
+            micro::EntropyOut::No,
+            micro::Packing::Padded,
+        )
+        .unwrap()
+        .0
     });
     assert!(
         again
@@ -429,7 +435,7 @@ fn packed_forwards_equal_padded_ones_on_skewed_lengths() {
         let lp = actor.compute_log_prob(&batch_t, true).unwrap();
         let mut reference = ReferenceWorker::from_policy(&p, Some(5))
             .unwrap()
-            .with_remove_padding(packed);
+            .with_packing(packed, false);
         let rlp = reference.compute_ref_log_prob(&batch_t).unwrap();
         actor.update(&batch, &TokenMeanPg).unwrap();
         let critic_model = {
@@ -487,6 +493,83 @@ fn packed_forwards_equal_padded_ones_on_skewed_lengths() {
     );
     assert!(
         max_diff(&pad.3, &params(&base)) > 1e-4,
+        "the update did not move the actor"
+    );
+}
+
+/// [`skewed_batch`] with GRPO's layout of prompts: rows 0-2 share row 0's prompt, rows 3-5
+/// row 3's, rows 6 and 7 have their own; each row keeps its response.
+fn grouped_batch() -> Batch {
+    let mut b = skewed_batch();
+    let leader = Tensor::from_slice(&[0i64, 0, 0, 3, 3, 3, 6, 7]);
+    let rw = b.get(keys::RESPONSES).unwrap().size()[1];
+    let regroup = |t: &Tensor| {
+        let pw = t.size()[1] - rw;
+        Tensor::cat(
+            &[
+                t.narrow(1, 0, pw).index_select(0, &leader),
+                t.narrow(1, pw, rw),
+            ],
+            1,
+        )
+    };
+    let ids = regroup(b.get(keys::INPUT_IDS).unwrap());
+    let mask = regroup(b.get(keys::ATTENTION_MASK).unwrap());
+    let pos = (mask.cumsum(1, Kind::Int64) - 1).clamp_min(0);
+    b.insert(keys::INPUT_IDS, ids).unwrap();
+    b.insert(keys::ATTENTION_MASK, mask).unwrap();
+    b.insert(keys::POSITION_IDS, pos).unwrap();
+    b
+}
+
+/// `use_prefix_grouper`: with each group's prompt computed once, the old and the reference's
+/// log-probs, the entropies and an update (micro-batches that split a group, too) equal the
+/// padded forward's, and a response whose prompt is shared reads it at its own positions.
+#[test]
+fn shared_prompt_forwards_equal_padded_ones() {
+    let batch = grouped_batch();
+    let mut batch_t = batch.shallow_clone();
+    batch_t
+        .meta_info_mut()
+        .insert("temperature".into(), 0.7.into());
+    let base = tiny_policy(4);
+    let mut runs = Vec::new();
+    for (remove_padding, prefix_grouper) in [(false, false), (false, true), (true, true)] {
+        let p = copy_of(&base);
+        let mut cfg = actor_cfg(Some(4), false);
+        cfg.ppo_mini_batch_size = 4;
+        cfg.use_remove_padding = remove_padding;
+        cfg.use_prefix_grouper = prefix_grouper;
+        let mut actor = ActorWorker::new(p.clone(), cfg, 2).unwrap();
+        let lp = actor.compute_log_prob(&batch_t, true).unwrap();
+        let mut reference = ReferenceWorker::from_policy(&p, Some(8))
+            .unwrap()
+            .with_packing(remove_padding, prefix_grouper);
+        let rlp = reference.compute_ref_log_prob(&batch_t).unwrap();
+        actor.update(&batch, &TokenMeanPg).unwrap();
+        runs.push((lp, rlp, params(&p)));
+    }
+    let pad = &runs[0];
+    for (i, run) in runs.iter().enumerate().skip(1) {
+        for (key, a, b) in [
+            (keys::OLD_LOG_PROBS, &pad.0, &run.0),
+            (keys::ENTROPYS, &pad.0, &run.0),
+            (keys::REF_LOG_PROB, &pad.1, &run.1),
+        ] {
+            let d = (a.get(key).unwrap() - b.get(key).unwrap())
+                .abs()
+                .max()
+                .double_value(&[]);
+            assert!(d < 1e-5, "layout {i}: {key} differs from padded by {d}");
+        }
+        let d = max_diff(&pad.2, &run.2);
+        println!(
+            "shared prompts (layout {i}) vs padded: weights after an update differ by {d:.1e}"
+        );
+        assert!(d < 1e-5, "layout {i}: update differs by {d}");
+    }
+    assert!(
+        max_diff(&pad.2, &params(&base)) > 1e-4,
         "the update did not move the actor"
     );
 }
