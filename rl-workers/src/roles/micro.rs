@@ -227,6 +227,15 @@ impl Packing {
             (false, false) => Packing::Padded,
         }
     }
+
+    /// `tr` packed as this layout says, or `None` when padded.
+    fn pack(self, tr: &Trimmed) -> rl_core::Result<Option<Packed>> {
+        match self {
+            Packing::Padded => Ok(None),
+            Packing::Packed => pack(tr, false).map(Some),
+            Packing::SharedPrompts => pack(tr, true).map(Some),
+        }
+    }
 }
 
 /// How much wider than the longest unshared sequence a shared prompt with its responses may
@@ -279,16 +288,13 @@ fn pack(tr: &Trimmed, share: bool) -> rl_core::Result<Packed> {
     let real = |r: usize, cols: std::ops::Range<usize>| -> Vec<usize> {
         cols.map(|c| r * w + c).filter(|&i| mask[i] != 0).collect()
     };
-    let longest = (0..rows_in)
-        .map(|r| real(r, 0..w).len())
+    // a shared prompt takes responses while its unit fits in this many tokens
+    let longest = mask
+        .chunks(w)
+        .map(|row| row.iter().filter(|&&m| m != 0).count())
         .max()
-        .unwrap_or(1)
-        .max(1);
-    let cap = if share {
-        longest * SHARED_WIDTH_FACTOR
-    } else {
-        longest
-    };
+        .unwrap_or(1);
+    let cap = longest.max(1) * SHARED_WIDTH_FACTOR;
     let mut units: Vec<Unit> = Vec::new();
     // with sharing: a prompt's tokens and positions -> its unit still open for responses
     let mut open: std::collections::HashMap<Vec<(i64, i64)>, usize> =
@@ -555,11 +561,7 @@ impl HeadInputs {
 fn head_inputs(lm: &CausalLm, micro: &Batch, packing: Packing) -> rl_core::Result<HeadInputs> {
     let tr = trim(micro)?;
     let device = lm.device();
-    let packing = match packing {
-        Packing::Padded => None,
-        Packing::Packed => Some(pack(&tr, false)?),
-        Packing::SharedPrompts => Some(pack(&tr, true)?),
-    };
+    let packing = packing.pack(&tr)?;
     // the states predicting response tokens: [batch, keep, hidden], or packed [n, hidden]
     let (hidden, responses) = match &packing {
         Some(p) => {
@@ -638,8 +640,7 @@ pub(crate) fn values(
     let tr = trim(micro)?;
     let device = critic.var_store().device();
     let _root = critic.model().hold_root().map_err(role_err("critic"))?;
-    if packing != Packing::Padded {
-        let p = pack(&tr, packing == Packing::SharedPrompts)?;
+    if let Some(p) = packing.pack(&tr)? {
         let v = critic.values(&p.predicting_states(critic.model(), device, "critic")?);
         let v = p.unpack(&v, &tr).to_device(tr.response_mask.device());
         return Ok(pad_back(v, &tr));
