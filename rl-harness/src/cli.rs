@@ -322,11 +322,21 @@ pub enum DataCommand {
         #[command(flatten)]
         gen_args: GenArgs,
     },
-    /// Seeded word problems.
+    /// Seeded two-step word problems in GSM8K's format (`#### N`), scored by verl's strict
+    /// GSM8K scorer.
     WordProblems {
         /// Sizes, seed, output.
         #[command(flatten)]
         gen_args: GenArgs,
+        /// Problem kinds (0 to 7, comma-separated; each a two-step problem of its own shape)
+        /// kept for the test split: training never sees them and the test split has only them.
+        /// Default: every kind in both splits.
+        #[arg(long, value_delimiter = ',')]
+        test_kinds: Vec<usize>,
+        /// The wording (0 to 2) of every kind kept for the test split: test problems are of
+        /// kinds seen in training, in words never seen there. Default: every wording in both.
+        #[arg(long)]
+        test_phrasing: Option<usize>,
     },
     /// Seeded two-operand addition with short prompts, for the tiny character-level model
     /// (`harness model init-tiny`): carry-free and zero-padded unless told otherwise.
@@ -655,11 +665,19 @@ fn data(d: DataCommand) -> Result<()> {
             )
             .with_context(|| format!("writing countdown data to {}", g.out_dir.display()))?
         }
-        DataCommand::WordProblems { gen_args: g } => {
+        DataCommand::WordProblems {
+            gen_args: g,
+            test_kinds,
+            test_phrasing,
+        } => {
             mkdir(&g.out_dir)?;
             tasks::generate_word_problems(
                 &g.out_dir,
-                &Default::default(),
+                &tasks::WordProblemsConfig {
+                    test_kinds,
+                    test_phrasing,
+                    ..Default::default()
+                },
                 SplitSizes {
                     train: g.train,
                     test: g.test,

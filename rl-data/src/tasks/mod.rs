@@ -25,7 +25,9 @@ pub use search::{
     SEARCH_TASK_ATTRIBUTES, SEARCH_TASK_DATA_SOURCE, SEARCH_TASK_INSTRUCTION, SearchQuestion,
     SearchTask, SearchTaskConfig, SearchTaskFiles, preprocess_search_r1_qa, search_r1_prompt,
 };
-pub use word_problems::{WordProblemsConfig, generate_word_problems};
+pub use word_problems::{
+    WORD_PROBLEM_KINDS, WORD_PROBLEM_PHRASINGS, WordProblemsConfig, generate_word_problems,
+};
 
 use crate::error::{Error, Result};
 use crate::parquet_io::{RlRecord, write_rl_parquet};

@@ -260,3 +260,124 @@ fn bad_gsm8k_lines_name_file_and_line() {
         .to_string();
     assert!(e.contains("bad3.jsonl") && e.contains("line 1"), "{e}");
 }
+
+/// Evaluates `a op b` of a worked step (`<<a*b=c>>`), integers only.
+fn eval_step(expr: &str) -> i64 {
+    let op_at = expr[1..].find(['+', '-', '*', '/']).unwrap() + 1;
+    let (a, b) = (
+        expr[..op_at].parse::<i64>().unwrap(),
+        expr[op_at + 1..].parse::<i64>().unwrap(),
+    );
+    match &expr[op_at..=op_at] {
+        "+" => a + b,
+        "-" => a - b,
+        "*" => a * b,
+        _ => {
+            assert_eq!(a % b, 0, "{expr}: not a whole division");
+            a / b
+        }
+    }
+}
+
+#[test]
+fn word_problem_steps_are_right_and_held_out_kinds_and_phrasings_stay_out_of_training() {
+    let dir = tempfile::tempdir().unwrap();
+    let sizes = SplitSizes {
+        train: 400,
+        test: 100,
+    };
+    // (the config, whether a row's (kind, phrasing) is held out)
+    type HeldOut = fn(usize, usize) -> bool;
+    let cases: [(WordProblemsConfig, HeldOut); 2] = [
+        (
+            WordProblemsConfig {
+                test_kinds: vec![7, 5],
+                ..Default::default()
+            },
+            |kind, _| kind == 5 || kind == 7,
+        ),
+        (
+            WordProblemsConfig {
+                test_phrasing: Some(2),
+                ..Default::default()
+            },
+            |_, phrasing| phrasing == 2,
+        ),
+    ];
+    for (cfg, held_out) in cases {
+        let files = generate_word_problems(dir.path(), &cfg, sizes, 5).unwrap();
+        let (train, test) = (read(&files.train), read(&files.test));
+        let mut train_kinds = std::collections::BTreeSet::new();
+        let mut train_phrasings = std::collections::BTreeSet::new();
+        for (ds, split) in [(&train, "train"), (&test, "test")] {
+            for i in 0..ds.len() {
+                let row = ds.row(i).unwrap();
+                let kind = row.extra_info["kind"].as_u64().unwrap() as usize;
+                let phrasing = row.extra_info["phrasing"].as_u64().unwrap() as usize;
+                assert_eq!(
+                    split == "test",
+                    held_out(kind, phrasing),
+                    "{cfg:?}: {split} row {i} is of kind {kind}, phrasing {phrasing}"
+                );
+                if split == "train" {
+                    train_kinds.insert(kind);
+                    train_phrasings.insert(phrasing);
+                }
+                // every worked step `<<a op b=c>>` holds, and the last one is the answer
+                let answer = row.extra_info["answer"].as_str().unwrap();
+                let mut last = None;
+                for step in answer.split("<<").skip(1) {
+                    let (expr, value) = step.split_once(">>").unwrap().0.split_once('=').unwrap();
+                    let value: i64 = value.parse().unwrap();
+                    assert_eq!(eval_step(expr), value, "{split} row {i}: {answer}");
+                    assert!(value >= 0, "{split} row {i}: {answer}");
+                    last = Some(value);
+                }
+                assert_eq!(
+                    last.map(|v| v.to_string()).as_deref(),
+                    row.ground_truth.as_str(),
+                    "{answer}"
+                );
+            }
+        }
+        let (kinds, phrasings) = match cfg.test_phrasing {
+            Some(_) => (WORD_PROBLEM_KINDS, WORD_PROBLEM_PHRASINGS - 1),
+            None => (WORD_PROBLEM_KINDS - 2, WORD_PROBLEM_PHRASINGS),
+        };
+        assert_eq!(
+            (train_kinds.len(), train_phrasings.len()),
+            (kinds, phrasings)
+        );
+    }
+    let bad: [(WordProblemsConfig, &str, &str); 3] = [
+        (
+            WordProblemsConfig {
+                test_kinds: vec![8],
+                ..Default::default()
+            },
+            "word_problems.test_kinds",
+            "kind 8 does not exist",
+        ),
+        (
+            WordProblemsConfig {
+                test_kinds: (0..8).collect(),
+                ..Default::default()
+            },
+            "word_problems.test_kinds",
+            "none to train on",
+        ),
+        (
+            WordProblemsConfig {
+                test_phrasing: Some(3),
+                ..Default::default()
+            },
+            "word_problems.test_phrasing",
+            "phrasing 3 does not exist",
+        ),
+    ];
+    for (cfg, key, says) in bad {
+        let e = generate_word_problems(dir.path(), &cfg, sizes, 0).unwrap_err();
+        assert!(e.to_string().contains(key), "{e}");
+        assert!(e.to_string().contains(says), "{e}");
+    }
+}
