@@ -25,7 +25,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let dir = tempdir_beside(&out)?;
             let files = generate_word_problems(
                 &dir,
-                &WordProblemsConfig { max_value: 1000 },
+                &WordProblemsConfig {
+                    max_value: 1000,
+                    ..Default::default()
+                },
                 SplitSizes {
                     train: rows,
                     test: 0,

@@ -131,20 +131,36 @@ fn import_smollm2_writes_a_hugging_face_model_that_loads_and_answers() {
     assert!(!text.trim().is_empty(), "an empty answer to {prompt:?}");
     assert!(text.contains("Paris"), "{text:?}");
 
-    real_model_smoke(tmp.path(), &out);
+    real_model_smoke(tmp.path(), &out, "arithmetic", &[]);
+    // the word problems' two stages: the base model's evaluation, 2 SFT steps, 2 GRPO steps
+    real_model_smoke(
+        tmp.path(),
+        &out,
+        "word-problems",
+        &[
+            "sft:trainer.total_training_steps=2",
+            "sft:trainer.test_freq=-1",
+            "sft:sft.train_batch_size=4",
+            "sft:actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "sft:actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+            "sft:data.val_max_samples=8",
+        ],
+    );
 }
 
-/// CI's smoke of `scripts/real-model` on the imported model: two GRPO steps of the arithmetic
-/// recipe (shrunk to 4 prompts x 4 samples, 8 held-out problems) that train, validate, record
-/// the run and plot it, ending with the verdict line. Two steps decide nothing about learning
-/// (docs/learning.md has the recipe's figures over seeds), so either verdict passes here as
-/// long as the exit status agrees with it.
-fn real_model_smoke(dir: &Path, model: &Path) {
+/// CI's smoke of `scripts/real-model --task TASK` on the imported model: two GRPO steps of
+/// the recipe (shrunk to 4 prompts x 4 samples, 8 held-out problems; `extra` shrinks the word
+/// problems' SFT) that train, validate, record the run and plot it, ending with the verdict
+/// line. Two steps decide nothing about learning (docs/learning.md has the recipes' figures
+/// over seeds), so either verdict passes here as long as the exit status agrees with it.
+fn real_model_smoke(dir: &Path, model: &Path, task: &str, extra: &[&str]) {
     let mut cmd = Command::new(script("real-model"));
     cmd.current_dir(dir)
         .env("REAL_MODEL_HARNESS", env!("CARGO_BIN_EXE_harness"))
         .env("REAL_MODEL_PATH", model)
         .env("RUST_LOG", "warn")
+        .args(["--task", task])
+        .args(extra)
         .args([
             "--seed",
             "5",
@@ -161,10 +177,15 @@ fn real_model_smoke(dir: &Path, model: &Path) {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr),
     );
-    let raised = stdout.contains(
-        "real-model: GRPO raised SmolLM2-135M-Instruct's held-out accuracy on arithmetic from",
-    );
-    let not_raised = stderr.contains("real-model: !!! GRPO DID NOT RAISE");
+    let what = if extra.is_empty() {
+        "GRPO"
+    } else {
+        "SFT then GRPO"
+    };
+    let raised = stdout.contains(&format!(
+        "real-model: {what} raised SmolLM2-135M-Instruct's held-out accuracy on {task} from"
+    ));
+    let not_raised = stderr.contains(&format!("real-model: !!! {what} DID NOT RAISE"));
     assert!(
         raised != not_raised && out.status.success() == raised,
         "scripts/real-model ({}):\n--- stdout\n{stdout}\n--- stderr\n{stderr}",
@@ -175,7 +196,7 @@ fn real_model_smoke(dir: &Path, model: &Path) {
         stdout.contains("in 2 steps") || stderr.contains("in 2 steps"),
         "{stdout}\n{stderr}"
     );
-    let name = "smollm2-arithmetic-grpo-seed5";
+    let name = format!("smollm2-{task}-grpo-seed5");
     assert!(dir.join(format!("runs/{name}.svg")).is_file());
     let runs = Command::new(env!("CARGO_BIN_EXE_harness"))
         .current_dir(dir)
@@ -183,11 +204,17 @@ fn real_model_smoke(dir: &Path, model: &Path) {
         .output()
         .unwrap();
     let listing = succeeded("harness runs", runs);
-    let row = listing
-        .lines()
-        .find(|l| l.contains(name))
-        .unwrap_or_else(|| panic!("{name} is not in the store:\n{listing}"));
-    assert!(row.contains("finished"), "{row}");
+    let mut names = vec![name.clone()];
+    if !extra.is_empty() {
+        names.extend([format!("{name}-base"), format!("{name}-sft")]);
+    }
+    for name in names {
+        let row = listing
+            .lines()
+            .find(|l| l.split_whitespace().any(|w| w == name))
+            .unwrap_or_else(|| panic!("{name} is not in the store:\n{listing}"));
+        assert!(row.contains("finished"), "{row}");
+    }
 }
 
 #[test]
