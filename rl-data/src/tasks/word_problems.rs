@@ -282,11 +282,8 @@ pub fn generate_word_problems(
         seed,
         "word_problems",
         |rng: &mut TaskRng, split, index| {
-            let pick = |(train, test): &(Vec<usize>, Vec<usize>)| {
-                if split == "test" { test } else { train }.clone()
-            };
-            let kind = *rng.pick(&pick(&kinds));
-            let phrasing = *rng.pick(&pick(&phrasings));
+            let kind = *rng.pick(side(&kinds, split));
+            let phrasing = *rng.pick(side(&phrasings, split));
             let Problem {
                 mut phrasings,
                 answer,
@@ -310,6 +307,11 @@ pub fn generate_word_problems(
             })
         },
     )
+}
+
+/// The values `split` draws from, of a [`split_held_out`] pair.
+fn side<'a>((train, test): &'a (Vec<usize>, Vec<usize>), split: &str) -> &'a [usize] {
+    if split == "test" { test } else { train }
 }
 
 /// The values (`0..count`) each split draws from: `test` alone for the test split and the
