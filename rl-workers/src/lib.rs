@@ -34,6 +34,7 @@ pub mod remote;
 pub mod roles;
 mod rollout;
 mod seed;
+mod segments;
 
 pub use error::{Error, Result};
 pub use fsdp::{HeldAll, ParamShards};

@@ -12,6 +12,7 @@ use tch::{Device, Kind, Tensor};
 
 use crate::error::{Error, Result, expect_dims, expect_kind};
 use crate::fsdp::{Held, HeldAll, ParamShards, ROOT, layer_unit};
+use crate::segments::{Blocks, Mask};
 
 /// The model families this crate implements, picked from `architectures` / `model_type`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -567,12 +568,13 @@ impl Attention {
         }
     }
 
-    /// `mask`: `[batch, 1, seq_len, kv_len]` bool, true = may attend.
+    /// `mask`: dense `[batch, 1, seq_len, kv_len]` (bool, true = may attend, or additive), or
+    /// the blocks of packed rows (never with a cache).
     fn forward(
         &self,
         xs: &Tensor,
         rope: &Rope,
-        mask: &Tensor,
+        mask: &Mask,
         cache: Option<(&Tensor, &Tensor, i64)>,
     ) -> Tensor {
         let (b, s, _) = xs.size3().unwrap();
@@ -607,13 +609,28 @@ impl Attention {
             ),
             None => (k, heads(&v, nkv)),
         };
-        let scale = (hd as f64).powf(-0.5);
-        let ys = crate::attention::one_query(&q, &k, &v, mask, scale).unwrap_or_else(|| {
-            let gqa = self.n_kv_heads != self.n_heads;
-            Tensor::scaled_dot_product_attention(&q, &k, &v, Some(mask), 0.0, false, None, gqa)
-        });
-        // [batch, n_heads, seq_len, head_dim] -> [batch, seq_len, n_heads * head_dim]
-        let ys = ys.transpose(1, 2).reshape([b, s, self.n_heads * hd]);
+        let ys = match mask {
+            Mask::Blocks(blocks) => blocks.attend(&q, &k, &v),
+            Mask::Dense(mask) => {
+                let scale = (hd as f64).powf(-0.5);
+                let ys =
+                    crate::attention::one_query(&q, &k, &v, mask, scale).unwrap_or_else(|| {
+                        let gqa = self.n_kv_heads != self.n_heads;
+                        Tensor::scaled_dot_product_attention(
+                            &q,
+                            &k,
+                            &v,
+                            Some(mask),
+                            0.0,
+                            false,
+                            None,
+                            gqa,
+                        )
+                    });
+                // [batch, n_heads, seq_len, head_dim] -> [batch, seq_len, n_heads * head_dim]
+                ys.transpose(1, 2).reshape([b, s, self.n_heads * hd])
+            }
+        };
         self.o_proj.forward(&ys)
     }
 }
@@ -662,7 +679,7 @@ impl DecoderLayer {
         &self,
         xs: &Tensor,
         rope: &Rope,
-        mask: &Tensor,
+        mask: &Mask,
         cache: Option<(&Tensor, &Tensor, i64)>,
     ) -> Tensor {
         let attn = self
@@ -911,7 +928,7 @@ struct Tape {
     inputs: Vec<Tensor>,
     last: Tensor,
     rope: Rope,
-    mask: Tensor,
+    mask: Mask,
 }
 
 /// The elementwise maximum of `values` over the shards' group.
@@ -1353,7 +1370,7 @@ impl Model {
         let kind = self.embed_tokens.kind();
         let rope = self.rope(position_ids, kind);
         let mask = attention_mask_4d(attention_mask, size[1], 0);
-        let mask = sdpa_mask(&mask, size[1], kind).unwrap_or(mask);
+        let mask = Mask::Dense(sdpa_mask(&mask, size[1], kind).unwrap_or(mask));
         let mut inputs = Vec::with_capacity(self.layers.len());
         let last = tch::no_grad(|| -> Result<Tensor> {
             self.check_inputs(input_ids, attention_mask, position_ids, 0)?;
@@ -1419,7 +1436,7 @@ impl Model {
             ));
         }
         let mask = attention_mask_4d(attention_mask, s, past);
-        self.run_layers(input_ids, position_ids, &mask, cache)
+        self.run_layers(input_ids, position_ids, &Mask::Dense(mask), cache)
     }
 
     /// Forward of sequences packed into rows without padding (verl's `use_remove_padding`):
@@ -1454,19 +1471,25 @@ impl Model {
             "[rows, width]",
         )?;
         expect_kind("prefix_ids", prefix_ids, &[Kind::Int64])?;
-        let mask = packed_mask_4d(segment_ids, prefix_ids);
+        let kind = self.embed_tokens.kind();
+        let mask = match Blocks::new(segment_ids, prefix_ids, kind, input_ids.device())? {
+            Some(blocks) => Mask::Blocks(Box::new(blocks)),
+            // no real token: every position sees itself only
+            None => Mask::Dense(packed_mask_4d(segment_ids, prefix_ids)),
+        };
         self.run_layers(input_ids, position_ids, &mask, None)
     }
 
-    /// Embeds `input_ids` and runs every layer under the boolean attention `mask`
-    /// (`[batch, 1, seq_len, kv_len]`), through `cache` when given; then the final norm.
+    /// Embeds `input_ids` and runs every layer under the attention `mask` (dense boolean
+    /// `[batch, 1, seq_len, kv_len]`, or packed rows' blocks), through `cache` when given (dense
+    /// masks only); then the final norm.
     /// Sharded (stage 3), each layer is gathered for its turn, and a training forward keeps a
     /// [`Tape`] for [`Model::finish_backward`] instead of a graph through the layers.
     fn run_layers(
         &self,
         input_ids: &Tensor,
         position_ids: &Tensor,
-        mask: &Tensor,
+        mask: &Mask,
         cache: Option<&mut KvCache>,
     ) -> Result<Tensor> {
         let _root = self.hold_root()?;
@@ -1474,8 +1497,20 @@ impl Model {
         let s = input_ids.size()[1];
         let kind = self.embed_tokens.kind();
         let rope = self.rope(position_ids, kind);
-        let additive = sdpa_mask(mask, s, kind);
-        let mask = additive.as_ref().unwrap_or(mask);
+        let mask = match mask {
+            Mask::Dense(dense) => match sdpa_mask(dense, s, kind) {
+                Some(additive) => Mask::Dense(additive),
+                None => mask.shallow_clone(),
+            },
+            Mask::Blocks(_) if cache.is_some() => {
+                return Err(Error::invalid(
+                    "cache",
+                    "a packed forward's blocks cannot write a KV cache",
+                ));
+            }
+            Mask::Blocks(_) => mask.shallow_clone(),
+        };
+        let mask = &mask;
         if let Some(shards) = &self.shards
             && cache.is_none()
             && crate::ffi::grad_mode_enabled()

@@ -238,17 +238,12 @@ impl Packing {
     }
 }
 
-/// How much wider than the longest unshared sequence a shared prompt with its responses may
-/// grow: a packed row's attention is dense over its width, so past a few sequences' worth the
-/// attention computed for nothing costs more than the prompt's repeats would.
-const SHARED_WIDTH_FACTOR: usize = 4;
-
 /// A trimmed micro-batch's real tokens packed into rows without padding (verl's
 /// `use_remove_padding`), for [`Model::forward_packed`](crate::Model::forward_packed): each
 /// unit whole in one row, rows as wide as the longest unit, filled first-fit in order of
 /// decreasing length. A unit is one sequence (its prompt, then its response), or with shared
-/// prompts one prompt followed by the responses of the rows that share it, as many as fit in
-/// [`SHARED_WIDTH_FACTOR`] times the longest sequence.
+/// prompts one prompt followed by the responses of all the rows that share it (the forward
+/// attends block by block, so a wide unit costs its tokens, not its width squared).
 struct Packed {
     input_ids: Tensor,
     segment_ids: Tensor,
@@ -288,15 +283,8 @@ fn pack(tr: &Trimmed, share: bool) -> rl_core::Result<Packed> {
     let real = |r: usize, cols: std::ops::Range<usize>| -> Vec<usize> {
         cols.map(|c| r * w + c).filter(|&i| mask[i] != 0).collect()
     };
-    // a shared prompt takes responses while its unit fits in this many tokens
-    let longest = mask
-        .chunks(w)
-        .map(|row| row.iter().filter(|&&m| m != 0).count())
-        .max()
-        .unwrap_or(1);
-    let cap = longest.max(1) * SHARED_WIDTH_FACTOR;
     let mut units: Vec<Unit> = Vec::new();
-    // with sharing: a prompt's tokens and positions -> its unit still open for responses
+    // with sharing: a prompt's tokens and positions -> its unit
     let mut open: std::collections::HashMap<Vec<(i64, i64)>, usize> =
         std::collections::HashMap::new();
     for r in 0..rows_in {
@@ -305,10 +293,8 @@ fn pack(tr: &Trimmed, share: bool) -> rl_core::Result<Packed> {
         let key: Vec<(i64, i64)> = prompt.iter().map(|&i| (ids[i], pos[i])).collect();
         let joins = share.then(|| open.get(&key).copied()).flatten();
         match joins {
-            Some(u) if units[u].len() + response.len() <= cap => {
-                units[u].rows.push((prompt, response));
-            }
-            _ => {
+            Some(u) => units[u].rows.push((prompt, response)),
+            None => {
                 if share {
                     open.insert(key, units.len());
                 }
