@@ -53,13 +53,16 @@ pub(crate) fn one_query(
     }
 }
 
+/// libtorch's `scaled_dot_product_attention` of `q` over `k`/`v` under `mask` (bool, true =
+/// may attend, or additive), no dropout, the default scale; `gqa`: query head `h` reads key
+/// head `h / (n_heads / n_kv_heads)`.
+pub(crate) fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, gqa: bool) -> Tensor {
+    Tensor::scaled_dot_product_attention(q, k, v, Some(mask), 0.0, false, None, gqa)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, gqa: bool) -> Tensor {
-        Tensor::scaled_dot_product_attention(q, k, v, Some(mask), 0.0, false, None, gqa)
-    }
 
     /// Against libtorch's attention: grouped heads (3 query heads a key head, as SmolLM2) and
     /// plain ones, head widths of both of the kernel's paths, keys and values as views of a

@@ -613,20 +613,9 @@ impl Attention {
             Mask::Blocks(blocks) => blocks.attend(&q, &k, &v),
             Mask::Dense(mask) => {
                 let scale = (hd as f64).powf(-0.5);
-                let ys =
-                    crate::attention::one_query(&q, &k, &v, mask, scale).unwrap_or_else(|| {
-                        let gqa = self.n_kv_heads != self.n_heads;
-                        Tensor::scaled_dot_product_attention(
-                            &q,
-                            &k,
-                            &v,
-                            Some(mask),
-                            0.0,
-                            false,
-                            None,
-                            gqa,
-                        )
-                    });
+                let gqa = self.n_kv_heads != self.n_heads;
+                let ys = crate::attention::one_query(&q, &k, &v, mask, scale)
+                    .unwrap_or_else(|| crate::attention::sdpa(&q, &k, &v, mask, gqa));
                 // [batch, n_heads, seq_len, head_dim] -> [batch, seq_len, n_heads * head_dim]
                 ys.transpose(1, 2).reshape([b, s, self.n_heads * hd])
             }

@@ -254,7 +254,7 @@ impl Blocks {
                 .transpose(1, 2)
         };
         let sdpa = |q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, count: i64, len: i64| {
-            Tensor::scaled_dot_product_attention(q, k, v, Some(mask), 0.0, false, None, gqa)
+            crate::attention::sdpa(q, k, v, mask, gqa)
                 .transpose(1, 2)
                 .reshape([count * len, nh * hd])
         };
@@ -344,18 +344,9 @@ mod tests {
                 };
                 let got = run(&|q, k, v| blocks.attend(q, k, v));
                 let want = run(&|q, k, v| {
-                    Tensor::scaled_dot_product_attention(
-                        q,
-                        k,
-                        v,
-                        Some(&dense),
-                        0.0,
-                        false,
-                        None,
-                        nh != nkv,
-                    )
-                    .transpose(1, 2)
-                    .reshape([rows, width, nh * hd])
+                    crate::attention::sdpa(q, k, v, &dense, nh != nkv)
+                        .transpose(1, 2)
+                        .reshape([rows, width, nh * hd])
                 });
                 let diff = |a: &Tensor, b: &Tensor| (a - b).abs().max().double_value(&[]);
                 let d = diff(&got.0, &want.0);
