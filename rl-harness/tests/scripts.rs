@@ -191,11 +191,15 @@ fn real_model_smoke(dir: &Path, model: &Path, task: &str, extra: &[&str]) {
         "scripts/real-model ({}):\n--- stdout\n{stdout}\n--- stderr\n{stderr}",
         out.status
     );
-    // the verdict (on stdout when raised, on stderr when not) names the steps
+    // the verdict (on stdout when raised, on stderr when not) names the steps, and after an
+    // SFT stage, GRPO's own change
     assert!(
         stdout.contains("in 2 steps") || stderr.contains("in 2 steps"),
         "{stdout}\n{stderr}"
     );
+    if raised && !extra.is_empty() {
+        assert!(stdout.contains("GRPO's own change "), "{stdout}");
+    }
     let name = format!("smollm2-{task}-grpo-seed5");
     assert!(dir.join(format!("runs/{name}.svg")).is_file());
     let runs = Command::new(env!("CARGO_BIN_EXE_harness"))

@@ -25,7 +25,7 @@ beat PyTorch's MKL rate here (docs/perf.md), so a phase can come in under this f
 
 Run from the repository root (after scripts/import-smollm2, scripts/reference-env and
 `harness data word-problems data/smollm2-word-problems --train 2000 --test 200 --seed 0
---test-templates 5,7`):
+--test-phrasing 2`):
   .venv/bin/python tests/bench/grpo_real_step_side_by_side.py [--rounds 3] [--threads 2] [--json-out F]
 """
 import argparse
