@@ -961,7 +961,7 @@ fn attention_mask_4d(attention_mask: &Tensor, seq_len: i64, past: i64) -> Tensor
 /// attention; some CPUs take another kernel path for a boolean mask) while a forward over
 /// `[rows, 1, s, s]` converts once instead of once a layer, and a training forward saves one
 /// mask for the backward instead of one a layer.
-fn sdpa_mask(mask: &Tensor, seq_len: i64, stack: Kind) -> Option<Tensor> {
+pub(crate) fn sdpa_mask(mask: &Tensor, seq_len: i64, stack: Kind) -> Option<Tensor> {
     let applies = seq_len > 1
         && stack == Kind::Float
         && mask.device() == Device::Cpu

@@ -206,17 +206,12 @@ impl Blocks {
                 }
             }
         }
-        let additive = stack == Kind::Float && device == Device::Cpu;
+        // the additive form where the dense path uses one (`sdpa_mask`'s rule and conversion)
         let mask = |m: Vec<bool>, shape: [usize; 4]| {
             let t = Tensor::from_slice(&m)
                 .view(shape.map(|d| d as i64))
                 .to_device(device);
-            if additive {
-                Tensor::zeros(t.size(), (Kind::Float, device))
-                    .masked_fill(&t.logical_not(), f64::NEG_INFINITY)
-            } else {
-                t
-            }
+            crate::model::sdpa_mask(&t, shape[2] as i64, stack).unwrap_or(t)
         };
         let ints = |v: Vec<i64>| Tensor::from_slice(&v).to_device(device);
         Ok(Some(Blocks {
